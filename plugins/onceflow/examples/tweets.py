@@ -1,0 +1,101 @@
+"""The demo pipeline's data: tweets that carry a URL, counted per URL and per domain.
+
+This module is the pure-Python side: a seeded event generator for `onceflow produce` and an
+independent recomputation of the expected counts for `onceflow verify`. The Spark side
+(spark_tasks/tweets.py) must agree with it record by record; the tests check that it does.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+# The host of an http(s) URL. spark_tasks/tweets.py applies the same pattern with Spark's
+# regexp_extract; keep the two identical.
+URL_HOST = r"^https?://([^/:?#\s]+)"
+_URL_HOST = re.compile(URL_HOST)
+
+ERR_MALFORMED = "malformed JSON"
+ERR_NO_URL = "missing field: url"
+ERR_BAD_URL = "url is not an http(s) URL"
+
+_DOMAINS = [
+    "news.example.com", "blog.example.org", "www.example.net", "shop.example.io",
+    "video.example.tv", "docs.example.dev", "photos.example.app", "wiki.example.edu",
+    "sports.example.co", "music.example.fm", "code.example.dev", "maps.example.com",
+]
+_WORDS = "look read this great new wow breaking thread today via must see".split()
+
+
+@dataclass
+class Recomputed:
+    """Expected state per state name, plus how many records were rejected and why."""
+
+    counts: dict[str, Counter] = field(default_factory=dict)
+    rejected: Counter = field(default_factory=Counter)
+    records: int = 0
+
+
+def classify(payload: str) -> tuple[str, str] | str:
+    """(url, domain) for a usable tweet, else the rejection error."""
+    try:
+        doc = json.loads(payload)
+    except ValueError:
+        return ERR_MALFORMED
+    if not isinstance(doc, dict):
+        return ERR_MALFORMED
+    url = doc.get("url")
+    if url is None:
+        return ERR_NO_URL
+    match = _URL_HOST.match(url) if isinstance(url, str) else None
+    if match is None:
+        return ERR_BAD_URL
+    return url, match.group(1).lower()
+
+
+def recompute(payloads: Iterable[str]) -> Recomputed:
+    out = Recomputed(counts={"url_counts": Counter(), "domain_counts": Counter()})
+    for payload in payloads:
+        out.records += 1
+        result = classify(payload)
+        if isinstance(result, str):
+            out.rejected[result] += 1
+            continue
+        url, domain = result
+        out.counts["url_counts"][url] += 1
+        out.counts["domain_counts"][domain] += 1
+    return out
+
+
+def _malformed(rng: random.Random, good: str) -> str:
+    kind = rng.randrange(4)
+    if kind == 0:
+        return good[: rng.randrange(1, len(good) - 1)]  # truncated JSON
+    if kind == 1:
+        return json.dumps({"user": "u0", "text": "no link here"})
+    if kind == 2:
+        return json.dumps({"user": "u0", "text": "bad link", "url": "ftp//not-a-url"})
+    return json.dumps({"user": "u0", "text": "null link", "url": None})
+
+
+def generate(count: int, *, seed: int = 42, malformed_share: float = 0.02,
+             start_id: int = 0) -> Iterator[str]:
+    """``count`` tweet payloads. URLs follow a skewed distribution (a few are very popular)."""
+    if not 0.0 <= malformed_share <= 1.0:
+        raise ValueError(f"malformed_share={malformed_share!r} must be between 0 and 1")
+    rng = random.Random(seed)
+    for i in range(start_id, start_id + count):
+        domain = _DOMAINS[min(int(rng.paretovariate(1.2)) - 1, len(_DOMAINS) - 1)]
+        path = min(int(rng.paretovariate(0.8)), 5000)
+        url = f"https://{domain}/p/{path}"
+        good = json.dumps({
+            "id": i,
+            "user": f"u{rng.randrange(10_000)}",
+            "text": f"{rng.choice(_WORDS)} {rng.choice(_WORDS)} {url}",
+            "url": url,
+        })
+        yield _malformed(rng, good) if rng.random() < malformed_share else good

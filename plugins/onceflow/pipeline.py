@@ -1,0 +1,104 @@
+"""A pipeline's declaration: its source topic, its state tables and its Spark-side transform.
+
+Declarations are plain data, importable without Spark or Airflow running: the transform and
+the independent recomputation are referenced by "module:function" and imported where used.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+MODES = ("transactional", "opaque")
+STATE_KINDS = ("opaque", "transactional")
+_IDENT = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+
+
+class ConfigError(ValueError):
+    """Bad configuration: the message names the field, the value and the fix."""
+
+
+def _check(ok: bool, field_name: str, value: Any, fix: str) -> None:
+    if not ok:
+        raise ConfigError(f"{field_name}={value!r} is invalid: {fix}")
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """One state table updated by the commit with a batch's deltas for ``name``."""
+
+    name: str
+    kind: str = "opaque"
+
+    @property
+    def table(self) -> str:
+        return self.name
+
+    def validate(self) -> None:
+        _check(bool(_IDENT.match(self.name)), "state.name", self.name,
+               "use lower-case letters, digits and _ (a PostgreSQL table name)")
+        _check(self.kind in STATE_KINDS, f"state[{self.name}].kind", self.kind,
+               f"choose one of {', '.join(STATE_KINDS)}")
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    name: str
+    topic: str
+    transform: str  # "module:function": (spark DataFrame of records) -> BatchOutput
+    recompute: str  # "module:function": (iterable of payloads) -> Recomputed
+    states: tuple[StateSpec, ...] = field(default_factory=tuple)
+    mode: str = "transactional"
+    batch_size: int = 20_000  # records per transaction, across all partitions
+    partitions: int = 4  # how many partitions `onceflow produce` writes
+    groups: int = 1  # processing groups per batch (parallel Spark tasks)
+
+    def validate(self) -> Pipeline:
+        _check(bool(_IDENT.match(self.name)), "pipeline.name", self.name,
+               "use lower-case letters, digits and _")
+        _check(bool(self.topic), "pipeline.topic", self.topic, "name the source topic")
+        _check(self.mode in MODES, "pipeline.mode", self.mode, f"choose one of {', '.join(MODES)}")
+        _check(isinstance(self.batch_size, int) and self.batch_size > 0, "pipeline.batch_size",
+               self.batch_size, "give a positive number of records per transaction")
+        _check(isinstance(self.partitions, int) and self.partitions > 0, "pipeline.partitions",
+               self.partitions, "give a positive number of source partitions")
+        _check(isinstance(self.groups, int) and self.groups > 0, "pipeline.groups", self.groups,
+               "give a positive number of processing groups")
+        _check(len(self.states) > 0, "pipeline.states", self.states, "declare at least one state")
+        for state in self.states:
+            state.validate()
+        return self
+
+    def state(self, name: str) -> StateSpec:
+        for spec in self.states:
+            if spec.name == name:
+                return spec
+        raise KeyError(name)
+
+
+def load_callable(ref: str):
+    """Import "package.module:function"."""
+    module_name, _, attr = ref.partition(":")
+    if not module_name or not attr:
+        raise ConfigError(f"{ref!r} is not a 'module:function' reference")
+    return getattr(importlib.import_module(module_name), attr)
+
+
+def get_pipeline(name: str, **overrides: Any) -> Pipeline:
+    """The registered pipeline ``name``, with optional field overrides (e.g. batch_size)."""
+    from onceflow.pipelines import PIPELINES
+
+    if name not in PIPELINES:
+        raise ConfigError(
+            f"pipeline={name!r} is not registered: known pipelines are {sorted(PIPELINES)} "
+            "(add yours to onceflow/pipelines.py)"
+        )
+    base = PIPELINES[name]
+    if overrides:
+        unknown = set(overrides) - set(base.__dataclass_fields__)
+        if unknown:
+            raise ConfigError(f"unknown pipeline setting(s) {sorted(unknown)} for {name!r}")
+        base = type(base)(**{**base.__dict__, **overrides})
+    return base.validate()

@@ -1,0 +1,98 @@
+"""The source log in PostgreSQL: topics split into partitions, records addressed by offset.
+
+The producer hands out offsets under a lock on the partition's row and commits records and the
+new ``next_offset`` together, so every offset below a partition's ``next_offset`` is visible:
+that is the partition's high watermark, and the planner never reads past it.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import logging
+from collections.abc import Iterable, Iterator
+from itertools import islice
+
+from onceflow.db import transaction
+
+log = logging.getLogger(__name__)
+
+
+def ensure_topic(conn, topic: str, partitions: int) -> None:
+    """Create ``partitions`` partitions for ``topic`` (existing ones are kept; never shrinks)."""
+    if partitions <= 0:
+        raise ValueError(f"partitions={partitions!r}: give a positive number of partitions")
+    with transaction(conn) as cur:
+        cur.execute(
+            """INSERT INTO source_partitions (topic, partition)
+               SELECT %s, p FROM generate_series(0, %s - 1) AS p
+               ON CONFLICT DO NOTHING""",
+            (topic, partitions),
+        )
+
+
+def partition_heads(cur, topic: str) -> dict[int, tuple[int, int]]:
+    """partition -> (log_start_offset, next_offset) for every partition of ``topic``."""
+    cur.execute(
+        "SELECT partition, log_start_offset, next_offset FROM source_partitions WHERE topic = %s",
+        (topic,),
+    )
+    return {p: (start, head) for p, start, head in cur.fetchall()}
+
+
+def produce(conn, topic: str, payloads: Iterable[str], *, chunk_size: int = 100_000) -> int:
+    """Append ``payloads`` round-robin over the topic's partitions. Returns how many were written.
+
+    Each chunk is one PostgreSQL transaction (COPY of the records plus the new heads), so a
+    crash leaves whole chunks, never a hole below a partition's head.
+    """
+    total = 0
+    it = iter(payloads)
+    while True:
+        chunk = list(islice(it, chunk_size))
+        if not chunk:
+            return total
+        with transaction(conn) as cur:
+            cur.execute(
+                """SELECT partition, next_offset FROM source_partitions
+                   WHERE topic = %s ORDER BY partition FOR UPDATE""",
+                (topic,),
+            )
+            heads = dict(cur.fetchall())
+            if not heads:
+                raise LookupError(f"topic {topic!r} has no partitions: run `onceflow init` first")
+            parts = sorted(heads)
+            buf = io.StringIO()
+            writer = csv.writer(buf)
+            for i, payload in enumerate(chunk):
+                partition = parts[(total + i) % len(parts)]
+                writer.writerow((topic, partition, heads[partition], payload))
+                heads[partition] += 1
+            buf.seek(0)
+            cur.copy_expert(
+                'COPY source_log (topic, partition, "offset", payload) FROM STDIN (FORMAT csv)', buf
+            )
+            cur.executemany(
+                "UPDATE source_partitions SET next_offset = %s WHERE topic = %s AND partition = %s",
+                [(head, topic, p) for p, head in heads.items()],
+            )
+        total += len(chunk)
+        log.info("produced %d records to %s (%d so far)", len(chunk), topic, total)
+
+
+def iter_payloads_below(conn, topic: str, ends: dict[int, int],
+                        fetch: int = 50_000) -> Iterator[str]:
+    """Every payload of ``topic`` with offset below ``ends[partition]`` (a named cursor streams)."""
+    with conn.cursor(name="onceflow_scan") as cur:
+        cur.itersize = fetch
+        cur.execute(
+            """SELECT l.payload
+               FROM source_log l
+               JOIN unnest(%s::int[], %s::bigint[]) AS e(partition, end_offset)
+                 ON e.partition = l.partition
+               WHERE l.topic = %s AND l."offset" < e.end_offset""",
+            (list(ends), list(ends.values()), topic),
+        )
+        for (payload,) in cur:
+            yield payload
+    conn.commit()

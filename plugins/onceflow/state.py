@@ -1,0 +1,113 @@
+"""State tables that stay exact under replays: the opaque map and the transactional map.
+
+Opaque (a row is ``key, txid, value, prev_value``), applying delta ``d`` at ``txid``:
+
+    stored txid == txid  ->  value = prev_value + d          (a replay, maybe of another batch)
+    stored txid <  txid  ->  prev_value = value; value = value + d; txid = txid
+    stored txid >  txid  ->  refused: the batch is older than the state (StaleBatch)
+
+Worked example: url "a" holds (txid 6, value 10, prev 7). Txid 7 adds 2 -> (7, 12, 10). Txid 7
+is replayed with a different batch that adds 5 -> (7, 15, 10): the first try's 2 is gone.
+
+Transactional (``key, txid, value``): a txid's batch never changes, so a stored txid equal to
+the batch's means "already applied" and the row is left alone.
+
+The rules hold even when the table lives in another database than the coordinator, where the
+state write and the coordinator's commit are not atomic: that is what the txid columns are for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import psycopg2.extras
+from psycopg2 import sql
+
+from onceflow.pipeline import StateSpec
+
+
+class StaleBatch(RuntimeError):
+    """A batch older than what a state table already holds: never applied."""
+
+
+def ensure_table(cur, spec: StateSpec) -> None:
+    prev = sql.SQL(", prev_value bigint NOT NULL DEFAULT 0") if spec.kind == "opaque" else sql.SQL("")
+    # fillfactor 50 leaves room for HOT updates: upserts of hot keys rewrite no index.
+    cur.execute(
+        sql.SQL(
+            "CREATE TABLE IF NOT EXISTS {} (key text PRIMARY KEY, txid bigint NOT NULL, "
+            "value bigint NOT NULL{}) WITH (fillfactor = 50)"
+        ).format(sql.Identifier(spec.table), prev)
+    )
+
+
+_UPSERT = {
+    "opaque": """
+        WITH d AS MATERIALIZED ({source}),
+        up AS (
+            INSERT INTO {table} AS s (key, txid, value, prev_value)
+            SELECT key, %(txid)s, delta, 0 FROM d
+            ON CONFLICT (key) DO UPDATE SET
+                value = CASE WHEN s.txid = EXCLUDED.txid THEN s.prev_value ELSE s.value END
+                        + EXCLUDED.value,
+                prev_value = CASE WHEN s.txid = EXCLUDED.txid THEN s.prev_value ELSE s.value END,
+                txid = EXCLUDED.txid
+            WHERE s.txid <= EXCLUDED.txid
+            RETURNING 1)
+        SELECT (SELECT count(*) FROM d), (SELECT count(*) FROM up)""",
+    "transactional": """
+        WITH d AS MATERIALIZED ({source}),
+        up AS (
+            INSERT INTO {table} AS s (key, txid, value)
+            SELECT key, %(txid)s, delta FROM d
+            ON CONFLICT (key) DO UPDATE SET value = s.value + EXCLUDED.value, txid = EXCLUDED.txid
+            WHERE s.txid < EXCLUDED.txid
+            RETURNING 1)
+        SELECT (SELECT count(*) FROM d), (SELECT count(*) FROM up)""",
+}
+
+
+def apply_source(cur, spec: StateSpec, txid: int, source: sql.Composable,
+                 params: Mapping | None = None) -> int:
+    """Apply the deltas ``source`` yields (columns key, delta; one row per key) at ``txid``.
+
+    One statement. Returns the rows written. An opaque table raises StaleBatch when a key's
+    stored txid is newer than ``txid`` (the caller's transaction must then roll back); a
+    transactional one skips keys already at ``txid`` (applied before).
+    """
+    query = sql.SQL(_UPSERT[spec.kind]).format(table=sql.Identifier(spec.table), source=source)
+    cur.execute(query, {**(params or {}), "txid": txid})
+    expected, written = cur.fetchone()
+    if spec.kind == "opaque" and written != expected:
+        raise StaleBatch(
+            f"{spec.table}: {expected - written} key(s) hold a txid newer than {txid}; "
+            "a batch older than the state is never applied"
+        )
+    return written
+
+
+def staged_source() -> sql.Composable:
+    """The current attempt's deltas for one state, summed over the batch's groups."""
+    return sql.SQL(
+        """SELECT key, sum(delta)::bigint AS delta FROM staged_deltas
+           WHERE pipeline = %(pipeline)s AND txid = %(txid)s AND attempt = %(attempt)s
+             AND state_name = %(state)s
+           GROUP BY key"""
+    )
+
+
+def apply_deltas(cur, spec: StateSpec, txid: int, deltas: Mapping[str, int]) -> int:
+    """Apply an in-memory batch (tests, a state kept in another database)."""
+    cur.execute("CREATE TEMP TABLE IF NOT EXISTS onceflow_batch (key text, delta bigint) "
+                "ON COMMIT DELETE ROWS")
+    cur.execute("TRUNCATE onceflow_batch")
+    psycopg2.extras.execute_values(
+        cur, "INSERT INTO onceflow_batch (key, delta) VALUES %s", list(deltas.items())
+    )
+    source = sql.SQL("SELECT key, sum(delta)::bigint AS delta FROM onceflow_batch GROUP BY key")
+    return apply_source(cur, spec, txid, source)
+
+
+def read_state(cur, spec: StateSpec) -> dict[str, int]:
+    cur.execute(sql.SQL("SELECT key, value FROM {}").format(sql.Identifier(spec.table)))
+    return dict(cur.fetchall())

@@ -1,0 +1,54 @@
+"""spark-submit entry point of the processing phase.
+
+    spark-submit spark_tasks/process_batch.py --pipeline tweets --txid 7 --attempt 1 [--group 0]
+
+The PostgreSQL DSN comes from the environment (ONCEFLOW_PG_DSN by default), never from the
+command line, where it would show in process lists and logs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from onceflow.pipeline import get_pipeline
+from onceflow.txn import TransactionAttempt
+from spark_tasks.processing import process_batch
+from spark_tasks.session import get_spark
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="process_batch",
+        description="Process one transaction attempt of a onceflow pipeline and stage its result.",
+    )
+    parser.add_argument("--pipeline", required=True, help="registered pipeline name, e.g. tweets")
+    parser.add_argument("--txid", type=int, required=True, help="transaction id planned by begin")
+    parser.add_argument("--attempt", type=int, required=True, help="the attempt being processed")
+    parser.add_argument("--group", type=int, default=0, help="processing group (default 0)")
+    parser.add_argument("--dsn-env", default="ONCEFLOW_PG_DSN",
+                        help="environment variable holding the PostgreSQL DSN")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    dsn = os.environ.get(args.dsn_env)
+    if not dsn:
+        print(f"error: environment variable {args.dsn_env} is not set: export the PostgreSQL DSN "
+              "there (the Airflow operator does this from its connection)", file=sys.stderr)
+        return 2
+    pipeline = get_pipeline(args.pipeline)
+    spark = get_spark(app_name=f"onceflow-{pipeline.name}-txid{args.txid}")
+    try:
+        process_batch(spark, dsn, pipeline, TransactionAttempt(args.txid, args.attempt), args.group)
+    finally:
+        spark.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
