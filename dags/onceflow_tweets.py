@@ -1,0 +1,50 @@
+"""
+### onceflow: tweets -> counts per URL and per domain, exactly once
+
+One DAG run is one attempt of one transaction:
+
+1. **begin** gives the run its txid and stores the offsets it reads (a retry keeps them);
+2. **process** runs the Spark job on exactly those offsets and stages partial counts;
+3. **commit** waits for txid - 1 to commit (deferred, no worker slot held), then applies the
+   counts, the offsets and the commit record in one PostgreSQL transaction. Its log has one
+   `COMMIT ... txid=N attempt=A prev_txid=N-1 rows=R waited=Ws` line.
+
+Several runs may be active at once: processing overlaps, commits stay in txid order.
+Connections: `onceflow_pg` (PostgreSQL) and `spark_default` (Spark master).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+
+from airflow.sdk import DAG, Param
+
+from onceflow.operators import BeginBatchOperator, CommitBatchOperator, ProcessBatchOperator
+
+PIPELINE = "tweets"
+
+with DAG(
+    dag_id="onceflow_tweets",
+    description="Exactly-once URL and domain counts from the tweets topic",
+    doc_md=__doc__,
+    start_date=datetime(2026, 1, 1),
+    schedule=None,
+    catchup=False,
+    max_active_runs=3,
+    render_template_as_native_obj=True,
+    tags=["onceflow", "exactly-once", "spark"],
+    default_args={"retries": 2, "retry_delay": timedelta(seconds=10)},
+    params={
+        "batch_size": Param(20_000, type="integer", minimum=1,
+                            description="Records per transaction, across all partitions."),
+    },
+) as dag:
+    begin = BeginBatchOperator(
+        task_id="begin", pipeline=PIPELINE, batch_size="{{ params.batch_size }}"
+    )
+    process = ProcessBatchOperator(
+        task_id="process", pipeline=PIPELINE, batch=begin.output, conn_id="spark_default"
+    )
+    commit = CommitBatchOperator(task_id="commit", pipeline=PIPELINE, batch=begin.output)
+
+    begin >> process >> commit

@@ -1,0 +1,216 @@
+"""The `onceflow` command."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+
+from onceflow import db
+
+EPILOG = """\
+PostgreSQL: ONCEFLOW_PG_DSN (default postgresql://postgres@127.0.0.1:5432/onceflow).
+`onceflow demo` and `onceflow ui` find or start a PostgreSQL themselves (see `onceflow pg`).
+"""
+
+
+def _pipeline(args):
+    from onceflow.pipeline import get_pipeline
+
+    return get_pipeline(args.pipeline)
+
+
+def cmd_pg(args) -> int:
+    from onceflow.localenv import project_dir
+    from onceflow.localpg import ensure_postgres, stop_private
+
+    if args.stop:
+        stop_private(project_dir() / ".pgdata")
+        return 0
+    dsn, how = ensure_postgres(project_dir())
+    print(f"onceflow: using {how}", file=sys.stderr)
+    print(dsn)
+    return 0
+
+
+def cmd_init(args) -> int:
+    from onceflow.coordinator import register
+    from onceflow.pipelines import PIPELINES
+
+    dsn = db.dsn_from_env()
+    if db.ensure_database(dsn):
+        print(f"created database {db.database_name(dsn)}")
+    conn = db.connect(dsn)
+    try:
+        applied = db.migrate(conn)
+        print(f"migrations applied: {', '.join(applied) if applied else 'none (up to date)'}")
+        names = [args.pipeline] if args.pipeline else sorted(PIPELINES)
+        for name in names:
+            from onceflow.pipeline import get_pipeline
+
+            instance = register(conn, get_pipeline(name))
+            print(f"pipeline {name} ready (instance {instance})")
+    finally:
+        conn.close()
+    return 0
+
+
+def cmd_produce(args) -> int:
+    from onceflow.examples.tweets import generate
+    from onceflow.source import produce
+
+    pipeline = _pipeline(args)
+    conn = db.connect()
+    try:
+        started = time.monotonic()
+        n = produce(conn, pipeline.topic,
+                    generate(args.events, seed=args.seed, malformed_share=args.malformed_share,
+                             start_id=args.start_id))
+        took = time.monotonic() - started
+    finally:
+        conn.close()
+    print(f"produced {n} events to topic {pipeline.topic} in {took:.1f}s "
+          f"(seed {args.seed}, malformed share {args.malformed_share})")
+    return 0
+
+
+def cmd_status(args) -> int:
+    from onceflow.status import commit_log, partition_lines
+
+    conn = db.connect()
+    try:
+        with conn.cursor() as cur:
+            print(f"transactions of {args.pipeline} (commit order):")
+            for line in commit_log(cur, args.pipeline, args.limit):
+                print("  " + line)
+            print("partitions:")
+            for line in partition_lines(cur, args.pipeline):
+                print("  " + line)
+    finally:
+        conn.close()
+    return 0
+
+
+def cmd_verify(args) -> int:
+    from onceflow.verify import verify
+
+    conn = db.connect()
+    try:
+        report = verify(conn, _pipeline(args))
+    finally:
+        conn.close()
+    for mismatch in report.mismatches:
+        print("  " + mismatch)
+    print(report.line())
+    return 0 if report.ok else 1
+
+
+def _embedded_env() -> str:
+    """Find or start PostgreSQL, set up the Airflow environment. Returns the DSN."""
+    from onceflow.localenv import airflow_db_ready, airflow_env, apply_env, project_dir
+    from onceflow.localpg import ensure_postgres
+
+    root = project_dir()
+    dsn, how = ensure_postgres(root)
+    print(f"onceflow: PostgreSQL: using {how}")
+    apply_env(airflow_env(root, dsn))
+    airflow_db_ready(root)
+    return os.environ["ONCEFLOW_PG_DSN"]
+
+
+def cmd_demo(args) -> int:
+    from onceflow.demo import load_dag, run_transactions
+    from onceflow.localenv import project_dir
+
+    started = time.monotonic()
+    _embedded_env()
+    args.pipeline = "tweets"
+    cmd_init(args)
+    cmd_produce(args)
+    dag = load_dag(project_dir() / "dags")
+    log_file = project_dir() / ".run" / "demo.log"
+    print(f"running {args.transactions} transaction(s) through the Airflow DAG {dag.dag_id} "
+          f"(Airflow and Spark output: {log_file})")
+    results = run_transactions(dag, args.transactions, args.batch_size, log_file)
+    print()
+    cmd_status(argparse.Namespace(pipeline="tweets", limit=args.transactions + 5))
+    print()
+    code = cmd_verify(args)
+    failed = [r for r in results if r[1] != "success"]
+    if failed:
+        print(f"{len(failed)} DAG run(s) failed: see the task logs under .airflow/logs")
+        code = 1
+    print(f"demo finished in {time.monotonic() - started:.1f}s")
+    return code
+
+
+def cmd_ui(args) -> int:
+    from onceflow.localenv import project_dir
+
+    _embedded_env()
+    cmd_init(argparse.Namespace(pipeline=None))
+    home = os.environ["AIRFLOW_HOME"]
+    print(f"Airflow UI: http://127.0.0.1:8080  user admin, password in "
+          f"{home}/simple_auth_manager_passwords.json.generated")
+    print(f"DAGs folder {project_dir() / 'dags'}; stop with Ctrl-C")
+    sys.stdout.flush()
+    os.execvp("airflow", ["airflow", "standalone"])
+    return 0  # not reached
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="onceflow",
+        description="Exactly-once batch transactions on Airflow, Spark and PostgreSQL.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add(name, func, help_text):
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(func=func)
+        return p
+
+    p = add("pg", cmd_pg, "find or start PostgreSQL and print its DSN")
+    p.add_argument("--stop", action="store_true", help="stop the private cluster in .pgdata/")
+    p = add("init", cmd_init, "create the database, apply migrations, register pipelines")
+    p.add_argument("--pipeline", help="register only this pipeline (default: all)")
+    for name, func, text in (("produce", cmd_produce, "append seeded demo tweets to the source"),
+                             ("demo", cmd_demo, "run the demo pipeline end to end")):
+        p = add(name, func, text)
+        p.add_argument("--pipeline", default="tweets", help="pipeline whose topic gets the events")
+        p.add_argument("--events", type=int, default=60_000, help="how many events (60000)")
+        p.add_argument("--seed", type=int, default=42, help="random seed (42)")
+        p.add_argument("--malformed-share", type=float, default=0.02,
+                       help="share of malformed payloads, 0..1 (0.02)")
+        p.add_argument("--start-id", type=int, default=0, help="first tweet id (0)")
+        if name == "demo":
+            p.add_argument("--transactions", type=int, default=3, help="DAG runs (3)")
+            p.add_argument("--batch-size", type=int, default=20_000,
+                           help="records per transaction (20000)")
+    p = add("status", cmd_status, "show transactions in commit order and partition offsets")
+    p.add_argument("--pipeline", default="tweets")
+    p.add_argument("--limit", type=int, default=50, help="last N transactions (50)")
+    p = add("verify", cmd_verify,
+            "recompute the expected state from the source and compare with the committed state")
+    p.add_argument("--pipeline", default="tweets")
+    add("ui", cmd_ui, "start the Airflow UI (airflow standalone on 127.0.0.1:8080)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except (ValueError, LookupError, FileNotFoundError) as error:
+        print(f"onceflow {args.command}: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

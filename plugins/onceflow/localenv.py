@@ -1,0 +1,73 @@
+"""The embedded defaults: one place that sets up Airflow, Spark and PostgreSQL for a project
+folder (the demo, the UI, the tests). Values already in the environment win.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from psycopg2.extensions import parse_dsn
+
+
+def project_dir() -> Path:
+    return Path(os.environ.get("ONCEFLOW_HOME") or Path(__file__).resolve().parents[2])
+
+
+def airflow_connection_json(dsn: str) -> str:
+    """An Airflow connection (JSON form: no URI escaping of passwords) for a libpq DSN."""
+    p = parse_dsn(dsn)
+    conn = {
+        "conn_type": "postgres",
+        "host": p.get("host", "127.0.0.1"),
+        "port": int(p.get("port", 5432)),
+        "login": p.get("user"),
+        "password": p.get("password"),
+        "schema": p.get("dbname", "onceflow"),
+    }
+    return json.dumps({k: v for k, v in conn.items() if v is not None})
+
+
+def airflow_env(root: Path, dsn: str) -> dict[str, str]:
+    home = root / ".airflow"
+    return {
+        "AIRFLOW_HOME": str(home),
+        "AIRFLOW__CORE__DAGS_FOLDER": str(root / "dags"),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
+        "AIRFLOW__CORE__PARALLELISM": "4",
+        "AIRFLOW__API__HOST": "127.0.0.1",
+        "AIRFLOW__LOGGING__LOGGING_LEVEL": "INFO",
+        "AIRFLOW_CONN_ONCEFLOW_PG": airflow_connection_json(dsn),
+        "AIRFLOW_CONN_SPARK_DEFAULT": json.dumps({"conn_type": "spark", "host": "local[2]"}),
+        "ONCEFLOW_PG_DSN": dsn,
+        "PYSPARK_PYTHON": sys.executable,
+        "PYSPARK_DRIVER_PYTHON": sys.executable,
+        "SPARK_LOG_DIR": str(root / ".run" / "spark-logs"),
+    }
+
+
+def apply_env(env: dict[str, str]) -> None:
+    for key, value in env.items():
+        os.environ.setdefault(key, value)
+    # spark-submit must be found next to this interpreter.
+    bindir = str(Path(sys.executable).parent)
+    if bindir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
+
+
+def airflow_db_ready(root: Path) -> None:
+    """`airflow db migrate` once per Airflow version (a stamp file remembers)."""
+    from importlib.metadata import version
+
+    stamp = Path(os.environ["AIRFLOW_HOME"]) / f".migrated-{version('apache-airflow')}"
+    if stamp.exists():
+        return
+    stamp.parent.mkdir(parents=True, exist_ok=True)
+    print("onceflow: initialising the Airflow metadata database (once)", file=sys.stderr)
+    subprocess.run([sys.executable, "-m", "airflow", "db", "migrate"], check=True,
+                   stdout=subprocess.DEVNULL)
+    stamp.touch()

@@ -1,0 +1,74 @@
+"""`onceflow verify`: recompute the expected state from the source, independently of Spark,
+and compare it with what was committed.
+
+Scope: every record below the committed offsets. Each must be either counted in every state
+table (exactly once) or kept in rejected_records.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from onceflow.pipeline import Pipeline, load_callable
+from onceflow.source import iter_payloads_below
+from onceflow.state import read_state
+
+
+@dataclass
+class VerifyReport:
+    pipeline: str
+    records: int = 0
+    rejected_expected: int = 0
+    rejected_committed: int = 0
+    keys: dict[str, int] = field(default_factory=dict)
+    mismatches: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.mismatches
+
+    def line(self) -> str:
+        states = ", ".join(f"{name} {n} keys" for name, n in self.keys.items())
+        verdict = "OK" if self.ok else f"FAILED ({len(self.mismatches)} mismatches)"
+        return (f"verify {self.pipeline}: {verdict}: {self.records} committed records, "
+                f"{states}, {self.rejected_committed} rejected "
+                f"(expected {self.rejected_expected})")
+
+
+def _diff(name: str, expected: dict, actual: dict, limit: int = 5) -> list[str]:
+    out = []
+    for key in sorted(set(expected) | set(actual)):
+        want, got = expected.get(key, 0), actual.get(key, 0)
+        if want != got:
+            out.append(f"{name}[{key!r}]: committed {got}, recomputed {want}")
+    if len(out) > limit:
+        out = out[:limit] + [f"{name}: ... and {len(out) - limit} more"]
+    return out
+
+
+def verify(conn, pipeline: Pipeline) -> VerifyReport:
+    report = VerifyReport(pipeline.name)
+    with conn.cursor() as cur:
+        cur.execute(
+            'SELECT partition, "offset" FROM partition_offsets WHERE pipeline = %s',
+            (pipeline.name,),
+        )
+        ends = dict(cur.fetchall())
+        cur.execute("SELECT count(*) FROM rejected_records WHERE pipeline = %s", (pipeline.name,))
+        report.rejected_committed = cur.fetchone()[0]
+        committed = {spec.name: read_state(cur, spec) for spec in pipeline.states}
+    conn.commit()
+    recompute = load_callable(pipeline.recompute)
+    expected = recompute(iter_payloads_below(conn, pipeline.topic, ends) if ends else [])
+    report.records = expected.records
+    report.rejected_expected = sum(expected.rejected.values())
+    for spec in pipeline.states:
+        report.keys[spec.name] = len(committed[spec.name])
+        report.mismatches += _diff(spec.name, dict(expected.counts.get(spec.name, {})),
+                                   committed[spec.name])
+    if report.rejected_expected != report.rejected_committed:
+        report.mismatches.append(
+            f"rejected records: committed {report.rejected_committed}, "
+            f"recomputed {report.rejected_expected}"
+        )
+    return report
