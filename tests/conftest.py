@@ -1,0 +1,105 @@
+"""Shared fixtures: a real PostgreSQL (one fresh database per test, cloned from a migrated
+template), one local SparkSession for the whole run, and an Airflow home of the session's own.
+
+The environment is set before anything imports Airflow.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import tempfile
+from pathlib import Path
+
+import psycopg2
+import pytest
+from psycopg2 import sql
+
+from onceflow import db
+from onceflow.localenv import airflow_connection_json, airflow_env, apply_env
+from onceflow.localpg import ensure_postgres
+
+ROOT = Path(__file__).resolve().parents[1]
+_SERVER_DSN, _HOW = ensure_postgres(ROOT)
+_AIRFLOW_HOME = tempfile.mkdtemp(prefix="onceflow-airflow-")
+os.environ["AIRFLOW_HOME"] = _AIRFLOW_HOME
+apply_env(airflow_env(ROOT, _SERVER_DSN))
+TEMPLATE = "onceflow_test_template"
+_counter = itertools.count()
+
+
+def pytest_report_header(config):
+    return f"onceflow: PostgreSQL from {_HOW}; AIRFLOW_HOME={_AIRFLOW_HOME}"
+
+
+def _admin():
+    conn = psycopg2.connect(db.with_database(_SERVER_DSN, "postgres"))
+    conn.autocommit = True
+    return conn
+
+
+def _exec(admin, statement: str, *names: str) -> None:
+    with admin.cursor() as cur:
+        cur.execute(sql.SQL(statement).format(*map(sql.Identifier, names)))
+
+
+@pytest.fixture(scope="session")
+def template_db():
+    """A database with every migration applied; each test's database is a copy of it."""
+    admin = _admin()
+    _exec(admin, "DROP DATABASE IF EXISTS {} WITH (FORCE)", TEMPLATE)
+    _exec(admin, "CREATE DATABASE {}", TEMPLATE)
+    conn = db.connect(db.with_database(_SERVER_DSN, TEMPLATE))
+    db.migrate(conn)
+    conn.close()
+    yield TEMPLATE
+    _exec(admin, "DROP DATABASE IF EXISTS {} WITH (FORCE)", TEMPLATE)
+    admin.close()
+
+
+@pytest.fixture
+def dsn(template_db):
+    """A fresh, migrated database for this test; also what the Airflow connection points at."""
+    name = f"onceflow_t{os.getpid()}_{next(_counter)}"
+    admin = _admin()
+    _exec(admin, "DROP DATABASE IF EXISTS {} WITH (FORCE)", name)
+    _exec(admin, "CREATE DATABASE {} TEMPLATE {}", name, template_db)
+    test_dsn = db.with_database(_SERVER_DSN, name)
+    saved = {k: os.environ.get(k) for k in ("ONCEFLOW_PG_DSN", "AIRFLOW_CONN_ONCEFLOW_PG")}
+    os.environ["ONCEFLOW_PG_DSN"] = test_dsn
+    os.environ["AIRFLOW_CONN_ONCEFLOW_PG"] = airflow_connection_json(test_dsn)
+    yield test_dsn
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    _exec(admin, "DROP DATABASE IF EXISTS {} WITH (FORCE)", name)
+    admin.close()
+
+
+@pytest.fixture
+def conn(dsn):
+    c = db.connect(dsn)
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="session")
+def spark():
+    """One local SparkSession for every test that calls the processing phase directly."""
+    from spark_tasks.session import get_spark
+
+    session = get_spark("onceflow-tests", master="local[2]")
+    session.sparkContext.setLogLevel("WARN")
+    yield session
+    session.stop()
+
+
+@pytest.fixture(scope="session")
+def airflow_db():
+    """Airflow's metadata database (SQLite in the session's AIRFLOW_HOME), migrated once."""
+    from onceflow.localenv import airflow_db_ready
+
+    airflow_db_ready(ROOT)
+    return _AIRFLOW_HOME
