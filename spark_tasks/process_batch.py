@@ -15,6 +15,7 @@ import sys
 
 from onceflow.pipeline import get_pipeline
 from onceflow.txn import TransactionAttempt
+
 from spark_tasks.processing import process_batch
 from spark_tasks.session import get_spark
 
@@ -35,7 +36,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     dsn = os.environ.get(args.dsn_env)
     if not dsn:
         print(f"error: environment variable {args.dsn_env} is not set: export the PostgreSQL DSN "

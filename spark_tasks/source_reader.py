@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
-from pyspark.sql import DataFrame, SparkSession
-
 from onceflow.planner import PartitionRange
+from pyspark.sql import DataFrame, SparkSession
 
 RECORD_SCHEMA = "partition int, offset long, payload string"
 CHUNK_SCHEMA = "chunk int, partition int, start long, end long"
@@ -43,7 +42,8 @@ def _copy_reader(dsn: str, topic: str):
             with conn.cursor() as cur:
                 for batch in batches:
                     cols = batch.to_pydict()
-                    for partition, start, end in zip(cols["partition"], cols["start"], cols["end"]):
+                    for partition, start, end in zip(cols["partition"], cols["start"], cols["end"],
+                                                     strict=True):
                         query = cur.mogrify(
                             """COPY (SELECT partition, "offset", payload FROM source_log
                                      WHERE topic = %s AND partition = %s

@@ -7,17 +7,17 @@ The environment is set before anything imports Airflow.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import tempfile
 from pathlib import Path
 
 import psycopg2
 import pytest
-from psycopg2 import sql
-
 from onceflow import db
 from onceflow.localenv import airflow_connection_json, airflow_env, apply_env
 from onceflow.localpg import ensure_postgres
+from psycopg2 import sql
 
 ROOT = Path(__file__).resolve().parents[1]
 _SERVER_DSN, _HOW = ensure_postgres(ROOT)
@@ -25,6 +25,8 @@ _AIRFLOW_HOME = tempfile.mkdtemp(prefix="onceflow-airflow-")
 os.environ["AIRFLOW_HOME"] = _AIRFLOW_HOME
 apply_env(airflow_env(ROOT, _SERVER_DSN))
 TEMPLATE = "onceflow_test_template"
+# py4j logs "Closing down clientserver connection" from __del__ after pytest closed its streams.
+logging.getLogger("py4j").setLevel(logging.WARNING)
 _counter = itertools.count()
 
 

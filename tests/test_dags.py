@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 from helpers import table, tweets_pipeline
-
 from onceflow.verify import verify
 
 DAGS = Path(__file__).resolve().parents[1] / "dags"

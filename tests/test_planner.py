@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from onceflow.planner import PartitionRange, plan_ranges
 
 CASES = [

@@ -24,10 +24,10 @@ def _pipeline(args):
 
 def cmd_pg(args) -> int:
     from onceflow.localenv import project_dir
-    from onceflow.localpg import ensure_postgres, stop_private
+    from onceflow.localpg import ensure_postgres, private_data_dir, stop_private
 
     if args.stop:
-        stop_private(project_dir() / ".pgdata")
+        stop_private(private_data_dir(project_dir()))
         return 0
     dsn, how = ensure_postgres(project_dir())
     print(f"onceflow: using {how}", file=sys.stderr)

@@ -79,7 +79,8 @@ def register(conn, pipeline: Pipeline) -> uuid.UUID:
         if topic != pipeline.topic:
             raise ConfigError(
                 f"pipeline.topic={pipeline.topic!r} but pipeline {pipeline.name!r} is stored with "
-                f"topic {topic!r}: configure topic {topic!r}, or give the new topic a new pipeline name"
+                f"topic {topic!r}: configure topic {topic!r}, or give the new topic a new "
+                "pipeline name"
             )
         for spec in pipeline.states:
             state_tables.ensure_table(cur, spec)
@@ -206,7 +207,8 @@ def commit(conn, pipeline: Pipeline, ta: TransactionAttempt, *, on_step: Step = 
     with transaction(conn) as cur:
         cur.execute(
             """UPDATE transactions SET commit_requested_at = now()
-               WHERE pipeline = %s AND txid = %s AND attempt = %s AND commit_requested_at IS NULL""",
+               WHERE pipeline = %s AND txid = %s AND attempt = %s
+                 AND commit_requested_at IS NULL""",
             (pipeline.name, ta.txid, ta.attempt),
         )
     with transaction(conn) as cur:

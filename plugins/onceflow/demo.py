@@ -23,7 +23,7 @@ def load_dag(dags_folder: Path, dag_file: str = DAG_FILE, dag_id: str = DAG_ID):
     spec = importlib.util.spec_from_file_location(f"onceflow_dag_{dag_id}", dags_folder / dag_file)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return getattr(module, "dag")
+    return module.dag
 
 
 @contextmanager

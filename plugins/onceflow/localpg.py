@@ -9,6 +9,7 @@ refuse to run as root).
 from __future__ import annotations
 
 import glob
+import hashlib
 import os
 import shutil
 import subprocess
@@ -85,11 +86,26 @@ def stop_private(data_dir: Path) -> None:
                                      "stop"]), check=False)
 
 
+def private_data_dir(project_dir: Path) -> Path:
+    """``.pgdata`` in the project, unless we are root and the ``postgres`` user cannot reach
+    the project folder (e.g. under /root or a 0700 temporary folder): then a folder under
+    /var/tmp named after the project's path."""
+    data_dir = project_dir / ".pgdata"
+    if os.geteuid() != 0:
+        return data_dir
+    reachable = subprocess.run(["runuser", "-u", "postgres", "--", "test", "-x", str(project_dir)],
+                               check=False).returncode == 0
+    if reachable:
+        return data_dir
+    tag = hashlib.sha256(str(project_dir.resolve()).encode()).hexdigest()[:12]
+    return Path("/var/tmp") / f"onceflow-pgdata-{tag}"
+
+
 def ensure_postgres(project_dir: Path) -> tuple[str, str]:
     """(DSN, how it was found)."""
     if os.environ.get("ONCEFLOW_PG_DSN"):
         return os.environ["ONCEFLOW_PG_DSN"], "ONCEFLOW_PG_DSN"
     if _answers(DEFAULT_DSN):
         return DEFAULT_DSN, "the PostgreSQL server on 127.0.0.1:5432"
-    data_dir = project_dir / ".pgdata"
+    data_dir = private_data_dir(project_dir)
     return start_private(data_dir), f"a private PostgreSQL cluster in {data_dir}"

@@ -18,7 +18,7 @@ class PartitionRange:
 
 def plan_ranges(starts: dict[int, int], heads: dict[int, int], batch_size: int,
                 groups: int = 1) -> list[tuple[PartitionRange, int]]:
-    """Plan one batch: per partition ``[start, min(head, start + share))``, with the group it goes to.
+    """Plan one batch: per partition ``[start, min(head, start + share))`` and its group.
 
     The batch takes at most ``batch_size`` records in all, shared fairly: a water level ``L``
     such that every partition contributes ``min(available, L)`` (the largest level that fits),

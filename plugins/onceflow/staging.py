@@ -11,8 +11,8 @@ import logging
 from dataclasses import dataclass
 from typing import IO
 
-from onceflow.txn import Fenced, TransactionAttempt, current_attempt, delete_staging
 from onceflow.db import transaction
+from onceflow.txn import Fenced, TransactionAttempt, current_attempt, delete_staging
 
 log = logging.getLogger(__name__)
 

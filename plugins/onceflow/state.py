@@ -31,7 +31,7 @@ class StaleBatch(RuntimeError):
 
 
 def ensure_table(cur, spec: StateSpec) -> None:
-    prev = sql.SQL(", prev_value bigint NOT NULL DEFAULT 0") if spec.kind == "opaque" else sql.SQL("")
+    prev = sql.SQL(", prev_value bigint NOT NULL DEFAULT 0" if spec.kind == "opaque" else "")
     # fillfactor 50 leaves room for HOT updates: upserts of hot keys rewrite no index.
     cur.execute(
         sql.SQL(
