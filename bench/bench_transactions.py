@@ -1,0 +1,93 @@
+"""Throughput of whole transactions (begin -> process -> commit), phase functions called
+directly with one warm SparkSession, on a fresh database.
+
+    .venv/bin/python bench/bench_transactions.py --events 1000000 --batch-size 250000
+
+Prints the Spark session start apart, then per transaction and overall: events/s of the
+processing phase, commit seconds, and end-to-end events/s. Uses ONCEFLOW_PG_DSN's server (or
+finds one like `onceflow pg`) and a database of its own (onceflow_bench), dropped at the start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import psycopg2
+from psycopg2 import sql
+
+from onceflow import db
+from onceflow.coordinator import begin, commit, register
+from onceflow.examples.tweets import generate
+from onceflow.localenv import project_dir
+from onceflow.localpg import ensure_postgres
+from onceflow.pipeline import get_pipeline
+from onceflow.source import produce
+from onceflow.verify import verify
+
+
+def fresh_database(server_dsn: str, name: str) -> str:
+    admin = psycopg2.connect(db.with_database(server_dsn, "postgres"))
+    admin.autocommit = True
+    with admin.cursor() as cur:
+        cur.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+    admin.close()
+    dsn = db.with_database(server_dsn, name)
+    db.ensure_database(dsn)
+    return dsn
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--events", type=int, default=1_000_000)
+    parser.add_argument("--batch-size", type=int, default=250_000)
+    parser.add_argument("--verify", action="store_true", help="run verify at the end")
+    args = parser.parse_args()
+
+    server, how = ensure_postgres(project_dir())
+    dsn = fresh_database(server, "onceflow_bench")
+    conn = db.connect(dsn)
+    db.migrate(conn)
+    pipeline = get_pipeline("tweets", batch_size=args.batch_size)
+    register(conn, pipeline)
+    t = time.monotonic()
+    produce(conn, pipeline.topic, generate(args.events, seed=1))
+    print(f"PostgreSQL: {how}; produced {args.events} events in {time.monotonic() - t:.1f}s")
+
+    from spark_tasks.processing import process_batch
+    from spark_tasks.session import get_spark
+
+    t = time.monotonic()
+    spark = get_spark("onceflow-bench")
+    spark.sparkContext.setLogLevel("ERROR")
+    print(f"Spark session start: {time.monotonic() - t:.1f}s (not counted below)")
+
+    total_proc = total_commit = 0.0
+    done = txid = 0
+    while done < args.events:
+        txid += 1
+        t0 = time.monotonic()
+        batch = begin(conn, pipeline, f"bench-{txid}")
+        t1 = time.monotonic()
+        process_batch(spark, dsn, pipeline, batch.attempt)
+        t2 = time.monotonic()
+        result = commit(conn, pipeline, batch.attempt)
+        t3 = time.monotonic()
+        total_proc += t2 - t1
+        total_commit += t3 - t2
+        done += batch.records
+        print(f"txid {txid}: {batch.records} events, begin {t1 - t0:.2f}s, process {t2 - t1:.2f}s "
+              f"({batch.records / (t2 - t1):,.0f} ev/s), commit {t3 - t2:.2f}s "
+              f"({result.rows_applied} rows)")
+    print(f"processing phase: {done / total_proc:,.0f} events/s; commit total {total_commit:.2f}s;"
+          f" end to end {done / (total_proc + total_commit):,.0f} events/s over {txid} "
+          "transactions")
+    if args.verify:
+        t = time.monotonic()
+        print(verify(conn, pipeline).line(), f"({time.monotonic() - t:.1f}s)")
+    spark.stop()
+
+
+if __name__ == "__main__":
+    main()
