@@ -18,6 +18,7 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 
 from airflow.sdk import DAG, Param
+
 from onceflow.operators import BeginBatchOperator, CommitBatchOperator, ProcessBatchOperator
 
 PIPELINE = "tweets"

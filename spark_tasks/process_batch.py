@@ -15,7 +15,6 @@ import sys
 
 from onceflow.pipeline import get_pipeline
 from onceflow.txn import TransactionAttempt
-
 from spark_tasks.processing import process_batch
 from spark_tasks.session import get_spark
 

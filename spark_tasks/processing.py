@@ -13,15 +13,16 @@ import logging
 import time
 from dataclasses import dataclass
 
+from pyarrow import csv as pacsv
+from pyspark import StorageLevel
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
+
 from onceflow.coordinator import load_batch
 from onceflow.db import connect, transaction
 from onceflow.pipeline import Pipeline, load_callable
 from onceflow.staging import Staged, stage_group
 from onceflow.txn import Fenced, TransactionAttempt, current_attempt
-from pyarrow import csv as pacsv
-from pyspark import StorageLevel
-from pyspark.sql import DataFrame, SparkSession
-from pyspark.sql import functions as F
 
 log = logging.getLogger(__name__)
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
-from onceflow.planner import PartitionRange
 from pyspark.sql import DataFrame, SparkSession
+
+from onceflow.planner import PartitionRange
 
 RECORD_SCHEMA = "partition int, offset long, payload string"
 CHUNK_SCHEMA = "chunk int, partition int, start long, end long"

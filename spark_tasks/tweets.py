@@ -6,10 +6,10 @@ onceflow.examples.tweets, recomputes the same result independently for `onceflow
 
 from __future__ import annotations
 
-from onceflow.examples.tweets import ERR_BAD_URL, ERR_MALFORMED, ERR_NO_URL, URL_HOST
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
+from onceflow.examples.tweets import ERR_BAD_URL, ERR_MALFORMED, ERR_NO_URL, URL_HOST
 from spark_tasks.processing import BatchOutput
 
 _SCHEMA = "url string, _corrupt_record string"

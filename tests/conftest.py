@@ -14,10 +14,11 @@ from pathlib import Path
 
 import psycopg2
 import pytest
+from psycopg2 import sql
+
 from onceflow import db
 from onceflow.localenv import airflow_connection_json, airflow_env, apply_env
 from onceflow.localpg import ensure_postgres
-from psycopg2 import sql
 
 ROOT = Path(__file__).resolve().parents[1]
 _SERVER_DSN, _HOW = ensure_postgres(ROOT)

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+
 from helpers import run_transaction, table
 from onceflow.cli import main
 from onceflow.coordinator import register

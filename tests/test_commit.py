@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
+
 from helpers import run_transaction, table, tweets_pipeline
 from onceflow.coordinator import MissingStaging, begin, commit
 from onceflow.txn import Fenced, TransactionAttempt
 from onceflow.verify import verify
-
 from spark_tasks.processing import process_batch
 
 COMMIT_STEPS = ["locked", "state:url_counts", "state:domain_counts", "rejects", "offsets",

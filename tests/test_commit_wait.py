@@ -7,11 +7,11 @@ import threading
 import time
 
 import pytest
+
 from helpers import tweets_pipeline
 from onceflow.coordinator import begin, commit
 from onceflow.operators import CommitBatchOperator
 from onceflow.triggers import CommitTurnTrigger
-
 from spark_tasks.processing import process_batch
 
 

@@ -6,6 +6,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
+
 from helpers import table, tweets_pipeline
 from onceflow.verify import verify
 

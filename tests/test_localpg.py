@@ -10,6 +10,7 @@ from pathlib import Path
 
 import psycopg2
 import pytest
+
 from onceflow.localpg import ensure_postgres, start_private, stop_private
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from onceflow.planner import PartitionRange, plan_ranges
 
 CASES = [

@@ -6,11 +6,11 @@ import json
 from collections import Counter
 
 import pytest
+
 from helpers import table, tweets_pipeline
 from onceflow.coordinator import begin
 from onceflow.examples.tweets import ERR_BAD_URL, ERR_MALFORMED, ERR_NO_URL, classify, generate
 from onceflow.txn import Fenced, TransactionAttempt
-
 from spark_tasks.processing import process_batch
 from spark_tasks.source_reader import chunk_ranges, read_ranges
 

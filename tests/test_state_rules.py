@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from psycopg2 import sql
+
 from onceflow.db import transaction
 from onceflow.pipeline import StateSpec
 from onceflow.state import StaleBatch, apply_deltas, ensure_table
-from psycopg2 import sql
 
 OPAQUE = StateSpec("opaque_counts", "opaque")
 TRANSACTIONAL = StateSpec("tx_counts", "transactional")
