@@ -17,7 +17,8 @@ import psycopg2
 from psycopg2 import sql
 
 from onceflow import db
-from onceflow.coordinator import begin, commit, register
+from onceflow.committer import commit
+from onceflow.coordinator import begin, register
 from onceflow.examples.tweets import generate
 from onceflow.localenv import project_dir
 from onceflow.localpg import ensure_postgres

@@ -3,8 +3,11 @@
 
 One DAG run is one attempt of one transaction:
 
-1. **begin** gives the run its txid and stores the offsets it reads (a retry keeps them);
-2. **process** runs the Spark job on exactly those offsets and stages partial counts;
+1. **begin** gives the run its transaction attempt: the txid from the trigger form (backfill),
+   the run's own txid (Clear), the lowest failed txid (automatic backfill), or a new one, and
+   stores the offsets it reads. Past `max_pending` uncommitted transactions the run is skipped;
+2. **process** runs one Spark job per processing group on exactly those offsets and stages
+   partial counts;
 3. **commit** waits for txid - 1 to commit (deferred, no worker slot held), then applies the
    counts, the offsets and the commit record in one PostgreSQL transaction. Its log has one
    `COMMIT ... txid=N attempt=A prev_txid=N-1 rows=R waited=Ws` line.
@@ -36,15 +39,21 @@ with DAG(
     default_args={"retries": 2, "retry_delay": timedelta(seconds=10)},
     params={
         "batch_size": Param(20_000, type="integer", minimum=1,
-                            description="Records per transaction, across all partitions."),
+                            description="Records per new transaction, across all partitions."),
+        "groups": Param(1, type="integer", minimum=1,
+                        description="Parallel Spark tasks per new transaction."),
+        "txid": Param(None, type=["null", "integer"], minimum=1,
+                      description="Re-attempt this txid (backfill). Empty: the next one."),
     },
 ) as dag:
     begin = BeginBatchOperator(
-        task_id="begin", pipeline=PIPELINE, batch_size="{{ params.batch_size }}"
+        task_id="begin", pipeline=PIPELINE, batch_size="{{ params.batch_size }}",
+        groups="{{ params.groups }}", txid="{{ params.txid }}",
     )
-    process = ProcessBatchOperator(
-        task_id="process", pipeline=PIPELINE, batch=begin.output, conn_id="spark_default"
-    )
+    # one process task per processing group of the batch
+    process = ProcessBatchOperator.partial(
+        task_id="process", pipeline=PIPELINE, conn_id="spark_default"
+    ).expand(batch=begin.output)
     commit = CommitBatchOperator(task_id="commit", pipeline=PIPELINE, batch=begin.output)
 
     begin >> process >> commit

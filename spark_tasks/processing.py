@@ -50,7 +50,12 @@ def _csv(df: DataFrame) -> io.BytesIO:
 
 
 def process_batch(spark: SparkSession, dsn: str, pipeline: Pipeline, ta: TransactionAttempt,
-                  group: int = 0) -> Staged:
+                  group: int = 0) -> Staged | None:
+    """Process group ``group`` of ``ta``'s batch and stage the result.
+
+    Returns None, doing nothing, when the txid is committed already (a re-run after the
+    commit); raises Fenced when ``ta`` is not the current attempt.
+    """
     from spark_tasks.source_reader import read_ranges
 
     started = time.monotonic()
@@ -59,6 +64,9 @@ def process_batch(spark: SparkSession, dsn: str, pipeline: Pipeline, ta: Transac
         with transaction(conn) as cur:
             # Fail fast before any Spark work; the real fence is in stage_group.
             txn_state = current_attempt(cur, pipeline.name, ta)
+            if txn_state == "committed":
+                log.info("%s of %s is committed already: nothing to process", ta, pipeline.name)
+                return None
             if txn_state != "planned":
                 raise Fenced(f"{ta} of {pipeline.name} is {txn_state}: nothing to process")
             batch = load_batch(cur, pipeline.name, ta.txid)

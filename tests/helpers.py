@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from onceflow.coordinator import Batch, CommitResult, begin, commit, register
+from onceflow.committer import CommitResult, commit
+from onceflow.coordinator import Batch, begin, register
 from onceflow.examples.tweets import generate
 from onceflow.pipeline import Pipeline, get_pipeline
 from onceflow.source import produce

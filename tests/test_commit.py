@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from helpers import run_transaction, table, tweets_pipeline
-from onceflow.coordinator import MissingStaging, begin, commit
+from onceflow.committer import MissingStaging, commit
+from onceflow.coordinator import begin
 from onceflow.txn import Fenced, TransactionAttempt
 from onceflow.verify import verify
 from spark_tasks.processing import process_batch
@@ -113,11 +114,12 @@ def test_commit_refuses_while_processing_has_not_staged(conn):
         commit(conn, pipeline, batch.attempt)
 
 
-def test_begin_again_in_the_same_run_reuses_its_txid_and_ranges(conn):
+def test_begin_again_in_the_same_run_reattempts_its_txid_with_the_same_ranges(conn):
     pipeline = tweets_pipeline(conn, events=300, batch_size=100)
     first = begin(conn, pipeline, "run-1")
     again = begin(conn, pipeline, "run-1")
-    assert again.reused and (again.attempt, again.ranges) == (first.attempt, first.ranges)
+    assert again.attempt == TransactionAttempt(first.attempt.txid, 2)
+    assert again.ranges == first.ranges
     other = begin(conn, pipeline, "run-2")
     assert other.attempt.txid == 2
     assert min(r.start for r, _ in other.ranges) >= min(r.end for r, _ in first.ranges)

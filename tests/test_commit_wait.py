@@ -9,7 +9,8 @@ import time
 import pytest
 
 from helpers import tweets_pipeline
-from onceflow.coordinator import begin, commit
+from onceflow.committer import commit
+from onceflow.coordinator import begin
 from onceflow.operators import CommitBatchOperator
 from onceflow.triggers import CommitTurnTrigger
 from spark_tasks.processing import process_batch

@@ -1,29 +1,44 @@
-"""The transaction coordinator: begin (plan a batch) and commit (apply it, strictly in order).
+"""The transaction coordinator's begin side: which txid and attempt a DAG run works on, and
+which records that attempt reads.
 
-PostgreSQL is the source of truth. Both phases lock the pipeline's coordinator row, so plans
-never overlap and commits happen one at a time in txid order. The offset log (batch_ranges) is
-written by begin before any processing; the commit log (transactions.state = 'committed') is
-the last write of the commit, in the same PostgreSQL transaction as the state it applied.
+PostgreSQL is the source of truth; begin runs under a lock on the pipeline's coordinator row,
+so plans never overlap. The offset log (batch_ranges) is written before any processing.
+
+What begin gives a run (first rule that applies):
+
+1. conf ``{"txid": N}``: a new attempt of N (manual backfill); nothing to do if N is committed;
+2. the run already has a txid (a Clear or a retry of begin): a new attempt of that txid;
+3. the lowest failed or superseded txid: adopted with a new attempt (automatic backfill);
+4. else a new txid with a new batch, unless ``max_pending`` transactions are uncommitted
+   (then MaxPendingReached and the run plans nothing).
+
+A new attempt fences every older one: staging and commit check that their attempt is current.
+In transactional mode a txid's batch never changes. In opaque mode a new attempt re-plans from
+where txid - 1 ends; when that changes the batch, every later uncommitted txid is superseded,
+to be adopted (rule 3) and re-planned from the new end in txid order, so nothing is skipped or
+read twice. Worked example (seed 001): A = txid 1 reads 1-50, B = txid 2 reads 51-100, A fails;
+A's new attempt reads 1-40, so B is superseded; B's next attempt reads 41-...
 """
 
 from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Callable
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import psycopg2.extras
 
 from onceflow import state as state_tables
-from onceflow.db import transaction
+from onceflow.db import connect, transaction
 from onceflow.pipeline import ConfigError, Pipeline
 from onceflow.planner import PartitionRange, plan_ranges
 from onceflow.source import ensure_topic, partition_heads
 from onceflow.txn import Fenced, TransactionAttempt, current_attempt, delete_staging
 
-__all__ = ["Batch", "CommitResult", "Fenced", "MissingStaging", "NotInitialised",
-           "TransactionAttempt", "begin", "commit", "load_batch", "register"]
+__all__ = ["Batch", "Fenced", "MaxPendingReached", "NotInitialised", "TransactionAttempt",
+           "begin", "current_attempt", "end_attempt", "load_batch", "lock_pipeline",
+           "mark_failed", "register"]
 
 log = logging.getLogger(__name__)
 
@@ -34,37 +49,28 @@ class Batch:
     attempt: TransactionAttempt
     ranges: tuple[tuple[PartitionRange, int], ...]  # (range, group)
     groups: int
-    reused: bool = False  # the run already had this txid (a retry of begin)
+    committed: bool = False  # the txid is committed already: process and commit do nothing
 
     @property
     def records(self) -> int:
         return sum(r.size for r, _ in self.ranges)
 
 
-@dataclass(frozen=True)
-class CommitResult:
-    status: str  # "committed" | "already_committed" | "waiting"
-    attempt: TransactionAttempt
-    rows_applied: int = 0
-    waited_s: float = 0.0
-    blocking_txid: int | None = None
-    blocking_state: str | None = None
-    blocking_run_id: str | None = None
-
-
 class NotInitialised(LookupError):
     pass
 
 
-class MissingStaging(RuntimeError):
-    """Commit was asked for while some processing group of the attempt has not staged."""
+class MaxPendingReached(RuntimeError):
+    """``max_pending`` transactions are planned and uncommitted: no new txid is planned."""
 
 
-def register(conn, pipeline: Pipeline) -> uuid.UUID:
+def register(conn, pipeline: Pipeline, state_dsns: Mapping[str, str] | None = None
+             ) -> uuid.UUID:
     """Create the pipeline's coordinator row, state tables and source partitions (idempotent).
 
     A stored topic that differs from the configured one is refused: a silent switch would mix
-    two topics' offsets.
+    two topics' offsets. ``state_dsns`` gives the database of each state kept outside the
+    coordinator's (StateSpec.conn_id).
     """
     pipeline.validate()
     ensure_topic(conn, pipeline.topic, pipeline.partitions)
@@ -82,12 +88,32 @@ def register(conn, pipeline: Pipeline) -> uuid.UUID:
                 f"topic {topic!r}: configure topic {topic!r}, or give the new topic a new "
                 "pipeline name"
             )
+        cur.execute("UPDATE pipelines SET mode = %s WHERE name = %s",
+                    (pipeline.mode, pipeline.name))
         for spec in pipeline.states:
-            state_tables.ensure_table(cur, spec)
+            if spec.conn_id is None:
+                state_tables.ensure_table(cur, spec)
+    for spec in pipeline.external_states():
+        external = connect(external_dsn(spec, state_dsns))
+        try:
+            with transaction(external) as cur:
+                state_tables.ensure_table(cur, spec)
+        finally:
+            external.close()
     return uuid.UUID(str(instance_id))
 
 
-def _lock_pipeline(cur, name: str) -> tuple:
+def external_dsn(spec, state_dsns: Mapping[str, str] | None) -> str:
+    if not state_dsns or spec.name not in state_dsns:
+        raise ConfigError(
+            f"state[{spec.name}].conn_id={spec.conn_id!r} has no database given: define that "
+            "Airflow connection (or pass its DSN in state_dsns)"
+        )
+    return state_dsns[spec.name]
+
+
+def lock_pipeline(cur, name: str) -> tuple:
+    """(next_txid, last_committed_txid, instance_id, topic) under the coordinator row's lock."""
     cur.execute(
         """SELECT next_txid, last_committed_txid, instance_id, topic
            FROM pipelines WHERE name = %s FOR UPDATE""",
@@ -99,192 +125,223 @@ def _lock_pipeline(cur, name: str) -> tuple:
     return row
 
 
-def load_batch(cur, pipeline: str, txid: int, *, reused: bool = False) -> Batch:
+def load_batch(cur, pipeline: str, txid: int) -> Batch:
     cur.execute(
-        "SELECT attempt, groups FROM transactions WHERE pipeline = %s AND txid = %s",
+        "SELECT attempt, groups, state FROM transactions WHERE pipeline = %s AND txid = %s",
         (pipeline, txid),
     )
     row = cur.fetchone()
     if row is None:
         raise LookupError(f"pipeline {pipeline!r} has no txid {txid}")
-    attempt, groups = row
+    attempt, groups, txn_state = row
     cur.execute(
         """SELECT partition, start_offset, end_offset, grp FROM batch_ranges
            WHERE pipeline = %s AND txid = %s ORDER BY partition""",
         (pipeline, txid),
     )
     ranges = tuple((PartitionRange(p, s, e), g) for p, s, e, g in cur.fetchall())
-    return Batch(pipeline, TransactionAttempt(txid, attempt), ranges, groups, reused)
+    return Batch(pipeline, TransactionAttempt(txid, attempt), ranges, groups,
+                 committed=txn_state == "committed")
 
 
-def _plan_starts(cur, pipeline: str, topic: str) -> dict[int, int]:
-    """Per partition: where the next batch starts.
+def _plan_starts(cur, pipeline: str, topic: str, before_txid: int | None = None
+                 ) -> dict[int, int]:
+    """Per partition: where a batch starts.
 
-    The end of the last planned range (batches in flight are not re-read), else the committed
-    offset, else the start of the log.
+    The end of the last planned, not superseded range of a txid below ``before_txid`` (all
+    txids when None), else the committed offset, else the start of the log.
     """
     cur.execute(
         """SELECT sp.partition,
                   GREATEST(sp.log_start_offset, po."offset",
                            (SELECT max(br.end_offset) FROM batch_ranges br
-                            WHERE br.pipeline = %(pipeline)s AND br.partition = sp.partition))
+                            JOIN transactions t ON t.pipeline = br.pipeline AND t.txid = br.txid
+                            WHERE br.pipeline = %(pipeline)s AND br.partition = sp.partition
+                              AND t.state <> 'superseded'
+                              AND (%(before)s::bigint IS NULL OR br.txid < %(before)s)))
            FROM source_partitions sp
            LEFT JOIN partition_offsets po
                   ON po.pipeline = %(pipeline)s AND po.partition = sp.partition
            WHERE sp.topic = %(topic)s""",
-        {"pipeline": pipeline, "topic": topic},
+        {"pipeline": pipeline, "topic": topic, "before": before_txid},
     )
     return dict(cur.fetchall())
 
 
-def begin(conn, pipeline: Pipeline, run_id: str) -> Batch:
-    """Give ``run_id`` its transaction: the txid it already has, or a new txid and batch.
+def _plan(cur, pipeline: Pipeline, topic: str, groups: int, before_txid: int | None
+          ) -> list[tuple[PartitionRange, int]]:
+    starts = _plan_starts(cur, pipeline.name, topic, before_txid)
+    heads = {p: head for p, (_, head) in partition_heads(cur, topic).items()}
+    return plan_ranges(starts, heads, pipeline.batch_size, groups)
 
-    The batch's ranges are stored before this returns, so processing (and any replay of it)
-    reads exactly the planned records.
-    """
-    with transaction(conn) as cur:
-        next_txid, _, _, topic = _lock_pipeline(cur, pipeline.name)
-        cur.execute(
-            "SELECT txid FROM transaction_runs WHERE pipeline = %s AND run_id = %s",
-            (pipeline.name, run_id),
-        )
-        row = cur.fetchone()
-        if row is not None:
-            batch = load_batch(cur, pipeline.name, row[0], reused=True)
-            log.info("run %s already attempts %s of %s: reusing its batch", run_id,
-                     batch.attempt, pipeline.name)
-            return batch
 
-        txid = next_txid
-        starts = _plan_starts(cur, pipeline.name, topic)
-        heads = {p: head for p, (_, head) in partition_heads(cur, topic).items()}
-        ranges = plan_ranges(starts, heads, pipeline.batch_size, pipeline.groups)
-        records = sum(r.size for r, _ in ranges)
-        cur.execute(
-            """INSERT INTO transactions (pipeline, txid, attempt, run_id, groups, records)
-               VALUES (%s, %s, 1, %s, %s, %s)""",
-            (pipeline.name, txid, run_id, pipeline.groups, records),
-        )
-        psycopg2.extras.execute_values(
-            cur,
-            """INSERT INTO batch_ranges
-               (pipeline, txid, topic, partition, grp, start_offset, end_offset) VALUES %s""",
-            [(pipeline.name, txid, topic, r.partition, g, r.start, r.end) for r, g in ranges],
-        )
-        cur.execute(
-            "INSERT INTO transaction_runs (pipeline, run_id, txid) VALUES (%s, %s, %s)",
-            (pipeline.name, run_id, txid),
-        )
-        cur.execute("UPDATE pipelines SET next_txid = %s WHERE name = %s",
-                    (txid + 1, pipeline.name))
-    batch = Batch(pipeline.name, TransactionAttempt(txid, 1), tuple(ranges), pipeline.groups)
-    log.info(
-        "BEGIN pipeline=%s txid=%d attempt=1 run=%s records=%d ranges=%s",
-        pipeline.name, txid, run_id, records,
-        " ".join(f"p{r.partition}:[{r.start},{r.end})" for r, _ in ranges) or "(nothing new)",
+def _store_ranges(cur, pipeline: str, txid: int, topic: str,
+                  ranges: list[tuple[PartitionRange, int]]) -> None:
+    cur.execute("DELETE FROM batch_ranges WHERE pipeline = %s AND txid = %s", (pipeline, txid))
+    psycopg2.extras.execute_values(
+        cur,
+        """INSERT INTO batch_ranges
+           (pipeline, txid, topic, partition, grp, start_offset, end_offset) VALUES %s""",
+        [(pipeline, txid, topic, r.partition, g, r.start, r.end) for r, g in ranges],
     )
+
+
+def _map_run(cur, pipeline: str, run_id: str, txid: int) -> None:
+    cur.execute(
+        """INSERT INTO transaction_runs (pipeline, run_id, txid) VALUES (%s, %s, %s)
+           ON CONFLICT (pipeline, run_id) DO UPDATE SET txid = EXCLUDED.txid""",
+        (pipeline, run_id, txid),
+    )
+
+
+def _describe(ranges) -> str:
+    return " ".join(f"p{r.partition}:[{r.start},{r.end})" for r, _ in ranges) or "(nothing new)"
+
+
+def begin(conn, pipeline: Pipeline, run_id: str, *, txid: int | None = None) -> Batch:
+    """Give ``run_id`` its transaction attempt and batch (the rules in the module docstring)."""
+    with transaction(conn) as cur:
+        next_txid, _, _, topic = lock_pipeline(cur, pipeline.name)
+        target, why = txid, "requested"
+        if target is None:
+            cur.execute("SELECT txid FROM transaction_runs WHERE pipeline = %s AND run_id = %s",
+                        (pipeline.name, run_id))
+            row = cur.fetchone()
+            target, why = (row[0], "the run's own txid") if row else (None, "")
+        if target is None:
+            cur.execute(
+                """SELECT min(txid) FROM transactions
+                   WHERE pipeline = %s AND state IN ('failed', 'superseded')""",
+                (pipeline.name,),
+            )
+            target, why = cur.fetchone()[0], "adopting the lowest failed or superseded txid"
+        if target is None:
+            return _begin_new(cur, pipeline, run_id, next_txid, topic)
+        if not 1 <= target < next_txid:
+            raise LookupError(
+                f"txid={target} does not exist in pipeline {pipeline.name!r} (txids 1.."
+                f"{next_txid - 1}): omit txid to plan a new transaction"
+            )
+        return _reattempt(cur, pipeline, run_id, target, topic, why)
+
+
+def _begin_new(cur, pipeline: Pipeline, run_id: str, txid: int, topic: str) -> Batch:
+    cur.execute(
+        """SELECT coalesce(array_agg(txid ORDER BY txid), '{}') FROM transactions
+           WHERE pipeline = %s AND state <> 'committed'""",
+        (pipeline.name,),
+    )
+    pending = cur.fetchone()[0]
+    if len(pending) >= pipeline.max_pending:
+        raise MaxPendingReached(
+            f"max_pending={pipeline.max_pending} reached for {pipeline.name}: txids "
+            f"{', '.join(map(str, pending))} are uncommitted; no new transaction is planned "
+            "until one commits"
+        )
+    ranges = _plan(cur, pipeline, topic, pipeline.groups, None)
+    records = sum(r.size for r, _ in ranges)
+    cur.execute(
+        """INSERT INTO transactions (pipeline, txid, attempt, run_id, groups, records)
+           VALUES (%s, %s, 1, %s, %s, %s)""",
+        (pipeline.name, txid, run_id, pipeline.groups, records),
+    )
+    cur.execute(
+        "INSERT INTO transaction_attempts (pipeline, txid, attempt, run_id) VALUES (%s, %s, 1, %s)",
+        (pipeline.name, txid, run_id),
+    )
+    _store_ranges(cur, pipeline.name, txid, topic, ranges)
+    _map_run(cur, pipeline.name, run_id, txid)
+    cur.execute("UPDATE pipelines SET next_txid = %s WHERE name = %s", (txid + 1, pipeline.name))
+    log.info("BEGIN pipeline=%s txid=%d attempt=1 run=%s records=%d ranges=%s",
+             pipeline.name, txid, run_id, records, _describe(ranges))
+    return Batch(pipeline.name, TransactionAttempt(txid, 1), tuple(ranges), pipeline.groups)
+
+
+def _reattempt(cur, pipeline: Pipeline, run_id: str, txid: int, topic: str, why: str) -> Batch:
+    cur.execute(
+        """SELECT attempt, state, groups FROM transactions
+           WHERE pipeline = %s AND txid = %s FOR UPDATE""",
+        (pipeline.name, txid),
+    )
+    old_attempt, old_state, groups = cur.fetchone()
+    _map_run(cur, pipeline.name, run_id, txid)
+    if old_state == "committed":
+        log.info("BEGIN pipeline=%s txid=%d is committed already (%s): run %s has nothing to do",
+                 pipeline.name, txid, why, run_id)
+        return load_batch(cur, pipeline.name, txid)
+    attempt = old_attempt + 1
+    end_attempt(cur, pipeline.name, TransactionAttempt(txid, old_attempt), "fenced",
+                 f"attempt {attempt} started by run {run_id}")
+    cur.execute(
+        """UPDATE transactions SET attempt = %s, state = 'planned', run_id = %s,
+                  commit_requested_at = NULL
+           WHERE pipeline = %s AND txid = %s""",
+        (attempt, run_id, pipeline.name, txid),
+    )
+    cur.execute(
+        """INSERT INTO transaction_attempts (pipeline, txid, attempt, run_id)
+           VALUES (%s, %s, %s, %s)""",
+        (pipeline.name, txid, attempt, run_id),
+    )
+    delete_staging(cur, pipeline.name, txid)  # older attempts' staging can never commit
+    replanned = pipeline.mode == "opaque" and _replan(cur, pipeline, txid, topic, groups)
+    batch = load_batch(cur, pipeline.name, txid)
+    log.info("BEGIN pipeline=%s txid=%d attempt=%d run=%s (%s, was %s%s) records=%d ranges=%s",
+             pipeline.name, txid, attempt, run_id, why, old_state,
+             ", re-planned" if replanned else "", batch.records, _describe(batch.ranges))
     return batch
 
 
-Step = Callable[[str], None]
-
-
-def _no_step(_: str) -> None:
-    pass
-
-
-def commit(conn, pipeline: Pipeline, ta: TransactionAttempt, *, on_step: Step = _no_step
-           ) -> CommitResult:
-    """Commit ``ta`` if it is its turn; else return status "waiting" and change nothing.
-
-    ONE PostgreSQL transaction under the coordinator row's lock: fence, apply every state's
-    staged deltas (set-based upserts), keep the rejected records, advance the partition
-    offsets, drop the staging, and last write the commit record. A crash anywhere before the
-    final COMMIT leaves nothing; a committed txid committed again is a logged no-op.
-    ``on_step(name)`` is called after each statement group (fault injection in tests).
-    """
-    with transaction(conn) as cur:
-        cur.execute(
-            """UPDATE transactions SET commit_requested_at = now()
-               WHERE pipeline = %s AND txid = %s AND attempt = %s
-                 AND commit_requested_at IS NULL""",
-            (pipeline.name, ta.txid, ta.attempt),
-        )
-    with transaction(conn) as cur:
-        _, last_committed, instance_id, _ = _lock_pipeline(cur, pipeline.name)
-        txn_state = current_attempt(cur, pipeline.name, ta, lock="update")
-        if txn_state == "committed":
-            log.info("COMMIT pipeline=%s %s: already committed, nothing to do", pipeline.name, ta)
-            return CommitResult("already_committed", ta)
-        if txn_state != "planned":
-            raise Fenced(f"{ta} of {pipeline.name} is {txn_state}: it may not commit")
-        if last_committed != ta.txid - 1:
-            cur.execute(
-                "SELECT state, run_id FROM transactions WHERE pipeline = %s AND txid = %s",
-                (pipeline.name, last_committed + 1),
-            )
-            blocking_state, blocking_run = cur.fetchone() or (None, None)
-            return CommitResult("waiting", ta, blocking_txid=last_committed + 1,
-                                blocking_state=blocking_state, blocking_run_id=blocking_run)
-        keys = {"pipeline": pipeline.name, "txid": ta.txid, "attempt": ta.attempt}
-        cur.execute(
-            """SELECT t.groups, array_agg(g.grp ORDER BY g.grp) FILTER (WHERE g.grp IS NOT NULL)
-               FROM transactions t
-               LEFT JOIN staged_groups g ON g.pipeline = t.pipeline AND g.txid = t.txid
-                                         AND g.attempt = %(attempt)s
-               WHERE t.pipeline = %(pipeline)s AND t.txid = %(txid)s GROUP BY t.groups""",
-            keys,
-        )
-        groups, staged = cur.fetchone()
-        missing = sorted(set(range(groups)) - set(staged or []))
-        if missing:
-            raise MissingStaging(
-                f"{ta} of {pipeline.name}: processing group(s) {missing} have not staged; "
-                "run (or retry) their process task before commit"
-            )
-        on_step("locked")
-        rows = 0
-        for spec in pipeline.states:
-            rows += state_tables.apply_source(
-                cur, spec, ta.txid, state_tables.staged_source(), {**keys, "state": spec.name}
-            )
-            on_step(f"state:{spec.name}")
-        cur.execute(
-            """INSERT INTO rejected_records (pipeline, topic, partition, "offset", error, txid)
-               SELECT pipeline, topic, partition, "offset", error, txid FROM staged_rejects
-               WHERE pipeline = %(pipeline)s AND txid = %(txid)s AND attempt = %(attempt)s
-               ON CONFLICT DO NOTHING""",
-            keys,
-        )
-        on_step("rejects")
-        cur.execute(
-            """INSERT INTO partition_offsets
-                   (pipeline, instance_id, topic, partition, "offset", txid)
-               SELECT pipeline, %(instance)s, topic, partition, end_offset, txid
-               FROM batch_ranges WHERE pipeline = %(pipeline)s AND txid = %(txid)s
-               ON CONFLICT (pipeline, partition) DO UPDATE
-               SET "offset" = EXCLUDED."offset", txid = EXCLUDED.txid, topic = EXCLUDED.topic,
-                   instance_id = EXCLUDED.instance_id, updated_at = now()""",
-            {**keys, "instance": str(instance_id)},
-        )
-        on_step("offsets")
-        delete_staging(cur, pipeline.name, ta.txid)
-        on_step("staging")
-        cur.execute(
-            """UPDATE transactions
-               SET state = 'committed', committed_at = now(), rows_applied = %(rows)s,
-                   commit_wait_s = EXTRACT(EPOCH FROM now() - commit_requested_at)
-               WHERE pipeline = %(pipeline)s AND txid = %(txid)s
-               RETURNING commit_wait_s""",
-            {**keys, "rows": rows},
-        )
-        waited = cur.fetchone()[0] or 0.0
-        cur.execute("UPDATE pipelines SET last_committed_txid = %s WHERE name = %s",
-                    (ta.txid, pipeline.name))
-        on_step("commit_record")
-    log.info(
-        "COMMIT pipeline=%s txid=%d attempt=%d prev_txid=%d rows=%d waited=%.2fs",
-        pipeline.name, ta.txid, ta.attempt, ta.txid - 1, rows, waited,
+def _replan(cur, pipeline: Pipeline, txid: int, topic: str, groups: int) -> bool:
+    """Opaque mode: plan ``txid`` again from where txid - 1 ends. Returns True if it changed;
+    then every later uncommitted txid is superseded."""
+    new = _plan(cur, pipeline, topic, groups, txid)
+    old = list(load_batch(cur, pipeline.name, txid).ranges)
+    if new == old:
+        return False
+    _store_ranges(cur, pipeline.name, txid, topic, new)
+    cur.execute(
+        """UPDATE transactions SET records = %s, replans = replans + 1
+           WHERE pipeline = %s AND txid = %s""",
+        (sum(r.size for r, _ in new), pipeline.name, txid),
     )
-    return CommitResult("committed", ta, rows_applied=rows, waited_s=waited)
+    cur.execute(
+        """UPDATE transactions SET state = 'superseded'
+           WHERE pipeline = %s AND txid > %s AND state <> 'committed'
+           RETURNING txid, attempt""",
+        (pipeline.name, txid),
+    )
+    superseded = sorted(cur.fetchall())
+    for later, attempt in superseded:
+        end_attempt(cur, pipeline.name, TransactionAttempt(later, attempt), "superseded",
+                     f"txid {txid} was re-planned")
+        delete_staging(cur, pipeline.name, later)
+    log.warning("REPLAN pipeline=%s txid=%d: %s -> %s; superseded txids %s", pipeline.name,
+                txid, _describe(old), _describe(new),
+                ", ".join(str(t) for t, _ in superseded) or "none")
+    return True
+
+
+def end_attempt(cur, pipeline: str, ta: TransactionAttempt, outcome: str, reason: str) -> None:
+    cur.execute(
+        """UPDATE transaction_attempts SET outcome = %s, reason = %s, ended_at = now()
+           WHERE pipeline = %s AND txid = %s AND attempt = %s AND outcome IS NULL""",
+        (outcome, reason, pipeline, ta.txid, ta.attempt),
+    )
+
+
+def mark_failed(conn, pipeline: str, ta: TransactionAttempt, reason: str) -> bool:
+    """Mark ``ta``'s transaction failed, so the next run adopts it. Fenced: only the current,
+    uncommitted attempt can be marked. Returns whether it was."""
+    with transaction(conn) as cur:
+        cur.execute(
+            """UPDATE transactions SET state = 'failed'
+               WHERE pipeline = %s AND txid = %s AND attempt = %s AND state = 'planned'""",
+            (pipeline, ta.txid, ta.attempt),
+        )
+        marked = cur.rowcount == 1
+        if marked:
+            end_attempt(cur, pipeline, ta, "failed", reason[:2000])
+    if marked:
+        log.warning("FAILED pipeline=%s %s: %s", pipeline, ta, reason)
+    return marked

@@ -27,14 +27,24 @@ def _check(ok: bool, field_name: str, value: Any, fix: str) -> None:
 
 @dataclass(frozen=True)
 class StateSpec:
-    """One state table updated by the commit with a batch's deltas for ``name``."""
+    """One state table, updated by the commit with the batch's deltas for ``source_name``.
+
+    ``conn_id``: the Airflow connection of another PostgreSQL database that holds this state
+    (None: the coordinator's own database, atomic with the commit).
+    """
 
     name: str
     kind: str = "opaque"
+    source: str | None = None  # which deltas of the transform feed it (default: name)
+    conn_id: str | None = None
 
     @property
     def table(self) -> str:
         return self.name
+
+    @property
+    def source_name(self) -> str:
+        return self.source or self.name
 
     def validate(self) -> None:
         _check(bool(_IDENT.match(self.name)), "state.name", self.name,
@@ -54,6 +64,7 @@ class Pipeline:
     batch_size: int = 20_000  # records per transaction, across all partitions
     partitions: int = 4  # how many partitions `onceflow produce` writes
     groups: int = 1  # processing groups per batch (parallel Spark tasks)
+    max_pending: int = 3  # planned and uncommitted transactions at most (Storm's max pending)
 
     def validate(self) -> Pipeline:
         _check(bool(_IDENT.match(self.name)), "pipeline.name", self.name,
@@ -66,10 +77,16 @@ class Pipeline:
                self.partitions, "give a positive number of source partitions")
         _check(isinstance(self.groups, int) and self.groups > 0, "pipeline.groups", self.groups,
                "give a positive number of processing groups")
+        _check(isinstance(self.max_pending, int) and self.max_pending > 0,
+               "pipeline.max_pending", self.max_pending,
+               "give a positive number of transactions that may be in flight")
         _check(len(self.states) > 0, "pipeline.states", self.states, "declare at least one state")
         for state in self.states:
             state.validate()
         return self
+
+    def external_states(self) -> list[StateSpec]:
+        return [spec for spec in self.states if spec.conn_id is not None]
 
     def state(self, name: str) -> StateSpec:
         for spec in self.states:

@@ -18,9 +18,11 @@ state write and the coordinator's commit are not atomic: that is what the txid c
 
 from __future__ import annotations
 
+import csv
+import io
 from collections.abc import Mapping
+from typing import IO
 
-import psycopg2.extras
 from psycopg2 import sql
 
 from onceflow.pipeline import StateSpec
@@ -96,16 +98,22 @@ def staged_source() -> sql.Composable:
     )
 
 
-def apply_deltas(cur, spec: StateSpec, txid: int, deltas: Mapping[str, int]) -> int:
-    """Apply an in-memory batch (tests, a state kept in another database)."""
+def apply_csv(cur, spec: StateSpec, txid: int, rows_csv: IO) -> int:
+    """Apply a batch given as CSV rows ``key,delta`` (COPY into a temp table, then upsert)."""
     cur.execute("CREATE TEMP TABLE IF NOT EXISTS onceflow_batch (key text, delta bigint) "
                 "ON COMMIT DELETE ROWS")
     cur.execute("TRUNCATE onceflow_batch")
-    psycopg2.extras.execute_values(
-        cur, "INSERT INTO onceflow_batch (key, delta) VALUES %s", list(deltas.items())
-    )
+    cur.copy_expert("COPY onceflow_batch (key, delta) FROM STDIN (FORMAT csv)", rows_csv)
     source = sql.SQL("SELECT key, sum(delta)::bigint AS delta FROM onceflow_batch GROUP BY key")
     return apply_source(cur, spec, txid, source)
+
+
+def apply_deltas(cur, spec: StateSpec, txid: int, deltas: Mapping[str, int]) -> int:
+    """Apply an in-memory batch ``{key: delta}``."""
+    buf = io.StringIO()
+    csv.writer(buf).writerows(deltas.items())
+    buf.seek(0)
+    return apply_csv(cur, spec, txid, buf)
 
 
 def read_state(cur, spec: StateSpec) -> dict[str, int]:
