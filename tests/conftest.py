@@ -82,6 +82,18 @@ def dsn(template_db):
 
 
 @pytest.fixture
+def second_dsn(template_db):
+    """An empty second database: a state kept outside the coordinator's database."""
+    name = f"onceflow_s{os.getpid()}_{next(_counter)}"
+    admin = _admin()
+    _exec(admin, "DROP DATABASE IF EXISTS {} WITH (FORCE)", name)
+    _exec(admin, "CREATE DATABASE {}", name)
+    yield db.with_database(_SERVER_DSN, name)
+    _exec(admin, "DROP DATABASE IF EXISTS {} WITH (FORCE)", name)
+    admin.close()
+
+
+@pytest.fixture
 def conn(dsn):
     c = db.connect(dsn)
     yield c

@@ -10,10 +10,10 @@ from onceflow.source import produce
 
 
 def tweets_pipeline(conn, *, events: int = 0, batch_size: int = 1000, seed: int = 7,
-                    malformed_share: float = 0.05, **overrides) -> Pipeline:
+                    malformed_share: float = 0.05, state_dsns=None, **overrides) -> Pipeline:
     """The demo pipeline registered in ``conn``'s database, with ``events`` produced."""
     pipeline = get_pipeline("tweets", batch_size=batch_size, **overrides)
-    register(conn, pipeline)
+    register(conn, pipeline, state_dsns)
     if events:
         produce(conn, pipeline.topic, generate(events, seed=seed, malformed_share=malformed_share))
     return pipeline

@@ -31,9 +31,13 @@ OPAQUE_CASES = [
     ([(1, {"a": 3}), (2, {"a": 4}), (2, {"a": 4})], [("a", 2, 7, 3)]),
     # a replay with a different delta: value = prev_value + new delta
     ([(1, {"a": 3}), (2, {"a": 4}), (2, {"a": 10})], [("a", 2, 13, 3)]),
-    # a replay that no longer has a key still recomputes the keys it has
+    # a replay that no longer has a key puts it back to prev_value: its first try is undone
     ([(1, {"a": 3, "b": 1}), (2, {"a": 1, "b": 1}), (2, {"a": 5})],
-     [("a", 2, 8, 3), ("b", 2, 2, 1)]),
+     [("a", 2, 8, 3), ("b", 2, 1, 1)]),
+    # ... and a key only the first try had ends at 0
+    ([(1, {"a": 3}), (2, {"a": 1, "n": 4}), (2, {"a": 1})], [("a", 2, 4, 3), ("n", 2, 0, 0)]),
+    # keys of other txids are never touched by a replay
+    ([(1, {"a": 3, "b": 1}), (2, {"a": 1}), (2, {"a": 2})], [("a", 2, 5, 3), ("b", 1, 1, 0)]),
     # a key first seen on a replay of txid 2 is a first write at txid 2
     ([(1, {"a": 3}), (2, {"a": 1}), (2, {"a": 1, "c": 9})], [("a", 2, 4, 3), ("c", 2, 9, 0)]),
     # the seed's example: count 5 at txid 3, batch of 3 at txid 4, replayed as 2 -> 7

@@ -9,6 +9,15 @@ Opaque (a row is ``key, txid, value, prev_value``), applying delta ``d`` at ``tx
 Worked example: url "a" holds (txid 6, value 10, prev 7). Txid 7 adds 2 -> (7, 12, 10). Txid 7
 is replayed with a different batch that adds 5 -> (7, 15, 10): the first try's 2 is gone.
 
+A replay whose batch no longer has a key that the first try wrote (stored txid == txid, the
+key absent now) puts that key back to prev_value: the first try's delta is gone there too.
+Without this a crash between a state's write and the coordinator's commit, followed by a
+different batch, would count the first try's records twice (once now, again when they are
+read by a later txid). Keys are found by txid, so a table that needs it (a state outside the
+coordinator's database) has an index on txid. Inside the coordinator's database the state
+write and the commit record are one PostgreSQL transaction, so no key can be left at an
+uncommitted txid and the scan is skipped.
+
 Transactional (``key, txid, value``): a txid's batch never changes, so a stored txid equal to
 the batch's means "already applied" and the row is left alone.
 
@@ -32,6 +41,11 @@ class StaleBatch(RuntimeError):
     """A batch older than what a state table already holds: never applied."""
 
 
+def needs_revert(spec: StateSpec) -> bool:
+    """Whether replays must put absent keys back (an opaque state outside the coordinator)."""
+    return spec.kind == "opaque" and spec.conn_id is not None
+
+
 def ensure_table(cur, spec: StateSpec) -> None:
     prev = sql.SQL(", prev_value bigint NOT NULL DEFAULT 0" if spec.kind == "opaque" else "")
     # fillfactor 50 leaves room for HOT updates: upserts of hot keys rewrite no index.
@@ -41,6 +55,9 @@ def ensure_table(cur, spec: StateSpec) -> None:
             "value bigint NOT NULL{}) WITH (fillfactor = 50)"
         ).format(sql.Identifier(spec.table), prev)
     )
+    if needs_revert(spec):
+        cur.execute(sql.SQL("CREATE INDEX IF NOT EXISTS {} ON {} (txid)").format(
+            sql.Identifier(f"{spec.table}_txid"), sql.Identifier(spec.table)))
 
 
 _UPSERT = {
@@ -69,15 +86,26 @@ _UPSERT = {
 }
 
 
+_REVERT_ABSENT = """
+    UPDATE {table} AS s SET value = s.prev_value
+    WHERE s.txid = %(txid)s AND s.value <> s.prev_value
+      AND NOT EXISTS (SELECT 1 FROM ({source}) AS d WHERE d.key = s.key)"""
+
+
 def apply_source(cur, spec: StateSpec, txid: int, source: sql.Composable,
-                 params: Mapping | None = None) -> int:
+                 params: Mapping | None = None, *, revert_absent: bool = False) -> int:
     """Apply the deltas ``source`` yields (columns key, delta; one row per key) at ``txid``.
 
-    One statement. Returns the rows written. An opaque table raises StaleBatch when a key's
-    stored txid is newer than ``txid`` (the caller's transaction must then roll back); a
-    transactional one skips keys already at ``txid`` (applied before).
+    Returns the rows written. An opaque table raises StaleBatch when a key's stored txid is
+    newer than ``txid`` (the caller's transaction must then roll back); a transactional one
+    skips keys already at ``txid`` (applied before). ``revert_absent``: first put keys left at
+    ``txid`` by an earlier try, and absent from this batch, back to prev_value (opaque only).
     """
-    query = sql.SQL(_UPSERT[spec.kind]).format(table=sql.Identifier(spec.table), source=source)
+    table = sql.Identifier(spec.table)
+    if revert_absent and spec.kind == "opaque":
+        cur.execute(sql.SQL(_REVERT_ABSENT).format(table=table, source=source),
+                    {**(params or {}), "txid": txid})
+    query = sql.SQL(_UPSERT[spec.kind]).format(table=table, source=source)
     cur.execute(query, {**(params or {}), "txid": txid})
     expected, written = cur.fetchone()
     if spec.kind == "opaque" and written != expected:
@@ -98,18 +126,20 @@ def staged_source() -> sql.Composable:
     )
 
 
-def apply_csv(cur, spec: StateSpec, txid: int, rows_csv: IO) -> int:
-    """Apply a batch given as CSV rows ``key,delta`` (COPY into a temp table, then upsert)."""
+def apply_csv(cur, spec: StateSpec, txid: int, rows_csv: IO, *, revert_absent: bool = True
+              ) -> int:
+    """Apply a whole batch given as CSV rows ``key,delta`` (COPY into a temp table, then
+    upsert), putting keys an earlier try left at ``txid`` back when this batch lacks them."""
     cur.execute("CREATE TEMP TABLE IF NOT EXISTS onceflow_batch (key text, delta bigint) "
                 "ON COMMIT DELETE ROWS")
     cur.execute("TRUNCATE onceflow_batch")
     cur.copy_expert("COPY onceflow_batch (key, delta) FROM STDIN (FORMAT csv)", rows_csv)
     source = sql.SQL("SELECT key, sum(delta)::bigint AS delta FROM onceflow_batch GROUP BY key")
-    return apply_source(cur, spec, txid, source)
+    return apply_source(cur, spec, txid, source, revert_absent=revert_absent)
 
 
 def apply_deltas(cur, spec: StateSpec, txid: int, deltas: Mapping[str, int]) -> int:
-    """Apply an in-memory batch ``{key: delta}``."""
+    """Apply a whole in-memory batch ``{key: delta}`` (absent keys reverted as in apply_csv)."""
     buf = io.StringIO()
     csv.writer(buf).writerows(deltas.items())
     buf.seek(0)

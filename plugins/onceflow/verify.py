@@ -7,6 +7,7 @@ table (exactly once) or kept in rejected_records.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from onceflow.pipeline import Pipeline, load_callable
@@ -46,7 +47,26 @@ def _diff(name: str, expected: dict, actual: dict, limit: int = 5) -> list[str]:
     return out
 
 
-def verify(conn, pipeline: Pipeline) -> VerifyReport:
+def _read_states(conn, pipeline: Pipeline, state_dsns: Mapping[str, str] | None
+                 ) -> dict[str, dict[str, int]]:
+    from onceflow.coordinator import external_dsn
+    from onceflow.db import connect
+
+    states = {}
+    for spec in pipeline.states:
+        other = connect(external_dsn(spec, state_dsns)) if spec.conn_id else None
+        try:
+            with (other or conn).cursor() as cur:
+                states[spec.name] = read_state(cur, spec)
+        finally:
+            if other is not None:
+                other.close()
+    return states
+
+
+def verify(conn, pipeline: Pipeline, state_dsns: Mapping[str, str] | None = None
+           ) -> VerifyReport:
+    """``state_dsns``: the database of each state kept outside the coordinator's."""
     report = VerifyReport(pipeline.name)
     with conn.cursor() as cur:
         cur.execute(
@@ -56,7 +76,7 @@ def verify(conn, pipeline: Pipeline) -> VerifyReport:
         ends = dict(cur.fetchall())
         cur.execute("SELECT count(*) FROM rejected_records WHERE pipeline = %s", (pipeline.name,))
         report.rejected_committed = cur.fetchone()[0]
-        committed = {spec.name: read_state(cur, spec) for spec in pipeline.states}
+    committed = _read_states(conn, pipeline, state_dsns)
     conn.commit()
     recompute = load_callable(pipeline.recompute)
     expected = recompute(iter_payloads_below(conn, pipeline.topic, ends) if ends else [])
@@ -64,7 +84,7 @@ def verify(conn, pipeline: Pipeline) -> VerifyReport:
     report.rejected_expected = sum(expected.rejected.values())
     for spec in pipeline.states:
         report.keys[spec.name] = len(committed[spec.name])
-        report.mismatches += _diff(spec.name, dict(expected.counts.get(spec.name, {})),
+        report.mismatches += _diff(spec.name, dict(expected.counts.get(spec.source_name, {})),
                                    committed[spec.name])
     if report.rejected_expected != report.rejected_committed:
         report.mismatches.append(
