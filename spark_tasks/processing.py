@@ -13,8 +13,9 @@ import logging
 import time
 from dataclasses import dataclass
 
+import pyarrow as pa
+import pyarrow.compute as pc
 from pyarrow import csv as pacsv
-from pyspark import StorageLevel
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
@@ -39,14 +40,34 @@ class BatchOutput:
     rejects: DataFrame
 
 
-def _csv(df: DataFrame) -> io.BytesIO:
-    """A DataFrame's rows as header-less CSV, collected through Arrow."""
+def _csv(table: pa.Table) -> io.BytesIO:
+    """Arrow rows as header-less CSV (what COPY reads)."""
     buf = io.BytesIO()
-    table = df.toArrow()
     if table.num_rows:
         pacsv.write_csv(table, buf, pacsv.WriteOptions(include_header=False))
     buf.seek(0)
     return buf
+
+
+def collect_output(out: BatchOutput, topic: str) -> tuple[io.BytesIO, io.BytesIO]:
+    """Deltas and rejects as CSV, collected in ONE Spark job (a union split again by Arrow),
+    so the source is read once without caching it."""
+    null = F.lit(None)
+    both = out.deltas.select(
+        F.lit(True).alias("is_delta"), "state_name", "key", F.col("delta").cast("long"),
+        null.cast("int").alias("partition"), null.cast("long").alias("offset"),
+        null.cast("string").alias("error"),
+    ).unionByName(out.rejects.select(
+        F.lit(False).alias("is_delta"), null.cast("string").alias("state_name"),
+        null.cast("string").alias("key"), null.cast("long").alias("delta"),
+        F.col("partition").cast("int"), F.col("offset").cast("long"), F.col("error"),
+    ))
+    table = both.toArrow()
+    is_delta = table.column("is_delta")
+    deltas = table.filter(is_delta).select(["state_name", "key", "delta"])
+    rejects = table.filter(pc.invert(is_delta)).select(["partition", "offset", "error"])
+    rejects = rejects.add_column(0, "topic", pa.array([topic] * rejects.num_rows, pa.string()))
+    return _csv(deltas), _csv(rejects)
 
 
 def process_batch(spark: SparkSession, dsn: str, pipeline: Pipeline, ta: TransactionAttempt,
@@ -75,13 +96,8 @@ def process_batch(spark: SparkSession, dsn: str, pipeline: Pipeline, ta: Transac
         ranges = [r for r, g in batch.ranges if g == group]
         records = sum(r.size for r in ranges)
         if records:
-            source = read_ranges(spark, dsn, topic, ranges).persist(StorageLevel.MEMORY_AND_DISK)
-            try:
-                out = load_callable(pipeline.transform)(source)
-                deltas = _csv(out.deltas.select("state_name", "key", "delta"))
-                rejects = _csv(out.rejects.select(F.lit(topic), "partition", "offset", "error"))
-            finally:
-                source.unpersist()
+            source = read_ranges(spark, dsn, topic, ranges)
+            deltas, rejects = collect_output(load_callable(pipeline.transform)(source), topic)
         else:
             deltas, rejects = io.BytesIO(), io.BytesIO()
         staged = stage_group(conn, pipeline.name, ta, group, deltas_csv=deltas,

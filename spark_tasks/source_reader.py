@@ -78,7 +78,7 @@ def read_ranges(spark: SparkSession, dsn: str, topic: str, ranges: Iterable[Part
     """The records of ``ranges``: columns partition, offset, payload."""
     pieces = chunk_ranges(ranges, chunk)
     rows = [(i, p, s, e) for i, (p, s, e) in enumerate(pieces)]
+    # No repartition: the local rows are already spread over the default parallelism (the
+    # cores), and each reader task takes its chunks one after the other.
     chunks = spark.createDataFrame(rows, CHUNK_SCHEMA)
-    if rows:
-        chunks = chunks.repartition(len(rows), "chunk")
     return chunks.mapInArrow(_copy_reader(dsn, topic), RECORD_SCHEMA)

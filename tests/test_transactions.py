@@ -184,7 +184,7 @@ def test_randomized_faults_at_every_boundary(spark, conn, dsn, capsys):
                                groups=rng.choice([1, 2]), malformed_share=0.05)
     steps = ["locked", "state:url_counts", "state:domain_counts", "rejects", "offsets",
              "staging", "commit_record"]
-    in_flight: list = []
+    in_flight: list = []  # (batch, processed)
     runs = faults = 0
     while table(conn, "SELECT last_committed_txid FROM pipelines")[0][0] < 50:
         runs += 1
@@ -200,13 +200,13 @@ def test_randomized_faults_at_every_boundary(spark, conn, dsn, capsys):
                     faults += 1
                     mark_failed(conn, "tweets", batch.attempt, "after_begin")
                 else:
-                    in_flight.append(batch)
+                    in_flight.append((batch, False))
             continue
         if not in_flight:
             continue
-        batch = in_flight.pop(rng.randrange(len(in_flight)))
+        batch, processed = in_flight.pop(rng.randrange(len(in_flight)))
         try:
-            for group in range(batch.groups):
+            for group in range(batch.groups if not processed else 0):
                 if rng.random() < 0.05:
                     raise Crash("inside_process")
                 process_batch(spark, dsn, pipeline, batch.attempt, group)
@@ -218,7 +218,7 @@ def test_randomized_faults_at_every_boundary(spark, conn, dsn, capsys):
 
             result = commit(conn, pipeline, batch.attempt, on_step=on_step)
             if result.status == "waiting":
-                in_flight.append(batch)  # its turn has not come: try later
+                in_flight.append((batch, True))  # its turn has not come: try later
             elif rng.random() < 0.05:
                 raise Crash("after_commit")  # the run dies after PostgreSQL committed
         except Crash as crash:
