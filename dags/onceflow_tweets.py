@@ -18,11 +18,17 @@ Connections: `onceflow_pg` (PostgreSQL) and `spark_default` (Spark master).
 
 from __future__ import annotations
 
+import os
 from datetime import datetime, timedelta
 
 from airflow.sdk import DAG, Param
 
-from onceflow.operators import BeginBatchOperator, CommitBatchOperator, ProcessBatchOperator
+from onceflow.operators import (
+    BeginBatchOperator,
+    CommitBatchOperator,
+    ProcessBatchOperator,
+    mark_transaction_failed,
+)
 
 PIPELINE = "tweets"
 
@@ -36,7 +42,13 @@ with DAG(
     max_active_runs=3,
     render_template_as_native_obj=True,
     tags=["onceflow", "exactly-once", "spark"],
-    default_args={"retries": 2, "retry_delay": timedelta(seconds=10)},
+    default_args={
+        # a task's last failure marks its attempt failed: the next run adopts the txid
+        "on_failure_callback": mark_transaction_failed,
+        "retries": 2,
+        "retry_delay": timedelta(
+            seconds=float(os.environ.get("ONCEFLOW_RETRY_DELAY_SECONDS", "10"))),
+    },
     params={
         "batch_size": Param(20_000, type="integer", minimum=1,
                             description="Records per new transaction, across all partitions."),

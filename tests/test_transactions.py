@@ -8,8 +8,8 @@ import os
 import random
 
 import pytest
-from helpers import run_transaction, table, tweets_pipeline
 
+from helpers import table, tweets_pipeline
 from onceflow.committer import MissingStaging, commit
 from onceflow.coordinator import MaxPendingReached, begin, mark_failed
 from onceflow.db import connect

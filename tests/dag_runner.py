@@ -1,0 +1,29 @@
+"""Run the demo DAG once with dag.test() in a process of its own (dag.test() cannot run from
+threads), for tests that need several runs at the same time.
+
+    python tests/dag_runner.py LOGICAL_DATE_ISO [CONF_JSON]
+
+Prints one last line: {"run_id": ..., "state": ..., "tasks": {task_id: state}}.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from datetime import datetime
+from pathlib import Path
+
+from onceflow.demo import load_dag
+
+
+def main() -> None:
+    logical_date = datetime.fromisoformat(sys.argv[1])
+    conf = json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}
+    dag = load_dag(Path(__file__).resolve().parents[1] / "dags")
+    dr = dag.test(logical_date=logical_date, run_conf=conf)
+    tasks = {f"{ti.task_id}[{ti.map_index}]": str(ti.state) for ti in dr.get_task_instances()}
+    print(json.dumps({"run_id": dr.run_id, "state": str(dr.state), "tasks": tasks}))
+
+
+if __name__ == "__main__":
+    main()
