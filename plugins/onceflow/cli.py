@@ -146,6 +146,25 @@ def cmd_demo(args) -> int:
     return code
 
 
+def cmd_backfill(args) -> int:
+    from onceflow.backfill import backfill
+    from onceflow.localenv import project_dir
+
+    if args.via == "local" and not args.dry_run:
+        _embedded_env()
+    conn = db.connect()
+    try:
+        def load():
+            from onceflow.demo import load_dag
+
+            return load_dag(project_dir() / "dags", dag_id=args.dag_id)
+
+        done = backfill(conn, args.pipeline, args.dag_id, args.via, args.dry_run, load)
+    finally:
+        conn.close()
+    return 0 if all(state in ("success", "queued") for _, _, state in done) else 1
+
+
 def cmd_ui(args) -> int:
     from onceflow.localenv import project_dir
 
@@ -197,6 +216,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("verify", cmd_verify,
             "recompute the expected state from the source and compare with the committed state")
     p.add_argument("--pipeline", default="tweets")
+    p = add("backfill", cmd_backfill,
+            "re-run failed and superseded transactions in txid order (DAG runs with conf txid)")
+    p.add_argument("--pipeline", default="tweets")
+    p.add_argument("--dag-id", default="onceflow_tweets", help="the pipeline's DAG")
+    p.add_argument("--via", choices=("airflow", "local"), default="airflow",
+                   help="airflow: queue runs for the scheduler (airflow dags trigger); "
+                        "local: run them here one by one with dag.test() (default airflow)")
+    p.add_argument("--dry-run", action="store_true", help="only list what would be re-run")
     add("ui", cmd_ui, "start the Airflow UI (airflow standalone on 127.0.0.1:8080)")
     return parser
 

@@ -15,12 +15,16 @@ from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-DAG_FILE = "onceflow_tweets.py"
 DAG_ID = "onceflow_tweets"
 
 
-def load_dag(dags_folder: Path, dag_file: str = DAG_FILE, dag_id: str = DAG_ID):
-    spec = importlib.util.spec_from_file_location(f"onceflow_dag_{dag_id}", dags_folder / dag_file)
+def load_dag(dags_folder: Path, dag_id: str = DAG_ID):
+    """The DAG ``dag_id`` from the DAGs folder (the file named after it)."""
+    path = dags_folder / f"{dag_id}.py"
+    if not path.exists():
+        raise FileNotFoundError(f"dag_id={dag_id!r}: no {path}; DAG files are named after their "
+                                "DAG id in the DAGs folder")
+    spec = importlib.util.spec_from_file_location(f"onceflow_dag_{dag_id}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.dag

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 
 def commit_log(cur, pipeline: str, limit: int = 50) -> list[str]:
-    """One line per transaction, in txid order (the commit order)."""
+    """One line per transaction, in txid order: the commit order, since txid N commits only
+    after N - 1. Open transactions show their last attempt's failure reason."""
     cur.execute(
         """SELECT t.txid, t.attempt, t.state, t.run_id, t.records, t.rows_applied,
                   t.committed_at, t.commit_wait_s,
+                  (SELECT a.reason FROM transaction_attempts a WHERE a.pipeline = t.pipeline
+                   AND a.txid = t.txid AND a.attempt = t.attempt),
                   (SELECT string_agg(format('p%%s:[%%s,%%s)', partition, start_offset, end_offset),
                                      ' ' ORDER BY partition)
                    FROM batch_ranges b WHERE b.pipeline = t.pipeline AND b.txid = t.txid)
@@ -16,13 +19,13 @@ def commit_log(cur, pipeline: str, limit: int = 50) -> list[str]:
         (pipeline, limit),
     )
     lines = []
-    for txid, attempt, state, run_id, records, rows, at, wait, ranges in cur.fetchall():
+    for txid, attempt, state, run_id, records, rows, at, wait, reason, ranges in cur.fetchall():
         when = at.strftime("%Y-%m-%d %H:%M:%S") if at else "-"
         wait_s = f"{wait:.2f}s" if wait is not None else "-"
         lines.append(
             f"txid={txid} attempt={attempt} state={state} committed_at={when} waited={wait_s} "
             f"records={records} rows={rows if rows is not None else '-'} run={run_id} "
-            f"ranges={ranges or '-'}"
+            f"ranges={ranges or '-'}" + (f" reason={reason}" if reason else "")
         )
     return lines
 

@@ -1,0 +1,55 @@
+"""`onceflow backfill`: failed and superseded transactions re-run in txid order."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from helpers import table, tweets_pipeline
+from onceflow.cli import main
+from onceflow.coordinator import begin, mark_failed
+from onceflow.verify import verify
+
+
+@pytest.fixture
+def two_failed(conn):
+    pipeline = tweets_pipeline(conn, events=700, batch_size=300)
+    batches = {run: begin(conn, pipeline, run) for run in ("run-1", "run-2")}
+    for run, batch in batches.items():
+        mark_failed(conn, "tweets", batch.attempt, f"{run} died")
+    return pipeline
+
+
+def test_dry_run_lists_in_txid_order_and_triggers_nothing(two_failed, conn, capsys):
+    assert main(["backfill", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert out.index("txid=1 state=failed") < out.index("txid=2 state=failed")
+    assert "reason=run-1 died" in out and "dry run: nothing triggered" in out
+    assert table(conn, "SELECT max(attempt) FROM transactions") == [(1,)]
+
+
+@pytest.mark.timeout(300)
+def test_local_backfill_commits_them_in_order(two_failed, conn, airflow_db, capsys):
+    assert main(["backfill", "--via", "local"]) == 0
+    assert table(conn, """SELECT txid, attempt, state FROM transactions
+                          ORDER BY committed_at""") == [(1, 2, "committed"), (2, 2, "committed")]
+    assert main(["backfill", "--dry-run"]) == 0
+    assert "no failed or superseded transactions" in capsys.readouterr().out
+    assert verify(conn, two_failed).ok
+
+
+@pytest.mark.timeout(300)
+def test_airflow_backfill_queues_runs_with_the_txid_in_conf(two_failed, conn, airflow_db):
+    subprocess.run([sys.executable, "-m", "airflow", "dags", "reserialize"], check=True,
+                   capture_output=True)
+    assert main(["backfill", "--via", "airflow"]) == 0
+    from airflow.models import DagRun
+    from airflow.utils.session import create_session
+
+    with create_session() as session:
+        runs = session.query(DagRun).filter(DagRun.dag_id == "onceflow_tweets",
+                                            DagRun.run_id.like("onceflow_backfill__%")).all()
+        confs = sorted(r.conf["txid"] for r in runs)
+    assert confs == [1, 2]
