@@ -21,8 +21,11 @@ def main() -> None:
     conf = json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}
     dag = load_dag(Path(__file__).resolve().parents[1] / "dags")
     dr = dag.test(logical_date=logical_date, run_conf=conf)
-    tasks = {f"{ti.task_id}[{ti.map_index}]": str(ti.state) for ti in dr.get_task_instances()}
-    print(json.dumps({"run_id": dr.run_id, "state": str(dr.state), "tasks": tasks}))
+    tis = dr.get_task_instances()
+    tasks = {f"{ti.task_id}[{ti.map_index}]": str(ti.state) for ti in tis}
+    tries = {f"{ti.task_id}[{ti.map_index}]": ti.try_number for ti in tis}
+    print(json.dumps({"run_id": dr.run_id, "state": str(dr.state), "tasks": tasks,
+                      "tries": tries}))
 
 
 if __name__ == "__main__":

@@ -58,13 +58,21 @@ def wait_for(conn, query: str, expected, timeout: float = 120):
 
 
 @pytest.mark.timeout(300)
-def test_a_crash_after_the_commit_before_airflow_records_it_is_a_no_op_on_retry(
+def test_groups_retry_alone_and_a_crash_after_the_commit_is_a_no_op_on_retry(
         dsn, conn, airflow_db):
+    """Two processing groups (mapped tasks); group 1 fails once and is retried alone; the
+    commit crashes after PostgreSQL committed, before Airflow records success: its retry is a
+    logged no-op."""
     pipeline = tweets_pipeline(conn, events=500, batch_size=500)
-    result = finish(start_run(env={"ONCEFLOW_INJECT_FAULTS": "commit.after:1:1"}))
+    result = finish(start_run(
+        {"groups": 2},
+        env={"ONCEFLOW_INJECT_FAULTS": "process.before.group1:1:1,commit.after:1:1"}))
     assert result["state"] == "success", result["log"][-3000:]
+    assert result["tries"] == {"begin[-1]": 1, "process[0]": 1, "process[1]": 2,
+                               "commit[-1]": 2}
     assert "injected fault commit.after for txid 1 (try 1)" in result["log"]
     assert "already committed, nothing to do" in result["log"]
+    assert table(conn, "SELECT groups FROM transactions") == [(2,)]
     assert table(conn, "SELECT txid, attempt, outcome FROM transaction_attempts") == [
         (1, 1, "committed")]
     assert verify(conn, pipeline).ok

@@ -87,9 +87,9 @@ def mark_transaction_failed(context) -> None:
 
 
 def inject_fault(point: str, txid: int, try_number: int) -> None:
-    """Testing hook: ONCEFLOW_INJECT_FAULTS="POINT:TXID[:TRIES],..." makes ``POINT`` (e.g.
-    commit.after, process.before) raise for ``TXID`` on its first TRIES tries (all by default).
-    Unset in normal operation."""
+    """Testing hook: ONCEFLOW_INJECT_FAULTS="POINT:TXID[:TRIES],..." makes ``POINT``
+    (process.before, process.before.groupG, commit.after) raise for ``TXID`` on its first
+    TRIES tries (all by default). Unset in normal operation."""
     for entry in filter(None, os.environ.get("ONCEFLOW_INJECT_FAULTS", "").split(",")):
         name, _, rest = entry.partition(":")
         want_txid, _, tries = rest.partition(":")
@@ -190,6 +190,7 @@ class ProcessBatchOperator(SparkSubmitOperator):
         if txn_state != "planned":
             raise AirflowFailException(f"{ta} of {self.pipeline} is {txn_state}: not processed")
         inject_fault("process.before", ta.txid, context["ti"].try_number)
+        inject_fault(f"process.before.group{group}", ta.txid, context["ti"].try_number)
         self.application_args = [
             "--pipeline", self.pipeline, "--txid", str(ta.txid),
             "--attempt", str(ta.attempt), "--group", str(group),
