@@ -125,6 +125,7 @@ def cmd_demo(args) -> int:
     from onceflow.localenv import project_dir
 
     started = time.monotonic()
+    logging.getLogger("airflow").setLevel(logging.WARNING)  # its output goes to the log file
     _embedded_env()
     args.pipeline = "tweets"
     cmd_init(args)
