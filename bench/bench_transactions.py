@@ -51,7 +51,7 @@ def main() -> None:
     conn = db.connect(dsn)
     db.migrate(conn)
     pipeline = get_pipeline("tweets", batch_size=args.batch_size)
-    register(conn, pipeline)
+    register(conn, pipeline, create_topic=True)
     t = time.monotonic()
     produce(conn, pipeline.topic, generate(args.events, seed=1))
     print(f"PostgreSQL: {how}; produced {args.events} events in {time.monotonic() - t:.1f}s")

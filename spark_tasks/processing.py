@@ -97,7 +97,8 @@ def process_batch(spark: SparkSession, dsn: str, pipeline: Pipeline, ta: Transac
         records = sum(r.size for r in ranges)
         if records:
             source = read_ranges(spark, dsn, topic, ranges)
-            deltas, rejects = collect_output(load_callable(pipeline.transform)(source), topic)
+            out = load_callable(pipeline.transform)(source, pipeline)
+            deltas, rejects = collect_output(out, topic)
         else:
             deltas, rejects = io.BytesIO(), io.BytesIO()
         staged = stage_group(conn, pipeline.name, ta, group, deltas_csv=deltas,

@@ -9,33 +9,42 @@ from __future__ import annotations
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
-from onceflow.examples.tweets import ERR_BAD_URL, ERR_MALFORMED, ERR_NO_URL, URL_HOST
+from onceflow.examples.tweets import (
+    DEFAULT_MAX_BYTES,
+    ERR_BAD_URL,
+    ERR_MALFORMED,
+    ERR_NO_URL,
+    ERR_OVERSIZED,
+    URL_HOST,
+)
 from spark_tasks.processing import BatchOutput
 
 _SCHEMA = "url string, _corrupt_record string"
 _JSON_OPTIONS = {"mode": "PERMISSIVE", "columnNameOfCorruptRecord": "_corrupt_record"}
 
 
-def parse(records: DataFrame) -> DataFrame:
+def parse(records: DataFrame, max_bytes: int = DEFAULT_MAX_BYTES) -> DataFrame:
     """partition, offset, url, domain, error (null for a usable tweet)."""
     doc = F.from_json("payload", _SCHEMA, _JSON_OPTIONS)
-    parsed = records.select("partition", "offset", doc.alias("j")).select(
+    parsed = records.select("partition", "offset", "payload", doc.alias("j")).select(
         "partition",
         "offset",
         F.col("j.url").alias("url"),
         F.lower(F.regexp_extract("j.url", URL_HOST, 1)).alias("domain"),
         F.col("j._corrupt_record").alias("corrupt"),
+        (F.octet_length("payload") > max_bytes).alias("oversized"),
     )
     error = (
-        F.when(F.col("corrupt").isNotNull(), F.lit(ERR_MALFORMED))
+        F.when(F.col("oversized"), F.lit(ERR_OVERSIZED))
+        .when(F.col("corrupt").isNotNull(), F.lit(ERR_MALFORMED))
         .when(F.col("url").isNull(), F.lit(ERR_NO_URL))
         .when(F.col("domain") == "", F.lit(ERR_BAD_URL))
     )
-    return parsed.withColumn("error", error).drop("corrupt")
+    return parsed.withColumn("error", error).drop("corrupt", "oversized")
 
 
-def transform(records: DataFrame) -> BatchOutput:
-    parsed = parse(records)
+def transform(records: DataFrame, pipeline) -> BatchOutput:
+    parsed = parse(records, pipeline.max_record_bytes)
     good = parsed.where(F.col("error").isNull())
     pairs = F.explode(F.array(
         F.struct(F.lit("url_counts").alias("state_name"), F.col("url").alias("key")),

@@ -13,7 +13,7 @@ def tweets_pipeline(conn, *, events: int = 0, batch_size: int = 1000, seed: int 
                     malformed_share: float = 0.05, state_dsns=None, **overrides) -> Pipeline:
     """The demo pipeline registered in ``conn``'s database, with ``events`` produced."""
     pipeline = get_pipeline("tweets", batch_size=batch_size, **overrides)
-    register(conn, pipeline, state_dsns)
+    register(conn, pipeline, state_dsns, create_topic=True)
     if events:
         produce(conn, pipeline.topic, generate(events, seed=seed, malformed_share=malformed_share))
     return pipeline

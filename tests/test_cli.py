@@ -58,15 +58,24 @@ def test_bad_input_is_named(dsn, capsys, argv, message):
 
 
 def test_a_stored_topic_that_differs_is_refused(conn):
-    register(conn, get_pipeline("tweets"))
+    register(conn, get_pipeline("tweets"), create_topic=True)
     with pytest.raises(ConfigError, match="pipeline.topic='other' .* stored with topic 'tweets'"):
-        register(conn, get_pipeline("tweets", topic="other"))
+        register(conn, get_pipeline("tweets", topic="other"), create_topic=True)
+
+
+def test_an_unknown_topic_is_refused(conn):
+    with pytest.raises(ConfigError, match="pipeline.topic='nope' is unknown"):
+        register(conn, get_pipeline("tweets", topic="nope"))
 
 
 @pytest.mark.parametrize("overrides, field", [
     ({"batch_size": 0}, "pipeline.batch_size=0"),
     ({"mode": "eventual"}, "pipeline.mode='eventual'"),
     ({"groups": -1}, "pipeline.groups=-1"),
+    ({"max_per_partition": -5}, "pipeline.max_per_partition=-5"),
+    ({"start_policy": "yesterday"}, "pipeline.start_policy='yesterday'"),
+    ({"start_policy": "timestamp:not-a-date"}, "pipeline.start_policy='timestamp:not-a-date'"),
+    ({"out_of_range": "skip"}, "pipeline.out_of_range='skip'"),
 ])
 def test_bad_pipeline_settings_name_the_field(overrides, field):
     with pytest.raises(ConfigError, match=field.replace("(", r"\(")):

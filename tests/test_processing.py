@@ -9,7 +9,14 @@ import pytest
 
 from helpers import table, tweets_pipeline
 from onceflow.coordinator import begin
-from onceflow.examples.tweets import ERR_BAD_URL, ERR_MALFORMED, ERR_NO_URL, classify, generate
+from onceflow.examples.tweets import (
+    ERR_BAD_URL,
+    ERR_MALFORMED,
+    ERR_NO_URL,
+    ERR_OVERSIZED,
+    classify,
+    generate,
+)
 from onceflow.txn import Fenced, TransactionAttempt
 from spark_tasks.processing import process_batch
 from spark_tasks.source_reader import chunk_ranges, read_ranges
@@ -42,11 +49,16 @@ def test_spark_transform_agrees_with_the_python_twin(spark):
     """Record by record, the JVM transform and the independent recomputation agree."""
     from spark_tasks.tweets import parse
 
-    payloads = [p for p, _ in EDGE_PAYLOADS] + list(generate(500, seed=3, malformed_share=0.2))
+    long_one = json.dumps({"url": "https://big.example/x", "text": "é" * 300})  # 600+ bytes
+    payloads = ([p for p, _ in EDGE_PAYLOADS] + [long_one]
+                + list(generate(500, seed=3, malformed_share=0.2)))
     df = spark.createDataFrame([(0, i, p) for i, p in enumerate(payloads)],
                                "partition int, offset long, payload string")
-    got = {r["offset"]: (r["error"] or (r["url"], r["domain"])) for r in parse(df).collect()}
-    assert got == {i: classify(p) for i, p in enumerate(payloads)}
+    got = {r["offset"]: (r["error"] or (r["url"], r["domain"]))
+           for r in parse(df, max_bytes=400).collect()}
+    expected = {i: classify(p, 400) for i, p in enumerate(payloads)}
+    assert got == expected
+    assert expected[len(EDGE_PAYLOADS)] == ERR_OVERSIZED
 
 
 def test_chunks_cover_ranges_exactly():

@@ -50,7 +50,7 @@ def cmd_init(args) -> int:
         for name in names:
             from onceflow.pipeline import get_pipeline
 
-            instance = register(conn, get_pipeline(name))
+            instance = register(conn, get_pipeline(name), create_topic=True)
             print(f"pipeline {name} ready (instance {instance})")
     finally:
         conn.close()
@@ -77,7 +77,7 @@ def cmd_produce(args) -> int:
 
 
 def cmd_status(args) -> int:
-    from onceflow.status import commit_log, partition_lines
+    from onceflow.status import commit_log, gap_lines, partition_lines
 
     conn = db.connect()
     try:
@@ -87,6 +87,10 @@ def cmd_status(args) -> int:
                 print("  " + line)
             print("partitions:")
             for line in partition_lines(cur, args.pipeline):
+                print("  " + line)
+            gaps = gap_lines(cur, args.pipeline)
+            print("gaps (records gone before they were read):" + ("" if gaps else " none"))
+            for line in gaps:
                 print("  " + line)
     finally:
         conn.close()
@@ -145,6 +149,19 @@ def cmd_demo(args) -> int:
         code = 1
     print(f"demo finished in {time.monotonic() - started:.1f}s")
     return code
+
+
+def cmd_retention(args) -> int:
+    from onceflow.source import delete_before
+
+    conn = db.connect()
+    try:
+        n = delete_before(conn, args.topic, args.before, args.partition)
+    finally:
+        conn.close()
+    where = f"partition {args.partition}" if args.partition is not None else "every partition"
+    print(f"deleted {n} records of topic {args.topic} below offset {args.before} ({where})")
+    return 0
 
 
 def cmd_backfill(args) -> int:
@@ -217,6 +234,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("verify", cmd_verify,
             "recompute the expected state from the source and compare with the committed state")
     p.add_argument("--pipeline", default="tweets")
+    p = add("retention", cmd_retention,
+            "delete a topic's records below an offset (the source log's retention)")
+    p.add_argument("--topic", default="tweets")
+    p.add_argument("--before", type=int, required=True, help="first offset to keep")
+    p.add_argument("--partition", type=int, help="only this partition (default: all)")
     p = add("backfill", cmd_backfill,
             "re-run failed and superseded transactions in txid order (DAG runs with conf txid)")
     p.add_argument("--pipeline", default="tweets")

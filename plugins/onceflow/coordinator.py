@@ -31,12 +31,14 @@ import psycopg2.extras
 
 from onceflow import state as state_tables
 from onceflow.db import connect, transaction
+from onceflow.offsets import OffsetOutOfRange, record_gaps, resolve_starts
 from onceflow.pipeline import ConfigError, Pipeline
 from onceflow.planner import PartitionRange, plan_ranges
 from onceflow.source import ensure_topic, partition_heads
 from onceflow.txn import Fenced, TransactionAttempt, current_attempt, delete_staging
 
-__all__ = ["Batch", "Fenced", "MaxPendingReached", "NotInitialised", "TransactionAttempt",
+__all__ = ["Batch", "Fenced", "MaxPendingReached", "NotInitialised", "OffsetOutOfRange",
+           "TransactionAttempt",
            "begin", "current_attempt", "end_attempt", "load_batch", "lock_pipeline",
            "mark_failed", "register"]
 
@@ -64,17 +66,25 @@ class MaxPendingReached(RuntimeError):
     """``max_pending`` transactions are planned and uncommitted: no new txid is planned."""
 
 
-def register(conn, pipeline: Pipeline, state_dsns: Mapping[str, str] | None = None
-             ) -> uuid.UUID:
+def register(conn, pipeline: Pipeline, state_dsns: Mapping[str, str] | None = None, *,
+             create_topic: bool = False) -> uuid.UUID:
     """Create the pipeline's coordinator row, state tables and source partitions (idempotent).
 
     A stored topic that differs from the configured one is refused: a silent switch would mix
     two topics' offsets. ``state_dsns`` gives the database of each state kept outside the
-    coordinator's (StateSpec.conn_id).
+    coordinator's (StateSpec.conn_id). An unknown topic is refused unless ``create_topic``
+    (then it is made with ``pipeline.partitions`` partitions).
     """
     pipeline.validate()
-    ensure_topic(conn, pipeline.topic, pipeline.partitions)
+    if create_topic:
+        ensure_topic(conn, pipeline.topic, pipeline.partitions)
     with transaction(conn) as cur:
+        if not partition_heads(cur, pipeline.topic):
+            raise ConfigError(
+                f"pipeline.topic={pipeline.topic!r} is unknown: the source has no partitions "
+                "for it. Check the name, or create the topic (`onceflow init` creates the "
+                "topics of the registered pipelines)"
+            )
         cur.execute(
             """INSERT INTO pipelines (name, instance_id, topic, mode) VALUES (%s, %s, %s, %s)
                ON CONFLICT (name) DO NOTHING""",
@@ -144,35 +154,13 @@ def load_batch(cur, pipeline: str, txid: int) -> Batch:
                  committed=txn_state == "committed")
 
 
-def _plan_starts(cur, pipeline: str, topic: str, before_txid: int | None = None
-                 ) -> dict[int, int]:
-    """Per partition: where a batch starts.
-
-    The end of the last planned, not superseded range of a txid below ``before_txid`` (all
-    txids when None), else the committed offset, else the start of the log.
-    """
-    cur.execute(
-        """SELECT sp.partition,
-                  GREATEST(sp.log_start_offset, po."offset",
-                           (SELECT max(br.end_offset) FROM batch_ranges br
-                            JOIN transactions t ON t.pipeline = br.pipeline AND t.txid = br.txid
-                            WHERE br.pipeline = %(pipeline)s AND br.partition = sp.partition
-                              AND t.state <> 'superseded'
-                              AND (%(before)s::bigint IS NULL OR br.txid < %(before)s)))
-           FROM source_partitions sp
-           LEFT JOIN partition_offsets po
-                  ON po.pipeline = %(pipeline)s AND po.partition = sp.partition
-           WHERE sp.topic = %(topic)s""",
-        {"pipeline": pipeline, "topic": topic, "before": before_txid},
-    )
-    return dict(cur.fetchall())
-
-
-def _plan(cur, pipeline: Pipeline, topic: str, groups: int, before_txid: int | None
-          ) -> list[tuple[PartitionRange, int]]:
-    starts = _plan_starts(cur, pipeline.name, topic, before_txid)
-    heads = {p: head for p, (_, head) in partition_heads(cur, topic).items()}
-    return plan_ranges(starts, heads, pipeline.batch_size, groups)
+def _plan(cur, pipeline: Pipeline, topic: str, groups: int, txid: int,
+          before_txid: int | None) -> list[tuple[PartitionRange, int]]:
+    starts = resolve_starts(cur, pipeline, topic, before_txid)
+    record_gaps(cur, pipeline, topic, txid, starts)
+    return plan_ranges(starts.offsets, starts.heads, pipeline.batch_size, groups,
+                       max_per_partition=pipeline.max_per_partition,
+                       keep=frozenset(starts.chosen_by_policy))
 
 
 def _store_ranges(cur, pipeline: str, txid: int, topic: str,
@@ -238,7 +226,7 @@ def _begin_new(cur, pipeline: Pipeline, run_id: str, txid: int, topic: str) -> B
             f"{', '.join(map(str, pending))} are uncommitted; no new transaction is planned "
             "until one commits"
         )
-    ranges = _plan(cur, pipeline, topic, pipeline.groups, None)
+    ranges = _plan(cur, pipeline, topic, pipeline.groups, txid, None)
     records = sum(r.size for r, _ in ranges)
     cur.execute(
         """INSERT INTO transactions (pipeline, txid, attempt, run_id, groups, records)
@@ -284,7 +272,10 @@ def _reattempt(cur, pipeline: Pipeline, run_id: str, txid: int, topic: str, why:
         (pipeline.name, txid, attempt, run_id),
     )
     delete_staging(cur, pipeline.name, txid)  # older attempts' staging can never commit
-    replanned = pipeline.mode == "opaque" and _replan(cur, pipeline, txid, topic, groups)
+    # A transactional batch never changes, unless retention deleted part of it: then the
+    # out_of_range policy re-plans it like an opaque one (and records the gap).
+    replanned = ((pipeline.mode == "opaque" or _lost_to_retention(cur, pipeline.name, txid))
+                 and _replan(cur, pipeline, txid, topic, groups))
     batch = load_batch(cur, pipeline.name, txid)
     log.info("BEGIN pipeline=%s txid=%d attempt=%d run=%s (%s, was %s%s) records=%d ranges=%s",
              pipeline.name, txid, attempt, run_id, why, old_state,
@@ -292,10 +283,21 @@ def _reattempt(cur, pipeline: Pipeline, run_id: str, txid: int, topic: str, why:
     return batch
 
 
+def _lost_to_retention(cur, pipeline: str, txid: int) -> bool:
+    cur.execute(
+        """SELECT EXISTS (SELECT 1 FROM batch_ranges b
+                          JOIN source_partitions sp USING (topic, partition)
+                          WHERE b.pipeline = %s AND b.txid = %s
+                            AND b.start_offset < sp.log_start_offset)""",
+        (pipeline, txid),
+    )
+    return cur.fetchone()[0]
+
+
 def _replan(cur, pipeline: Pipeline, txid: int, topic: str, groups: int) -> bool:
     """Opaque mode: plan ``txid`` again from where txid - 1 ends. Returns True if it changed;
     then every later uncommitted txid is superseded."""
-    new = _plan(cur, pipeline, topic, groups, txid)
+    new = _plan(cur, pipeline, topic, groups, txid, txid)
     old = list(load_batch(cur, pipeline.name, txid).ranges)
     if new == old:
         return False

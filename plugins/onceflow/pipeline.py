@@ -9,9 +9,12 @@ from __future__ import annotations
 import importlib
 import re
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 MODES = ("transactional", "opaque")
+START_POLICIES = ("earliest", "latest")  # or "timestamp:<ISO 8601>"
+OUT_OF_RANGE_POLICIES = ("earliest", "latest", "fail")
 STATE_KINDS = ("opaque", "transactional")
 _IDENT = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 
@@ -57,14 +60,20 @@ class StateSpec:
 class Pipeline:
     name: str
     topic: str
-    transform: str  # "module:function": (spark DataFrame of records) -> BatchOutput
-    recompute: str  # "module:function": (iterable of payloads) -> Recomputed
+    transform: str  # "module:function": (DataFrame of records, Pipeline) -> BatchOutput
+    recompute: str  # "module:function": (iterable of payloads, Pipeline) -> Recomputed
     states: tuple[StateSpec, ...] = field(default_factory=tuple)
     mode: str = "transactional"
     batch_size: int = 20_000  # records per transaction, across all partitions
     partitions: int = 4  # how many partitions `onceflow produce` writes
     groups: int = 1  # processing groups per batch (parallel Spark tasks)
     max_pending: int = 3  # planned and uncommitted transactions at most (Storm's max pending)
+    max_per_partition: int | None = None  # records per partition per transaction (None: no cap)
+    # Where a partition with no committed offset starts: earliest, latest or timestamp:<ISO>.
+    start_policy: str = "earliest"
+    # A resume point below the log start (retention deleted it): earliest, latest or fail.
+    out_of_range: str = "earliest"
+    max_record_bytes: int = 64 * 1024  # a larger payload is rejected as oversized
 
     def validate(self) -> Pipeline:
         _check(bool(_IDENT.match(self.name)), "pipeline.name", self.name,
@@ -80,6 +89,17 @@ class Pipeline:
         _check(isinstance(self.max_pending, int) and self.max_pending > 0,
                "pipeline.max_pending", self.max_pending,
                "give a positive number of transactions that may be in flight")
+        _check(self.max_per_partition is None
+               or (isinstance(self.max_per_partition, int) and self.max_per_partition > 0),
+               "pipeline.max_per_partition", self.max_per_partition,
+               "give a positive number of records, or None for no per-partition cap")
+        _check(isinstance(self.max_record_bytes, int) and self.max_record_bytes > 0,
+               "pipeline.max_record_bytes", self.max_record_bytes, "give a positive size")
+        _check(self.start_policy in START_POLICIES or _is_timestamp_policy(self.start_policy),
+               "pipeline.start_policy", self.start_policy,
+               "choose earliest, latest or timestamp:<ISO 8601>, e.g. timestamp:2026-11-01T00:00Z")
+        _check(self.out_of_range in OUT_OF_RANGE_POLICIES, "pipeline.out_of_range",
+               self.out_of_range, f"choose one of {', '.join(OUT_OF_RANGE_POLICIES)}")
         _check(len(self.states) > 0, "pipeline.states", self.states, "declare at least one state")
         for state in self.states:
             state.validate()
@@ -93,6 +113,22 @@ class Pipeline:
             if spec.name == name:
                 return spec
         raise KeyError(name)
+
+
+def _is_timestamp_policy(policy: object) -> bool:
+    if not isinstance(policy, str) or not policy.startswith("timestamp:"):
+        return False
+    try:
+        start_timestamp(policy)
+    except ValueError:
+        return False
+    return True
+
+
+def start_timestamp(policy: str) -> datetime:
+    """The time of a "timestamp:<ISO 8601>" start policy (UTC when no zone is given)."""
+    stamp = datetime.fromisoformat(policy.removeprefix("timestamp:").replace("Z", "+00:00"))
+    return stamp if stamp.tzinfo else stamp.replace(tzinfo=UTC)
 
 
 def load_callable(ref: str):

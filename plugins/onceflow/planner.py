@@ -17,7 +17,8 @@ class PartitionRange:
 
 
 def plan_ranges(starts: dict[int, int], heads: dict[int, int], batch_size: int,
-                groups: int = 1) -> list[tuple[PartitionRange, int]]:
+                groups: int = 1, *, max_per_partition: int | None = None,
+                keep: frozenset[int] = frozenset()) -> list[tuple[PartitionRange, int]]:
     """Plan one batch: per partition ``[start, min(head, start + share))`` and its group.
 
     The batch takes at most ``batch_size`` records in all, shared fairly: a water level ``L``
@@ -26,11 +27,14 @@ def plan_ranges(starts: dict[int, int], heads: dict[int, int], batch_size: int,
     still have more. So a busy partition cannot starve a quiet one, and the result depends only
     on the inputs. Partitions with nothing new are left out: they cost nothing.
 
-    Groups: partition p is processed by group ``p % groups``.
+    ``max_per_partition`` caps each partition first. Partitions in ``keep`` stay in the plan
+    even when empty (a start chosen by policy must be stored, or the next plan would choose
+    again and skip what arrived meanwhile). Groups: partition p goes to group ``p % groups``.
     """
     if batch_size <= 0:
         raise ValueError(f"batch_size={batch_size!r}: must be positive")
-    available = {p: max(0, heads.get(p, starts[p]) - starts[p]) for p in sorted(starts)}
+    cap = max_per_partition if max_per_partition is not None else batch_size
+    available = {p: min(cap, max(0, heads.get(p, starts[p]) - starts[p])) for p in sorted(starts)}
     take = dict(available)
     if sum(available.values()) > batch_size:
         lo, hi = 0, max(available.values())
@@ -51,5 +55,5 @@ def plan_ranges(starts: dict[int, int], heads: dict[int, int], batch_size: int,
     return [
         (PartitionRange(p, starts[p], starts[p] + n), p % groups)
         for p, n in take.items()
-        if n > 0
+        if n > 0 or p in keep
     ]

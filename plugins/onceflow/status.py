@@ -30,6 +30,19 @@ def commit_log(cur, pipeline: str, limit: int = 50) -> list[str]:
     return lines
 
 
+def gap_lines(cur, pipeline: str) -> list[str]:
+    cur.execute(
+        """SELECT partition, from_offset, to_offset, txid, policy, at FROM offset_gaps
+           WHERE pipeline = %s ORDER BY partition, from_offset""",
+        (pipeline,),
+    )
+    return [
+        f"partition={p} skipped=[{start},{end}) records={end - start} txid={txid} "
+        f"policy={policy} at={at:%Y-%m-%d %H:%M:%S}"
+        for p, start, end, txid, policy, at in cur.fetchall()
+    ]
+
+
 def partition_lines(cur, pipeline: str) -> list[str]:
     cur.execute(
         """SELECT sp.partition, sp.log_start_offset, sp.next_offset, po."offset", po.txid

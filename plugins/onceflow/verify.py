@@ -79,7 +79,8 @@ def verify(conn, pipeline: Pipeline, state_dsns: Mapping[str, str] | None = None
     committed = _read_states(conn, pipeline, state_dsns)
     conn.commit()
     recompute = load_callable(pipeline.recompute)
-    expected = recompute(iter_payloads_below(conn, pipeline.topic, ends) if ends else [])
+    expected = recompute(iter_payloads_below(conn, pipeline.topic, ends) if ends else [],
+                         pipeline)
     report.records = expected.records
     report.rejected_expected = sum(expected.rejected.values())
     for spec in pipeline.states:

@@ -22,6 +22,8 @@ _URL_HOST = re.compile(URL_HOST)
 ERR_MALFORMED = "malformed JSON"
 ERR_NO_URL = "missing field: url"
 ERR_BAD_URL = "url is not an http(s) URL"
+ERR_OVERSIZED = "oversized record"
+DEFAULT_MAX_BYTES = 64 * 1024
 
 _DOMAINS = [
     "news.example.com", "blog.example.org", "www.example.net", "shop.example.io",
@@ -40,8 +42,10 @@ class Recomputed:
     records: int = 0
 
 
-def classify(payload: str) -> tuple[str, str] | str:
+def classify(payload: str, max_bytes: int = DEFAULT_MAX_BYTES) -> tuple[str, str] | str:
     """(url, domain) for a usable tweet, else the rejection error."""
+    if len(payload.encode()) > max_bytes:
+        return ERR_OVERSIZED
     try:
         doc = json.loads(payload)
     except ValueError:
@@ -57,11 +61,12 @@ def classify(payload: str) -> tuple[str, str] | str:
     return url, match.group(1).lower()
 
 
-def recompute(payloads: Iterable[str]) -> Recomputed:
+def recompute(payloads: Iterable[str], pipeline=None) -> Recomputed:
+    max_bytes = pipeline.max_record_bytes if pipeline is not None else DEFAULT_MAX_BYTES
     out = Recomputed(counts={"url_counts": Counter(), "domain_counts": Counter()})
     for payload in payloads:
         out.records += 1
-        result = classify(payload)
+        result = classify(payload, max_bytes)
         if isinstance(result, str):
             out.rejected[result] += 1
             continue
