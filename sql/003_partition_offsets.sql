@@ -19,3 +19,19 @@ CREATE TABLE IF NOT EXISTS offset_gaps (
 
 -- Start policy "timestamp" looks records up by time.
 CREATE INDEX IF NOT EXISTS source_log_produced_at ON source_log (topic, partition, produced_at);
+
+-- What retention deleted of records a pipeline had already committed, so that verify can
+-- still account for them: per state and key, and the number of records and rejects.
+CREATE TABLE IF NOT EXISTS retired_counts (
+    pipeline   text   NOT NULL,
+    state_name text   NOT NULL,
+    key        text   NOT NULL,
+    value      bigint NOT NULL,
+    PRIMARY KEY (pipeline, state_name, key)
+);
+
+CREATE TABLE IF NOT EXISTS retired_records (
+    pipeline text   PRIMARY KEY,
+    records  bigint NOT NULL DEFAULT 0,
+    rejected bigint NOT NULL DEFAULT 0
+);

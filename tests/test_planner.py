@@ -31,9 +31,29 @@ CASES = [
 
 @pytest.mark.parametrize("starts, heads, batch_size, groups, expected", CASES)
 def test_plan_ranges(starts, heads, batch_size, groups, expected):
+    """Table above."""
     plan = plan_ranges(starts, heads, batch_size, groups)
     assert [(r.partition, r.start, r.end, g) for r, g in plan] == expected
     assert sum(r.size for r, _ in plan) <= batch_size
+
+
+# (starts, heads, batch_size, max_per_partition, keep, expected [(partition, start, end)])
+CAP_CASES = [
+    # the per-partition cap applies before the batch cap
+    ({0: 0, 1: 0}, {0: 100, 1: 100}, 1000, 30, set(), [(0, 0, 30), (1, 0, 30)]),
+    # both caps: 25 each would fit the per-partition cap of 30, the batch cap decides
+    ({0: 0, 1: 0}, {0: 100, 1: 100}, 50, 30, set(), [(0, 0, 25), (1, 0, 25)]),
+    # a kept partition stays in the plan although empty (its start was just decided)
+    ({0: 5, 1: 9}, {0: 5, 1: 12}, 100, None, {0}, [(0, 5, 5), (1, 9, 12)]),
+]
+
+
+@pytest.mark.parametrize("starts, heads, batch_size, per_partition, keep, expected", CAP_CASES)
+def test_plan_caps_and_kept_partitions(starts, heads, batch_size, per_partition, keep,
+                                       expected):
+    plan = plan_ranges(starts, heads, batch_size, max_per_partition=per_partition,
+                       keep=frozenset(keep))
+    assert [(r.partition, r.start, r.end) for r, _ in plan] == expected
 
 
 def test_plan_never_exceeds_the_cap_and_never_leaves_records_behind_needlessly():

@@ -151,8 +151,24 @@ def cmd_demo(args) -> int:
     return code
 
 
+def cmd_reset(args) -> int:
+    from onceflow.coordinator import reset_offsets
+
+    if not args.force_from_start:
+        print("onceflow reset: nothing done: pass --force-from-start to forget the committed "
+              "offsets (records are read again and counted again)", file=sys.stderr)
+        return 2
+    conn = db.connect()
+    try:
+        instance = reset_offsets(conn, _pipeline(args))
+    finally:
+        conn.close()
+    print(f"pipeline {args.pipeline}: offsets forgotten, new instance {instance}")
+    return 0
+
+
 def cmd_retention(args) -> int:
-    from onceflow.source import delete_before
+    from onceflow.retention import delete_before
 
     conn = db.connect()
     try:
@@ -234,6 +250,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("verify", cmd_verify,
             "recompute the expected state from the source and compare with the committed state")
     p.add_argument("--pipeline", default="tweets")
+    p = add("reset", cmd_reset,
+            "forget a pipeline's committed offsets: partitions start again by start_policy")
+    p.add_argument("--pipeline", default="tweets")
+    p.add_argument("--force-from-start", action="store_true", help="yes, really")
     p = add("retention", cmd_retention,
             "delete a topic's records below an offset (the source log's retention)")
     p.add_argument("--topic", default="tweets")

@@ -40,7 +40,7 @@ from onceflow.txn import Fenced, TransactionAttempt, current_attempt, delete_sta
 __all__ = ["Batch", "Fenced", "MaxPendingReached", "NotInitialised", "OffsetOutOfRange",
            "TransactionAttempt",
            "begin", "current_attempt", "end_attempt", "load_batch", "lock_pipeline",
-           "mark_failed", "register"]
+           "mark_failed", "register", "reset_offsets"]
 
 log = logging.getLogger(__name__)
 
@@ -155,12 +155,20 @@ def load_batch(cur, pipeline: str, txid: int) -> Batch:
 
 
 def _plan(cur, pipeline: Pipeline, topic: str, groups: int, txid: int,
-          before_txid: int | None) -> list[tuple[PartitionRange, int]]:
+          before_txid: int | None, old: list[tuple[PartitionRange, int]] = ()
+          ) -> list[tuple[PartitionRange, int]]:
+    """Plan txid's batch; ``old`` is its previous plan (a re-plan): where the new plan starts
+    later than the old one did, the records between were skipped (gone) and are recorded."""
     starts = resolve_starts(cur, pipeline, topic, before_txid)
+    gapped = {p for p, _, _ in starts.gaps}
+    for r, _ in old:
+        new_start = starts.offsets.get(r.partition)
+        if new_start is not None and r.start < new_start and r.partition not in gapped:
+            starts.gaps.append((r.partition, r.start, new_start))
     record_gaps(cur, pipeline, topic, txid, starts)
     return plan_ranges(starts.offsets, starts.heads, pipeline.batch_size, groups,
                        max_per_partition=pipeline.max_per_partition,
-                       keep=frozenset(starts.chosen_by_policy))
+                       keep=starts.keep())
 
 
 def _store_ranges(cur, pipeline: str, txid: int, topic: str,
@@ -297,8 +305,8 @@ def _lost_to_retention(cur, pipeline: str, txid: int) -> bool:
 def _replan(cur, pipeline: Pipeline, txid: int, topic: str, groups: int) -> bool:
     """Opaque mode: plan ``txid`` again from where txid - 1 ends. Returns True if it changed;
     then every later uncommitted txid is superseded."""
-    new = _plan(cur, pipeline, topic, groups, txid, txid)
     old = list(load_batch(cur, pipeline.name, txid).ranges)
+    new = _plan(cur, pipeline, topic, groups, txid, txid, old)
     if new == old:
         return False
     _store_ranges(cur, pipeline.name, txid, topic, new)
@@ -347,3 +355,34 @@ def mark_failed(conn, pipeline: str, ta: TransactionAttempt, reason: str) -> boo
     if marked:
         log.warning("FAILED pipeline=%s %s: %s", pipeline, ta, reason)
     return marked
+
+
+def reset_offsets(conn, pipeline: Pipeline) -> uuid.UUID:
+    """force_from_start: forget the pipeline's offsets, so every partition starts again by
+    ``pipeline.start_policy``, under a new instance id. Refused while a transaction is open
+    (its batch would overlap the new plan). The state tables are left as they are: records
+    read again are counted again, which is what asking for a reset means. Logged loudly."""
+    with transaction(conn) as cur:
+        next_txid, _, old_instance, _ = lock_pipeline(cur, pipeline.name)
+        cur.execute(
+            """SELECT coalesce(array_agg(txid ORDER BY txid), '{}') FROM transactions
+               WHERE pipeline = %s AND state <> 'committed'""",
+            (pipeline.name,),
+        )
+        open_txids = cur.fetchone()[0]
+        if open_txids:
+            raise ConfigError(
+                f"force_from_start for {pipeline.name!r} refused: txids "
+                f"{', '.join(map(str, open_txids))} are not committed; commit or backfill them "
+                "first"
+            )
+        instance = uuid.uuid4()
+        cur.execute(
+            """UPDATE pipelines SET instance_id = %s, reset_after_txid = %s WHERE name = %s""",
+            (str(instance), next_txid - 1, pipeline.name),
+        )
+        cur.execute("DELETE FROM partition_offsets WHERE pipeline = %s", (pipeline.name,))
+    log.warning("RESET pipeline=%s: offsets forgotten after txid %d; partitions start again "
+                "by start_policy=%s; instance %s -> %s", pipeline.name, next_txid - 1,
+                pipeline.start_policy, old_instance, instance)
+    return instance

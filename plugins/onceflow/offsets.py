@@ -34,6 +34,11 @@ class Starts:
     chosen_by_policy: set[int] = field(default_factory=set)
     gaps: list[tuple[int, int, int]] = field(default_factory=list)  # (partition, from, to)
 
+    def keep(self) -> frozenset[int]:
+        """Partitions whose start was decided now (policy or jump): the plan stores them even
+        when empty, so the decision is committed and never taken again later, differently."""
+        return frozenset(self.chosen_by_policy | {p for p, _, _ in self.gaps})
+
 
 def _policy_start(cur, pipeline: Pipeline, topic: str, partition: int, log_start: int,
                   head: int) -> int:

@@ -80,31 +80,10 @@ def produce(conn, topic: str, payloads: Iterable[str], *, chunk_size: int = 100_
         log.info("produced %d records to %s (%d so far)", len(chunk), topic, total)
 
 
-def delete_before(conn, topic: str, before: int, partition: int | None = None) -> int:
-    """Retention: delete the records below offset ``before`` (of one partition, or all) and
-    move the log start there. Readers past it find their offsets out of range."""
-    with transaction(conn) as cur:
-        cur.execute(
-            """UPDATE source_partitions SET log_start_offset = LEAST(next_offset, %(before)s)
-               WHERE topic = %(topic)s AND (%(partition)s::int IS NULL OR partition = %(partition)s)
-                 AND log_start_offset < %(before)s""",
-            {"topic": topic, "before": before, "partition": partition},
-        )
-        cur.execute(
-            """DELETE FROM source_log l USING source_partitions sp
-               WHERE l.topic = %(topic)s AND sp.topic = l.topic AND sp.partition = l.partition
-                 AND l."offset" < sp.log_start_offset
-                 AND (%(partition)s::int IS NULL OR l.partition = %(partition)s)""",
-            {"topic": topic, "partition": partition},
-        )
-        deleted = cur.rowcount
-    log.info("retention: deleted %d records of %s below offset %d", deleted, topic, before)
-    return deleted
-
-
-def iter_payloads_below(conn, topic: str, ends: dict[int, int],
+def iter_payloads_below(conn, topic: str, ends: dict[int, int], skipped_by: str | None = None,
                         fetch: int = 50_000) -> Iterator[str]:
-    """Every payload of ``topic`` with offset below ``ends[partition]`` (a named cursor streams)."""
+    """Every payload of ``topic`` with offset below ``ends[partition]`` (a named cursor
+    streams), leaving out the ranges pipeline ``skipped_by`` skipped by policy (offset_gaps)."""
     with conn.cursor(name="onceflow_scan") as cur:
         cur.itersize = fetch
         cur.execute(
@@ -112,8 +91,12 @@ def iter_payloads_below(conn, topic: str, ends: dict[int, int],
                FROM source_log l
                JOIN unnest(%s::int[], %s::bigint[]) AS e(partition, end_offset)
                  ON e.partition = l.partition
-               WHERE l.topic = %s AND l."offset" < e.end_offset""",
-            (list(ends), list(ends.values()), topic),
+               WHERE l.topic = %s AND l."offset" < e.end_offset
+                 AND NOT EXISTS (SELECT 1 FROM offset_gaps g
+                                 WHERE g.pipeline = %s AND g.partition = l.partition
+                                   AND l."offset" >= g.from_offset
+                                   AND l."offset" < g.to_offset)""",
+            (list(ends), list(ends.values()), topic, skipped_by),
         )
         for (payload,) in cur:
             yield payload
