@@ -10,6 +10,7 @@ import itertools
 import logging
 import os
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import psycopg2
@@ -60,37 +61,37 @@ def template_db():
     admin.close()
 
 
-@pytest.fixture
-def dsn(template_db):
-    """A fresh, migrated database for this test; also what the Airflow connection points at."""
-    name = f"onceflow_t{os.getpid()}_{next(_counter)}"
+@contextmanager
+def _fresh_database(prefix: str, template: str | None = None):
+    """A new database (a copy of ``template`` if given), dropped afterwards. Yields its DSN."""
+    name = f"{prefix}{os.getpid()}_{next(_counter)}"
     admin = _admin()
     _exec(admin, "DROP DATABASE IF EXISTS {} WITH (FORCE)", name)
-    _exec(admin, "CREATE DATABASE {} TEMPLATE {}", name, template_db)
-    test_dsn = db.with_database(_SERVER_DSN, name)
-    saved = {k: os.environ.get(k) for k in ("ONCEFLOW_PG_DSN", "AIRFLOW_CONN_ONCEFLOW_PG")}
-    os.environ["ONCEFLOW_PG_DSN"] = test_dsn
-    os.environ["AIRFLOW_CONN_ONCEFLOW_PG"] = airflow_connection_json(test_dsn)
-    yield test_dsn
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
-    _exec(admin, "DROP DATABASE IF EXISTS {} WITH (FORCE)", name)
-    admin.close()
+    if template:
+        _exec(admin, "CREATE DATABASE {} TEMPLATE {}", name, template)
+    else:
+        _exec(admin, "CREATE DATABASE {}", name)
+    try:
+        yield db.with_database(_SERVER_DSN, name)
+    finally:
+        _exec(admin, "DROP DATABASE IF EXISTS {} WITH (FORCE)", name)
+        admin.close()
+
+
+@pytest.fixture
+def dsn(template_db, monkeypatch):
+    """A fresh, migrated database for this test; also what the Airflow connection points at."""
+    with _fresh_database("onceflow_t", template_db) as test_dsn:
+        monkeypatch.setenv("ONCEFLOW_PG_DSN", test_dsn)
+        monkeypatch.setenv("AIRFLOW_CONN_ONCEFLOW_PG", airflow_connection_json(test_dsn))
+        yield test_dsn
 
 
 @pytest.fixture
 def second_dsn(template_db):
     """An empty second database: a state kept outside the coordinator's database."""
-    name = f"onceflow_s{os.getpid()}_{next(_counter)}"
-    admin = _admin()
-    _exec(admin, "DROP DATABASE IF EXISTS {} WITH (FORCE)", name)
-    _exec(admin, "CREATE DATABASE {}", name)
-    yield db.with_database(_SERVER_DSN, name)
-    _exec(admin, "DROP DATABASE IF EXISTS {} WITH (FORCE)", name)
-    admin.close()
+    with _fresh_database("onceflow_s") as second:
+        yield second
 
 
 @pytest.fixture

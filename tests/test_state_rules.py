@@ -45,14 +45,19 @@ OPAQUE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("batches, expected", OPAQUE_CASES)
-def test_opaque_rule(conn, batches, expected):
+def apply_in_order(conn, spec, batches):
+    """Each (txid, deltas) batch in its own PostgreSQL transaction, as commits do."""
     with transaction(conn) as cur:
-        ensure_table(cur, OPAQUE)
+        ensure_table(cur, spec)
     for txid, deltas in batches:
         with transaction(conn) as cur:
-            apply_deltas(cur, OPAQUE, txid, deltas)
-    assert rows(conn, OPAQUE) == expected
+            apply_deltas(cur, spec, txid, deltas)
+    return rows(conn, spec)
+
+
+@pytest.mark.parametrize("batches, expected", OPAQUE_CASES)
+def test_opaque_rule(conn, batches, expected):
+    assert apply_in_order(conn, OPAQUE, batches) == expected
 
 
 def test_opaque_refuses_an_older_batch(conn):
@@ -77,9 +82,4 @@ TRANSACTIONAL_CASES = [
 
 @pytest.mark.parametrize("batches, expected", TRANSACTIONAL_CASES)
 def test_transactional_rule(conn, batches, expected):
-    with transaction(conn) as cur:
-        ensure_table(cur, TRANSACTIONAL)
-    for txid, deltas in batches:
-        with transaction(conn) as cur:
-            apply_deltas(cur, TRANSACTIONAL, txid, deltas)
-    assert rows(conn, TRANSACTIONAL) == expected
+    assert apply_in_order(conn, TRANSACTIONAL, batches) == expected
