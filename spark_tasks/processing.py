@@ -96,7 +96,12 @@ def process_batch(spark: SparkSession, dsn: str, pipeline: Pipeline, ta: Transac
         ranges = [r for r, g in batch.ranges if g == group]
         records = sum(r.size for r in ranges)
         if records:
-            source = read_ranges(spark, dsn, topic, ranges)
+            if pipeline.source == "files":
+                from spark_tasks.segment_reader import read_segment_ranges
+
+                source = read_segment_ranges(spark, dsn, topic, ranges)
+            else:
+                source = read_ranges(spark, dsn, topic, ranges)
             out = load_callable(pipeline.transform)(source, pipeline)
             deltas, rejects = collect_output(out, topic)
         else:

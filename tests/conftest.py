@@ -26,7 +26,7 @@ _SERVER_DSN, _HOW = ensure_postgres(ROOT)
 _AIRFLOW_HOME = tempfile.mkdtemp(prefix="onceflow-airflow-")
 os.environ["AIRFLOW_HOME"] = _AIRFLOW_HOME
 apply_env(airflow_env(ROOT, _SERVER_DSN))
-TEMPLATE = "onceflow_test_template"
+TEMPLATE = f"onceflow_test_template_{os.getpid()}"  # one per run: runs may overlap
 # py4j logs "Closing down clientserver connection" from __del__ after pytest closed its streams.
 logging.getLogger("py4j").setLevel(logging.WARNING)
 _counter = itertools.count()

@@ -62,12 +62,17 @@ def cmd_produce(args) -> int:
     from onceflow.source import produce
 
     pipeline = _pipeline(args)
+    events = generate(args.events, seed=args.seed, malformed_share=args.malformed_share,
+                      start_id=args.start_id)
     conn = db.connect()
     try:
         started = time.monotonic()
-        n = produce(conn, pipeline.topic,
-                    generate(args.events, seed=args.seed, malformed_share=args.malformed_share,
-                             start_id=args.start_id))
+        if pipeline.source == "files":
+            from onceflow.segments import produce_segments
+
+            n = produce_segments(conn, pipeline.segments_root(), pipeline.topic, events)
+        else:
+            n = produce(conn, pipeline.topic, events)
         took = time.monotonic() - started
     finally:
         conn.close()

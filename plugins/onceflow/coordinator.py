@@ -76,6 +76,15 @@ def register(conn, pipeline: Pipeline, state_dsns: Mapping[str, str] | None = No
     (then it is made with ``pipeline.partitions`` partitions).
     """
     pipeline.validate()
+    if pipeline.source == "files":
+        root = pipeline.segments_root()
+        if create_topic:
+            root.mkdir(parents=True, exist_ok=True)
+        elif not root.is_dir():
+            raise ConfigError(
+                f"pipeline.source_path={str(root)!r} does not exist: create it, or point "
+                "source_path (or ONCEFLOW_SEGMENTS_DIR) at the segments folder"
+            )
     if create_topic:
         ensure_topic(conn, pipeline.topic, pipeline.partitions)
     with transaction(conn) as cur:

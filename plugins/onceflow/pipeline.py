@@ -7,12 +7,15 @@ the independent recomputation are referenced by "module:function" and imported w
 from __future__ import annotations
 
 import importlib
+import os
 import re
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 MODES = ("transactional", "opaque")
+SOURCES = ("postgres", "files")
 START_POLICIES = ("earliest", "latest")  # or "timestamp:<ISO 8601>"
 OUT_OF_RANGE_POLICIES = ("earliest", "latest", "fail")
 STATE_KINDS = ("opaque", "transactional")
@@ -74,6 +77,9 @@ class Pipeline:
     # A resume point below the log start (retention deleted it): earliest, latest or fail.
     out_of_range: str = "earliest"
     max_record_bytes: int = 64 * 1024  # a larger payload is rejected as oversized
+    source: str = "postgres"  # postgres: the source_log table; files: Parquet segments
+    # Root folder of a files source (default: ONCEFLOW_SEGMENTS_DIR, else <project>/.run/segments)
+    source_path: str | None = None
 
     def validate(self) -> Pipeline:
         _check(bool(_IDENT.match(self.name)), "pipeline.name", self.name,
@@ -100,10 +106,20 @@ class Pipeline:
                "choose earliest, latest or timestamp:<ISO 8601>, e.g. timestamp:2026-11-01T00:00Z")
         _check(self.out_of_range in OUT_OF_RANGE_POLICIES, "pipeline.out_of_range",
                self.out_of_range, f"choose one of {', '.join(OUT_OF_RANGE_POLICIES)}")
+        _check(self.source in SOURCES, "pipeline.source", self.source,
+               f"choose one of {', '.join(SOURCES)}")
         _check(len(self.states) > 0, "pipeline.states", self.states, "declare at least one state")
         for state in self.states:
             state.validate()
         return self
+
+    def segments_root(self) -> Path:
+        """Where a files source keeps its segments."""
+        if self.source_path:
+            return Path(self.source_path)
+        from onceflow.localenv import project_dir
+
+        return Path(os.environ.get("ONCEFLOW_SEGMENTS_DIR") or project_dir() / ".run" / "segments")
 
     def external_states(self) -> list[StateSpec]:
         return [spec for spec in self.states if spec.conn_id is not None]

@@ -64,6 +64,10 @@ def delete_before(conn, topic: str, before: int, partition: int | None = None) -
     """Delete the records of ``topic`` below offset ``before`` (one partition, or all) and move
     the log start there. Returns how many records were deleted."""
     with transaction(conn) as cur:
+        cur.execute("SELECT EXISTS (SELECT 1 FROM source_segments WHERE topic = %s)", (topic,))
+        if cur.fetchone()[0]:
+            raise ConfigError(f"topic={topic!r} is a file-segment topic: retention applies to "
+                              "the PostgreSQL log only (file segments are not deleted yet)")
         cur.execute("SELECT name FROM pipelines WHERE topic = %s ORDER BY name FOR UPDATE",
                     (topic,))
         names = [n for (n,) in cur.fetchall()]

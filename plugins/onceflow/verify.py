@@ -97,7 +97,18 @@ def verify(conn, pipeline: Pipeline, state_dsns: Mapping[str, str] | None = None
     committed = _read_states(conn, pipeline, state_dsns)
     conn.commit()
     recompute = load_callable(pipeline.recompute)
-    payloads = iter_payloads_below(conn, pipeline.topic, ends, pipeline.name) if ends else []
+    if not ends:
+        payloads = []
+    elif pipeline.source == "files":
+        from onceflow.segments import iter_segment_payloads
+
+        with conn.cursor() as cur:
+            cur.execute("SELECT partition, from_offset, to_offset FROM offset_gaps "
+                        "WHERE pipeline = %s", (pipeline.name,))
+            skipped = cur.fetchall()
+        payloads = iter_segment_payloads(conn, pipeline.topic, ends, skipped)
+    else:
+        payloads = iter_payloads_below(conn, pipeline.topic, ends, pipeline.name)
     expected = recompute(payloads, pipeline)
     retired_records, retired_rejected = _add_retired(conn, pipeline.name, expected.counts)
     report.records = expected.records + retired_records

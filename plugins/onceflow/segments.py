@@ -1,0 +1,124 @@
+"""The file-segment source: a partitioned log of Parquet segment files, for bulk data.
+
+Layout: ``ROOT/TOPIC/pPARTITION/BASEOFFSET.parquet`` (zero-padded names), each file holding
+consecutive offsets of one partition (columns partition, offset, payload, produced_at). The
+index is the ``source_segments`` table; heads are ``source_partitions`` as for the PostgreSQL
+log, so the planner, the offsets and the commit are the same for both kinds. A producer
+writes and fsyncs a segment first, then records it and the new head in one PostgreSQL
+transaction: a crash in between leaves an unindexed file, never an indexed hole.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable, Iterator
+from datetime import UTC, datetime
+from itertools import islice
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from onceflow.db import transaction
+
+log = logging.getLogger(__name__)
+
+SCHEMA = pa.schema([("partition", pa.int32()), ("offset", pa.int64()),
+                    ("payload", pa.string()), ("produced_at", pa.timestamp("us", tz="UTC"))])
+
+
+def segment_path(root: Path, topic: str, partition: int, base: int) -> Path:
+    return root / topic / f"p{partition:05d}" / f"{base:020d}.parquet"
+
+
+def _write_segment(path: Path, table: pa.Table) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    pq.write_table(table, tmp)
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    tmp.replace(path)
+
+
+def produce_segments(conn, root: Path, topic: str, payloads: Iterable[str], *,
+                     chunk_size: int = 400_000) -> int:
+    """Append ``payloads`` round-robin over the topic's partitions, one segment per partition
+    per chunk. Returns how many were written."""
+    total = 0
+    it = iter(payloads)
+    while True:
+        chunk = list(islice(it, chunk_size))
+        if not chunk:
+            return total
+        with transaction(conn) as cur:
+            cur.execute(
+                """SELECT partition, next_offset FROM source_partitions
+                   WHERE topic = %s ORDER BY partition FOR UPDATE""",
+                (topic,),
+            )
+            heads = dict(cur.fetchall())
+            if not heads:
+                raise LookupError(f"topic {topic!r} has no partitions: run `onceflow init` first")
+            parts = sorted(heads)
+            now = datetime.now(UTC)
+            for i, partition in enumerate(parts):
+                mine = chunk[(i - total) % len(parts)::len(parts)]
+                if not mine:
+                    continue
+                base = heads[partition]
+                path = segment_path(root, topic, partition, base)
+                _write_segment(path, pa.table({
+                    "partition": pa.array([partition] * len(mine), pa.int32()),
+                    "offset": pa.array(range(base, base + len(mine)), pa.int64()),
+                    "payload": pa.array(mine, pa.string()),
+                    "produced_at": pa.array([now] * len(mine), pa.timestamp("us", tz="UTC")),
+                }, schema=SCHEMA))
+                cur.execute(
+                    """INSERT INTO source_segments (topic, partition, base_offset, records, path)
+                       VALUES (%s, %s, %s, %s, %s)""",
+                    (topic, partition, base, len(mine), str(path)),
+                )
+                cur.execute(
+                    """UPDATE source_partitions SET next_offset = %s
+                       WHERE topic = %s AND partition = %s""",
+                    (base + len(mine), topic, partition),
+                )
+        total += len(chunk)
+        log.info("produced %d records to file topic %s (%d so far)", len(chunk), topic, total)
+
+
+def segments_for(cur, topic: str, ranges: Iterable[tuple[int, int, int]]) -> list[str]:
+    """Paths of the segments holding any offset of the (partition, start, end) ranges."""
+    paths: list[str] = []
+    for partition, start, end in ranges:
+        if end <= start:
+            continue
+        cur.execute(
+            """SELECT path FROM source_segments
+               WHERE topic = %s AND partition = %s
+                 AND base_offset < %s AND base_offset + records > %s
+               ORDER BY base_offset""",
+            (topic, partition, end, start),
+        )
+        paths += [p for (p,) in cur.fetchall()]
+    return paths
+
+
+def iter_segment_payloads(conn, topic: str, ends: dict[int, int],
+                          skipped: list[tuple[int, int, int]] = ()) -> Iterator[str]:
+    """Payloads below ``ends[partition]``, leaving out the ``skipped`` (partition, from, to)
+    ranges (verify's reading of a file topic)."""
+    with conn.cursor() as cur:
+        paths = segments_for(cur, topic, [(p, 0, end) for p, end in ends.items()])
+    conn.commit()
+    for path in paths:
+        table = pq.read_table(path, columns=["partition", "offset", "payload"])
+        for partition, offset, payload in zip(*(table.column(c).to_pylist()
+                                                for c in ("partition", "offset", "payload")),
+                                              strict=True):
+            if offset >= ends[partition]:
+                continue
+            if any(p == partition and lo <= offset < hi for p, lo, hi in skipped):
+                continue
+            yield payload

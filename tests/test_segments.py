@@ -1,0 +1,66 @@
+"""The file-segment source: the same events give exactly the same committed state as the
+PostgreSQL log."""
+
+from __future__ import annotations
+
+import pytest
+from psycopg2 import sql
+
+from helpers import run_transaction, table
+from onceflow.coordinator import register
+from onceflow.examples.tweets import generate
+from onceflow.pipeline import ConfigError, get_pipeline
+from onceflow.retention import delete_before
+from onceflow.segments import produce_segments
+from onceflow.source import produce
+from onceflow.verify import verify
+
+
+@pytest.fixture
+def both(conn, tmp_path):
+    log_kind = get_pipeline("tweets", batch_size=700)
+    file_kind = get_pipeline("tweets_files", batch_size=700, source_path=str(tmp_path / "seg"))
+    for pipeline in (log_kind, file_kind):
+        register(conn, pipeline, create_topic=True)
+    produce(conn, "tweets", generate(2000, seed=11, malformed_share=0.05))
+    # several produce calls: several segments per partition, ranges cross segment ends
+    for start, count in ((0, 900), (900, 600), (1500, 500)):
+        events = list(generate(2000, seed=11, malformed_share=0.05))[start:start + count]
+        produce_segments(conn, file_kind.segments_root(), "tweets_files", events,
+                         chunk_size=250)
+    return log_kind, file_kind
+
+
+def test_file_segments_commit_exactly_what_the_postgres_log_commits(spark, conn, dsn, both):
+    log_kind, file_kind = both
+    assert table(conn, "SELECT count(*) FROM source_segments WHERE topic = 'tweets_files'") \
+        == [(36,)]
+    for i in range(3):
+        for pipeline in both:
+            _, result = run_transaction(spark, dsn, conn, pipeline, f"{pipeline.name}-{i}")
+            assert result.status == "committed"
+    def state(name):
+        return table(conn, sql.SQL("SELECT key, value FROM {} ORDER BY key").format(
+            sql.Identifier(name)))
+
+    for a, b in (("url_counts", "files_url_counts"), ("domain_counts", "files_domain_counts")):
+        assert state(a) and state(a) == state(b)
+    offsets = table(conn, """SELECT pipeline, partition, "offset" FROM partition_offsets
+                             ORDER BY partition, pipeline""")
+    assert [o for _, _, o in offsets[0::2]] == [o for _, _, o in offsets[1::2]] == [500] * 4
+    rejects = table(conn, """SELECT pipeline, count(*) FROM rejected_records
+                             GROUP BY 1 ORDER BY 1""")
+    assert rejects[0][1] == rejects[1][1] > 0
+    for pipeline in both:
+        report = verify(conn, pipeline)
+        assert report.ok and report.records == 2000, report.mismatches
+
+
+def test_a_missing_source_path_is_refused(conn, tmp_path):
+    with pytest.raises(ConfigError, match="pipeline.source_path=.*does not exist"):
+        register(conn, get_pipeline("tweets_files", source_path=str(tmp_path / "nope")))
+
+
+def test_retention_refuses_a_file_topic(conn, both):
+    with pytest.raises(ConfigError, match="file-segment topic"):
+        delete_before(conn, "tweets_files", 10)
