@@ -1,5 +1,5 @@
 """
-### onceflow: tweets -> counts per URL and per domain, exactly once
+### onceflow: tweets -> counts per URL and per domain, exactly once (Airflow DAG)
 
 One DAG run is one attempt of one transaction:
 
@@ -18,54 +18,11 @@ Connections: `onceflow_pg` (PostgreSQL) and `spark_default` (Spark master).
 
 from __future__ import annotations
 
-import os
-from datetime import datetime, timedelta
+from onceflow.dagfactory import transaction_dag
 
-from airflow.sdk import DAG, Param
-
-from onceflow.operators import (
-    BeginBatchOperator,
-    CommitBatchOperator,
-    ProcessBatchOperator,
-    mark_transaction_failed,
-)
-
-PIPELINE = "tweets"
-
-with DAG(
-    dag_id="onceflow_tweets",
+dag = transaction_dag(
+    "onceflow_tweets",
+    pipeline="tweets",
     description="Exactly-once URL and domain counts from the tweets topic",
     doc_md=__doc__,
-    start_date=datetime(2026, 1, 1),
-    schedule=None,
-    catchup=False,
-    max_active_runs=3,
-    render_template_as_native_obj=True,
-    tags=["onceflow", "exactly-once", "spark"],
-    default_args={
-        # a task's last failure marks its attempt failed: the next run adopts the txid
-        "on_failure_callback": mark_transaction_failed,
-        "retries": 2,
-        "retry_delay": timedelta(
-            seconds=float(os.environ.get("ONCEFLOW_RETRY_DELAY_SECONDS", "10"))),
-    },
-    params={
-        "batch_size": Param(20_000, type="integer", minimum=1,
-                            description="Records per new transaction, across all partitions."),
-        "groups": Param(1, type="integer", minimum=1,
-                        description="Parallel Spark tasks per new transaction."),
-        "txid": Param(None, type=["null", "integer"], minimum=1,
-                      description="Re-attempt this txid (backfill). Empty: the next one."),
-    },
-) as dag:
-    begin = BeginBatchOperator(
-        task_id="begin", pipeline=PIPELINE, batch_size="{{ params.batch_size }}",
-        groups="{{ params.groups }}", txid="{{ params.txid }}",
-    )
-    # one process task per processing group of the batch
-    process = ProcessBatchOperator.partial(
-        task_id="process", pipeline=PIPELINE, conn_id="spark_default"
-    ).expand(batch=begin.output)
-    commit = CommitBatchOperator(task_id="commit", pipeline=PIPELINE, batch=begin.output)
-
-    begin >> process >> commit
+)

@@ -14,6 +14,8 @@ DAGS = Path(__file__).resolve().parents[1] / "dags"
 DAG_FILES = sorted(p.name for p in DAGS.glob("*.py"))
 EXPECTED_GRAPH = {
     "onceflow_tweets": {"begin": {"process", "commit"}, "process": {"commit"}, "commit": set()},
+    "onceflow_tweets_files": {"begin": {"process", "commit"}, "process": {"commit"},
+                              "commit": set()},
 }
 
 

@@ -136,16 +136,16 @@ def cmd_demo(args) -> int:
     started = time.monotonic()
     logging.getLogger("airflow").setLevel(logging.WARNING)  # its output goes to the log file
     _embedded_env()
-    args.pipeline = "tweets"
-    cmd_init(args)
+    pipeline = args.pipeline
+    cmd_init(argparse.Namespace(pipeline=None))
     cmd_produce(args)
-    dag = load_dag(project_dir() / "dags")
+    dag = load_dag(project_dir() / "dags", dag_id=f"onceflow_{pipeline}")
     log_file = project_dir() / ".run" / "demo.log"
     print(f"running {args.transactions} transaction(s) through the Airflow DAG {dag.dag_id} "
           f"(Airflow and Spark output: {log_file})")
     results = run_transactions(dag, args.transactions, args.batch_size, log_file)
     print()
-    cmd_status(argparse.Namespace(pipeline="tweets", limit=args.transactions + 5))
+    cmd_status(argparse.Namespace(pipeline=pipeline, limit=args.transactions + 5))
     print()
     code = cmd_verify(args)
     failed = [r for r in results if r[1] != "success"]
@@ -239,7 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
     for name, func, text in (("produce", cmd_produce, "append seeded demo tweets to the source"),
                              ("demo", cmd_demo, "run the demo pipeline end to end")):
         p = add(name, func, text)
-        p.add_argument("--pipeline", default="tweets", help="pipeline whose topic gets the events")
+        p.add_argument("--pipeline", default="tweets",
+                       help="pipeline whose source gets the events: tweets (PostgreSQL log) or "
+                            "tweets_files (Parquet segments); the demo runs its DAG")
         p.add_argument("--events", type=int, default=60_000, help="how many events (60000)")
         p.add_argument("--seed", type=int, default=42, help="random seed (42)")
         p.add_argument("--malformed-share", type=float, default=0.02,
