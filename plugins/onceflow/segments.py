@@ -14,13 +14,12 @@ import logging
 import os
 from collections.abc import Iterable, Iterator
 from datetime import UTC, datetime
-from itertools import islice
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from onceflow.db import transaction
+from onceflow.source import produce_chunks
 
 log = logging.getLogger(__name__)
 
@@ -43,49 +42,29 @@ def _write_segment(path: Path, table: pa.Table) -> None:
 
 def produce_segments(conn, root: Path, topic: str, payloads: Iterable[str], *,
                      chunk_size: int = 400_000) -> int:
-    """Append ``payloads`` round-robin over the topic's partitions, one segment per partition
-    per chunk. Returns how many were written."""
-    total = 0
-    it = iter(payloads)
-    while True:
-        chunk = list(islice(it, chunk_size))
-        if not chunk:
-            return total
-        with transaction(conn) as cur:
+    """Append ``payloads`` as segment files, one per partition per chunk, indexed in the same
+    PostgreSQL transaction that advances the heads. Returns how many were written."""
+
+    def write(cur, by_partition: dict[int, list[str]], heads: dict[int, int]) -> None:
+        now = datetime.now(UTC)
+        for partition, records in by_partition.items():
+            if not records:
+                continue
+            base = heads[partition]
+            path = segment_path(root, topic, partition, base)
+            _write_segment(path, pa.table({
+                "partition": pa.array([partition] * len(records), pa.int32()),
+                "offset": pa.array(range(base, base + len(records)), pa.int64()),
+                "payload": pa.array(records, pa.string()),
+                "produced_at": pa.array([now] * len(records), pa.timestamp("us", tz="UTC")),
+            }, schema=SCHEMA))
             cur.execute(
-                """SELECT partition, next_offset FROM source_partitions
-                   WHERE topic = %s ORDER BY partition FOR UPDATE""",
-                (topic,),
+                """INSERT INTO source_segments (topic, partition, base_offset, records, path)
+                   VALUES (%s, %s, %s, %s, %s)""",
+                (topic, partition, base, len(records), str(path)),
             )
-            heads = dict(cur.fetchall())
-            if not heads:
-                raise LookupError(f"topic {topic!r} has no partitions: run `onceflow init` first")
-            parts = sorted(heads)
-            now = datetime.now(UTC)
-            for i, partition in enumerate(parts):
-                mine = chunk[(i - total) % len(parts)::len(parts)]
-                if not mine:
-                    continue
-                base = heads[partition]
-                path = segment_path(root, topic, partition, base)
-                _write_segment(path, pa.table({
-                    "partition": pa.array([partition] * len(mine), pa.int32()),
-                    "offset": pa.array(range(base, base + len(mine)), pa.int64()),
-                    "payload": pa.array(mine, pa.string()),
-                    "produced_at": pa.array([now] * len(mine), pa.timestamp("us", tz="UTC")),
-                }, schema=SCHEMA))
-                cur.execute(
-                    """INSERT INTO source_segments (topic, partition, base_offset, records, path)
-                       VALUES (%s, %s, %s, %s, %s)""",
-                    (topic, partition, base, len(mine), str(path)),
-                )
-                cur.execute(
-                    """UPDATE source_partitions SET next_offset = %s
-                       WHERE topic = %s AND partition = %s""",
-                    (base + len(mine), topic, partition),
-                )
-        total += len(chunk)
-        log.info("produced %d records to file topic %s (%d so far)", len(chunk), topic, total)
+
+    return produce_chunks(conn, topic, payloads, chunk_size, write)
 
 
 def segments_for(cur, topic: str, ranges: Iterable[tuple[int, int, int]]) -> list[str]:

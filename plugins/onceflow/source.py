@@ -10,7 +10,7 @@ from __future__ import annotations
 import csv
 import io
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from itertools import islice
 
 from onceflow.db import transaction
@@ -40,12 +40,12 @@ def partition_heads(cur, topic: str) -> dict[int, tuple[int, int]]:
     return {p: (start, head) for p, start, head in cur.fetchall()}
 
 
-def produce(conn, topic: str, payloads: Iterable[str], *, chunk_size: int = 100_000) -> int:
-    """Append ``payloads`` round-robin over the topic's partitions. Returns how many were written.
-
-    Each chunk is one PostgreSQL transaction (COPY of the records plus the new heads), so a
-    crash leaves whole chunks, never a hole below a partition's head.
-    """
+def produce_chunks(conn, topic: str, payloads: Iterable[str], chunk_size: int,
+                   write: Callable[[object, dict[int, list[str]], dict[int, int]], None]) -> int:
+    """The producers' shared loop. Records go round-robin over the topic's partitions; each
+    chunk is one PostgreSQL transaction holding the partition rows' locks, in which
+    ``write(cur, records_by_partition, heads)`` stores the records from each head on; then
+    the heads advance. A crash leaves whole chunks, never a hole below a head."""
     total = 0
     it = iter(payloads)
     while True:
@@ -62,22 +62,32 @@ def produce(conn, topic: str, payloads: Iterable[str], *, chunk_size: int = 100_
             if not heads:
                 raise LookupError(f"topic {topic!r} has no partitions: run `onceflow init` first")
             parts = sorted(heads)
-            buf = io.StringIO()
-            writer = csv.writer(buf)
-            for i, payload in enumerate(chunk):
-                partition = parts[(total + i) % len(parts)]
-                writer.writerow((topic, partition, heads[partition], payload))
-                heads[partition] += 1
-            buf.seek(0)
-            cur.copy_expert(
-                'COPY source_log (topic, partition, "offset", payload) FROM STDIN (FORMAT csv)', buf
-            )
+            by_partition = {p: chunk[(i - total) % len(parts)::len(parts)]
+                            for i, p in enumerate(parts)}
+            write(cur, by_partition, heads)
             cur.executemany(
                 "UPDATE source_partitions SET next_offset = %s WHERE topic = %s AND partition = %s",
-                [(head, topic, p) for p, head in heads.items()],
+                [(heads[p] + len(records), topic, p) for p, records in by_partition.items()],
             )
         total += len(chunk)
         log.info("produced %d records to %s (%d so far)", len(chunk), topic, total)
+
+
+def produce(conn, topic: str, payloads: Iterable[str], *, chunk_size: int = 100_000) -> int:
+    """Append ``payloads`` to the PostgreSQL log (COPY per chunk). Returns how many."""
+
+    def write(cur, by_partition: dict[int, list[str]], heads: dict[int, int]) -> None:
+        buf = io.StringIO()
+        writer = csv.writer(buf)
+        for partition, records in by_partition.items():
+            base = heads[partition]
+            writer.writerows((topic, partition, base + i, r) for i, r in enumerate(records))
+        buf.seek(0)
+        cur.copy_expert(
+            'COPY source_log (topic, partition, "offset", payload) FROM STDIN (FORMAT csv)', buf
+        )
+
+    return produce_chunks(conn, topic, payloads, chunk_size, write)
 
 
 def iter_payloads_below(conn, topic: str, ends: dict[int, int], skipped_by: str | None = None,
