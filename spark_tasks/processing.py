@@ -51,7 +51,8 @@ def _csv(table: pa.Table) -> io.BytesIO:
 
 def collect_output(out: BatchOutput, topic: str) -> tuple[io.BytesIO, io.BytesIO]:
     """Deltas and rejects as CSV, collected in ONE Spark job (a union split again by Arrow),
-    so the source is read once without caching it."""
+    without caching the source. Each branch of the union still reads the source: measured
+    faster than persisting it at 1M events, but a single aggregation would read it once."""
     null = F.lit(None)
     both = out.deltas.select(
         F.lit(True).alias("is_delta"), "state_name", "key", F.col("delta").cast("long"),
