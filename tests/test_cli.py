@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -10,7 +11,7 @@ import pytest
 from helpers import run_transaction, table
 from onceflow.cli import main
 from onceflow.coordinator import register
-from onceflow.pipeline import ConfigError, get_pipeline
+from onceflow.pipeline import ConfigError, StateSpec, get_pipeline
 
 
 def test_help_lists_every_command():
@@ -76,7 +77,10 @@ def test_an_unknown_topic_is_refused(conn):
     ({"start_policy": "yesterday"}, "pipeline.start_policy='yesterday'"),
     ({"start_policy": "timestamp:not-a-date"}, "pipeline.start_policy='timestamp:not-a-date'"),
     ({"out_of_range": "skip"}, "pipeline.out_of_range='skip'"),
+    # a state in another database must be opaque
+    ({"states": (StateSpec("x", "transactional", conn_id="db2"),)},
+     "state[x].kind='transactional'"),
 ])
 def test_bad_pipeline_settings_name_the_field(overrides, field):
-    with pytest.raises(ConfigError, match=field.replace("(", r"\(")):
+    with pytest.raises(ConfigError, match=re.escape(field)):
         get_pipeline("tweets", **overrides)

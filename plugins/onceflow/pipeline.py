@@ -57,6 +57,10 @@ class StateSpec:
                "use lower-case letters, digits and _ (a PostgreSQL table name)")
         _check(self.kind in STATE_KINDS, f"state[{self.name}].kind", self.kind,
                f"choose one of {', '.join(STATE_KINDS)}")
+        # Outside the coordinator's database a replay may meet a write of its own txid from a
+        # batch that changed meanwhile (opaque re-plan, retention): only prev_value can undo it.
+        _check(self.conn_id is None or self.kind == "opaque", f"state[{self.name}].kind",
+               self.kind, "a state in another database (conn_id set) must be kind='opaque'")
 
 
 @dataclass(frozen=True)
