@@ -9,7 +9,7 @@ from functools import reduce
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
-from onceflow.db import connect, transaction
+from onceflow.db import connection, transaction
 from onceflow.planner import PartitionRange
 from onceflow.segments import segments_for
 
@@ -20,12 +20,9 @@ def read_segment_ranges(spark: SparkSession, dsn: str, topic: str,
                         ranges: Iterable[PartitionRange]) -> DataFrame:
     """The records of ``ranges``: columns partition, offset, payload."""
     ranges = [r for r in ranges if r.size > 0]
-    conn = connect(dsn, application_name="onceflow-segments")
-    try:
-        with transaction(conn) as cur:
-            paths = segments_for(cur, topic, [(r.partition, r.start, r.end) for r in ranges])
-    finally:
-        conn.close()
+    with connection(dsn, application_name="onceflow-segments") as conn, \
+            transaction(conn) as cur:
+        paths = segments_for(cur, topic, [(r.partition, r.start, r.end) for r in ranges])
     if not paths:
         return spark.createDataFrame([], RECORD_SCHEMA)
     wanted = reduce(lambda a, b: a | b, [

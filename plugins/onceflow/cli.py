@@ -42,8 +42,7 @@ def cmd_init(args) -> int:
     dsn = db.dsn_from_env()
     if db.ensure_database(dsn):
         print(f"created database {db.database_name(dsn)}")
-    conn = db.connect(dsn)
-    try:
+    with db.connection(dsn) as conn:
         applied = db.migrate(conn)
         print(f"migrations applied: {', '.join(applied) if applied else 'none (up to date)'}")
         names = [args.pipeline] if args.pipeline else sorted(PIPELINES)
@@ -52,8 +51,6 @@ def cmd_init(args) -> int:
 
             instance = register(conn, get_pipeline(name), create_topic=True)
             print(f"pipeline {name} ready (instance {instance})")
-    finally:
-        conn.close()
     return 0
 
 
@@ -64,8 +61,7 @@ def cmd_produce(args) -> int:
     pipeline = _pipeline(args)
     events = generate(args.events, seed=args.seed, malformed_share=args.malformed_share,
                       start_id=args.start_id)
-    conn = db.connect()
-    try:
+    with db.connection() as conn:
         started = time.monotonic()
         if pipeline.source == "files":
             from onceflow.segments import produce_segments
@@ -74,8 +70,6 @@ def cmd_produce(args) -> int:
         else:
             n = produce(conn, pipeline.topic, events)
         took = time.monotonic() - started
-    finally:
-        conn.close()
     print(f"produced {n} events to topic {pipeline.topic} in {took:.1f}s "
           f"(seed {args.seed}, malformed share {args.malformed_share})")
     return 0
@@ -84,8 +78,7 @@ def cmd_produce(args) -> int:
 def cmd_status(args) -> int:
     from onceflow.status import commit_log, gap_lines, partition_lines
 
-    conn = db.connect()
-    try:
+    with db.connection() as conn:
         with conn.cursor() as cur:
             print(f"transactions of {args.pipeline} (commit order):")
             for line in commit_log(cur, args.pipeline, args.limit):
@@ -97,19 +90,14 @@ def cmd_status(args) -> int:
             print("gaps (records gone before they were read):" + ("" if gaps else " none"))
             for line in gaps:
                 print("  " + line)
-    finally:
-        conn.close()
     return 0
 
 
 def cmd_verify(args) -> int:
     from onceflow.verify import verify
 
-    conn = db.connect()
-    try:
+    with db.connection() as conn:
         report = verify(conn, _pipeline(args))
-    finally:
-        conn.close()
     for mismatch in report.mismatches:
         print("  " + mismatch)
     print(report.line())
@@ -163,11 +151,8 @@ def cmd_reset(args) -> int:
         print("onceflow reset: nothing done: pass --force-from-start to forget the committed "
               "offsets (records are read again and counted again)", file=sys.stderr)
         return 2
-    conn = db.connect()
-    try:
+    with db.connection() as conn:
         instance = reset_offsets(conn, _pipeline(args))
-    finally:
-        conn.close()
     print(f"pipeline {args.pipeline}: offsets forgotten, new instance {instance}")
     return 0
 
@@ -175,11 +160,8 @@ def cmd_reset(args) -> int:
 def cmd_retention(args) -> int:
     from onceflow.retention import delete_before
 
-    conn = db.connect()
-    try:
+    with db.connection() as conn:
         n = delete_before(conn, args.topic, args.before, args.partition)
-    finally:
-        conn.close()
     where = f"partition {args.partition}" if args.partition is not None else "every partition"
     print(f"deleted {n} records of topic {args.topic} below offset {args.before} ({where})")
     return 0
@@ -191,16 +173,13 @@ def cmd_backfill(args) -> int:
 
     if args.via == "local" and not args.dry_run:
         _embedded_env()
-    conn = db.connect()
-    try:
+    with db.connection() as conn:
         def load():
             from onceflow.demo import load_dag
 
             return load_dag(project_dir() / "dags", dag_id=args.dag_id)
 
         done = backfill(conn, args.pipeline, args.dag_id, args.via, args.dry_run, load)
-    finally:
-        conn.close()
     return 0 if all(state in ("success", "queued") for _, _, state in done) else 1
 
 

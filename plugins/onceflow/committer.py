@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from onceflow import state as state_tables
 from onceflow.coordinator import end_attempt, external_dsn, lock_pipeline
-from onceflow.db import connect, transaction
+from onceflow.db import connection, transaction
 from onceflow.pipeline import Pipeline
 from onceflow.txn import Fenced, TransactionAttempt, current_attempt, delete_staging
 
@@ -82,12 +82,9 @@ def _apply_external(cur, spec, dsn: str, keys: dict) -> int:
         buf,
     )
     buf.seek(0)
-    external = connect(dsn, application_name="onceflow-commit-external")
-    try:
-        with transaction(external) as ext:
-            return state_tables.apply_csv(ext, spec, keys["txid"], buf)
-    finally:
-        external.close()
+    with connection(dsn, application_name="onceflow-commit-external") as external, \
+            transaction(external) as ext:
+        return state_tables.apply_csv(ext, spec, keys["txid"], buf)
 
 
 def commit(conn, pipeline: Pipeline, ta: TransactionAttempt, *, on_step: Step = _no_step,

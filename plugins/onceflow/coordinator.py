@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import psycopg2.extras
 
 from onceflow import state as state_tables
-from onceflow.db import connect, transaction
+from onceflow.db import connection, transaction
 from onceflow.offsets import OffsetOutOfRange, record_gaps, resolve_starts
 from onceflow.pipeline import ConfigError, Pipeline
 from onceflow.planner import PartitionRange, plan_ranges
@@ -113,12 +113,9 @@ def register(conn, pipeline: Pipeline, state_dsns: Mapping[str, str] | None = No
             if spec.conn_id is None:
                 state_tables.ensure_table(cur, spec)
     for spec in pipeline.external_states():
-        external = connect(external_dsn(spec, state_dsns))
-        try:
-            with transaction(external) as cur:
-                state_tables.ensure_table(cur, spec)
-        finally:
-            external.close()
+        with connection(external_dsn(spec, state_dsns)) as external, \
+                transaction(external) as cur:
+            state_tables.ensure_table(cur, spec)
     return uuid.UUID(str(instance_id))
 
 

@@ -42,6 +42,16 @@ def connect(dsn: str | None = None, *, application_name: str = "onceflow"):
 
 
 @contextmanager
+def connection(dsn: str | None = None, *, application_name: str = "onceflow"):
+    """A new connection (see connect), closed when the block ends."""
+    conn = connect(dsn, application_name=application_name)
+    try:
+        yield conn
+    finally:
+        conn.close()
+
+
+@contextmanager
 def transaction(conn) -> Iterator[psycopg2.extensions.cursor]:
     """One PostgreSQL transaction: commit on success, roll back on any exception."""
     try:

@@ -71,7 +71,7 @@ def mark_transaction_failed(context) -> None:
     """on_failure_callback of process and commit (after their last retry): mark the attempt's
     transaction failed so the next run adopts it. Fenced: a zombie attempt marks nothing."""
     from onceflow.coordinator import mark_failed
-    from onceflow.db import connect
+    from onceflow.db import connection
 
     task = context["task"]
     batch = _batch_of(context)
@@ -79,11 +79,8 @@ def mark_transaction_failed(context) -> None:
         return
     error = context.get("exception")
     reason = f"{task.task_id} failed in run {context['run_id']}: {error!r}"
-    conn = connect(airflow_dsn(getattr(task, "postgres_conn_id", DEFAULT_CONN_ID)))
-    try:
+    with connection(airflow_dsn(getattr(task, "postgres_conn_id", DEFAULT_CONN_ID))) as conn:
         mark_failed(conn, batch["pipeline"], _attempt(batch), reason)
-    finally:
-        conn.close()
 
 
 def inject_fault(point: str, txid: int, try_number: int) -> None:
@@ -120,17 +117,15 @@ class BeginBatchOperator(BaseOperator):
         from airflow.exceptions import AirflowSkipException
 
         from onceflow.coordinator import MaxPendingReached, begin
-        from onceflow.db import connect
+        from onceflow.db import connection
 
         pipeline = _pipeline(self.pipeline, self.batch_size, self.groups)
-        conn = connect(airflow_dsn(self.postgres_conn_id))
         try:
-            batch = begin(conn, pipeline, context["run_id"],
-                          txid=int(self.txid) if self.txid not in (None, "") else None)
+            with connection(airflow_dsn(self.postgres_conn_id)) as conn:
+                batch = begin(conn, pipeline, context["run_id"],
+                              txid=int(self.txid) if self.txid not in (None, "") else None)
         except MaxPendingReached as full:
             raise AirflowSkipException(str(full)) from full
-        finally:
-            conn.close()
         self.log.info("%s: %s reads %d records in %d range(s)%s", pipeline.name, batch.attempt,
                       batch.records, len(batch.ranges),
                       " (committed already: nothing to do)" if batch.committed else "")
@@ -170,20 +165,17 @@ class ProcessBatchOperator(SparkSubmitOperator):
     def execute(self, context) -> None:
         from airflow.exceptions import AirflowFailException
 
-        from onceflow.db import connect, transaction
+        from onceflow.db import connection, transaction
         from onceflow.txn import Fenced, current_attempt
 
         ta = _attempt(self.batch)
         group = int(self.batch.get("group", 0))
         dsn = airflow_dsn(self.postgres_conn_id)
-        conn = connect(dsn)
         try:
-            with transaction(conn) as cur:
+            with connection(dsn) as conn, transaction(conn) as cur:
                 txn_state = current_attempt(cur, self.pipeline, ta)
         except Fenced as fenced:
             raise AirflowFailException(str(fenced)) from fenced
-        finally:
-            conn.close()
         if txn_state == "committed":
             self.log.info("%s of %s is committed already: nothing to process", ta, self.pipeline)
             return
@@ -237,19 +229,17 @@ class CommitBatchOperator(BaseOperator):
         from airflow.exceptions import AirflowFailException
 
         from onceflow.committer import commit
-        from onceflow.db import connect
+        from onceflow.db import connection
         from onceflow.triggers import CommitTurnTrigger
         from onceflow.txn import Fenced
 
         pipeline = _pipeline(self.pipeline)
         ta = _attempt(self.batch)
-        conn = connect(airflow_dsn(self.postgres_conn_id))
         try:
-            result = commit(conn, pipeline, ta, state_dsns=_state_dsns(pipeline))
+            with connection(airflow_dsn(self.postgres_conn_id)) as conn:
+                result = commit(conn, pipeline, ta, state_dsns=_state_dsns(pipeline))
         except Fenced as fenced:
             raise AirflowFailException(str(fenced)) from fenced
-        finally:
-            conn.close()
         if result.status == "waiting":
             if time.time() >= deadline:
                 raise TimeoutError(
