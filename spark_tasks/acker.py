@@ -63,15 +63,30 @@ def signed64(value: int) -> int:
     return value - (1 << 64) if value >= 1 << 63 else value
 
 
-def verdicts(messages: DataFrame) -> DataFrame:
-    """messages: root (long), kind (init / ack / fail), value (long; null for fail).
-    Returns root, complete (bool), failed (bool): one row per root."""
-    return messages.groupBy("root").agg(
+def verdicts(messages: DataFrame, *, errors: bool = True, require_init: bool = True
+             ) -> DataFrame:
+    """messages: root (long), kind (init / ack / fail), value (long; null for fail), and
+    optionally error (a fail's reason). Returns root, complete (bool), failed (bool), and with
+    ``errors`` the first reason in sort order (null when nothing failed): one row per root.
+
+    The aggregation keeps fixed-width state only (a long and two flags per root), so Spark
+    runs it as a hash aggregation; the reasons, rare, are aggregated apart and joined on.
+    ``require_init=False``: a root needs no init message (the topology runner combines the
+    spout's init with the first bolt's ack when it computes both from one row)."""
+    state = messages.groupBy("root").agg(
         F.bit_xor(F.coalesce(F.col("value"), F.lit(0).cast("long"))).alias("xor"),
         F.bool_or(F.col("kind") == FAIL).alias("failed"),
         F.bool_or(F.col("kind") == INIT).alias("initialised"),
     ).select(
         "root",
-        ((F.col("xor") == 0) & ~F.col("failed") & F.col("initialised")).alias("complete"),
+        ((F.col("xor") == 0) & ~F.col("failed")
+         & (F.col("initialised") if require_init else F.lit(True))).alias("complete"),
         "failed",
     )
+    if not errors:
+        return state
+    if "error" not in messages.columns:
+        return state.withColumn("error", F.lit(None).cast("string"))
+    reasons = (messages.where(F.col("kind") == FAIL).groupBy("root")
+               .agg(F.min("error").alias("error")))
+    return state.join(reasons, "root", "left")

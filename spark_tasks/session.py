@@ -28,6 +28,11 @@ def get_spark(app_name: str = "onceflow", master: str | None = None) -> SparkSes
         builder = builder.master(master)
     elif not _under_spark_submit():
         builder = builder.master("local[2]")
+    if not _under_spark_submit():
+        # Local mode runs in this JVM: its default 1g is short for long test runs and 1M-row
+        # batches with broadcast joins (the acker's failed roots).
+        builder = builder.config("spark.driver.memory",
+                                 os.environ.get("ONCEFLOW_DRIVER_MEMORY", "2g"))
     return (
         builder.config("spark.sql.shuffle.partitions", DEFAULT_SHUFFLE_PARTITIONS)
         .config("spark.ui.showConsoleProgress", "false")

@@ -1,7 +1,16 @@
-"""The demo pipeline's Spark side: tweets -> (url, domain) -> counts per URL and per domain.
+"""The demo pipeline's topology: tweet -> url tuple and domain tuple -> counts.
 
-Everything runs as DataFrame expressions in the JVM. Its pure-Python twin,
-onceflow.examples.tweets, recomputes the same result independently for `onceflow verify`.
+    records --parse (JVM)--> urls ----------------------------------> count url_counts
+                                 (tweets_first_seen: urls --first_seen--> count new_urls)
+                        \\--> domains --normalize_domain (Python)--> count domain_counts
+                        \\--> rejects ------------------------------> rejected records
+
+``parse`` is a DataFrame bolt (JSON parsing and URL checks as Spark expressions); a tweet it
+cannot use goes to the rejects stream. ``normalize_domain`` is a per-record Python bolt that
+fails on a host IDNA refuses, so its record's URL tuple, already counted by the other branch,
+is dropped with it: a record counts fully or not at all, and is replayed from the backflow
+queues. Its pure-Python twin, onceflow.examples.tweets.recompute, recomputes the same result
+independently for `onceflow verify`.
 """
 
 from __future__ import annotations
@@ -16,21 +25,23 @@ from onceflow.examples.tweets import (
     ERR_NO_URL,
     ERR_OVERSIZED,
     URL_HOST,
+    normalize_domain,
 )
-from spark_tasks.processing import BatchOutput
+from spark_tasks.topology import ANCHORS, SPOUT, StatefulBolt, Topology
 
-_SCHEMA = "url string, _corrupt_record string"
+_SCHEMA = "url string, flaky int, _corrupt_record string"
 _JSON_OPTIONS = {"mode": "PERMISSIVE", "columnNameOfCorruptRecord": "_corrupt_record"}
 
 
 def parse(records: DataFrame, max_bytes: int = DEFAULT_MAX_BYTES) -> DataFrame:
-    """partition, offset, url, domain, error (null for a usable tweet)."""
+    """The input's columns but payload, plus url, domain, flaky, error (null: usable)."""
+    keep = [c for c in records.columns if c != "payload"]
     doc = F.from_json("payload", _SCHEMA, _JSON_OPTIONS)
-    parsed = records.select("partition", "offset", "payload", doc.alias("j")).select(
-        "partition",
-        "offset",
+    parsed = records.select(*keep, "payload", doc.alias("j")).select(
+        *keep,
         F.col("j.url").alias("url"),
         F.lower(F.regexp_extract("j.url", URL_HOST, 1)).alias("domain"),
+        F.col("j.flaky").alias("flaky"),
         F.col("j._corrupt_record").alias("corrupt"),
         (F.octet_length("payload") > max_bytes).alias("oversized"),
     )
@@ -43,17 +54,66 @@ def parse(records: DataFrame, max_bytes: int = DEFAULT_MAX_BYTES) -> DataFrame:
     return parsed.withColumn("error", error).drop("corrupt", "oversized")
 
 
-def transform(records: DataFrame, pipeline) -> BatchOutput:
-    parsed = parse(records, pipeline.max_record_bytes)
-    good = parsed.where(F.col("error").isNull())
-    pairs = F.explode(F.array(
-        F.struct(F.lit("url_counts").alias("state_name"), F.col("url").alias("key")),
-        F.struct(F.lit("domain_counts").alias("state_name"), F.col("domain").alias("key")),
-    ))
-    deltas = (
-        good.select(pairs.alias("t"))
-        .groupBy("t.state_name", "t.key")
-        .agg(F.count(F.lit(1)).alias("delta"))
+def _parse_bolt(max_bytes: int):
+    def bolt(records: DataFrame) -> DataFrame:
+        parsed = parse(records, max_bytes)
+        null_s, null_i = F.lit(None).cast("string"), F.lit(None).cast("int")
+
+        def tuple_(stream, key=null_s, host=null_s, flaky=null_i, error=null_s):
+            return F.struct(F.lit(stream).alias("_stream"), key.alias("key"),
+                            host.alias("host"), flaky.alias("flaky"), error.alias("error"))
+
+        out = F.when(F.col("error").isNull(), F.array(
+            tuple_("urls", key=F.col("url")),
+            tuple_("domains", host=F.col("domain"), flaky=F.col("flaky")),
+        )).otherwise(F.array(tuple_("rejects", error=F.col("error"))))
+        return parsed.select(*ANCHORS, F.explode(out).alias("t")).select(*ANCHORS, "t.*")
+
+    return bolt
+
+
+def topology(pipeline) -> Topology:
+    max_bytes = pipeline.max_record_bytes if pipeline is not None else DEFAULT_MAX_BYTES
+    return (
+        Topology("tweets")
+        .bolt("parse", input=SPOUT, fn=_parse_bolt(max_bytes), outputs={
+            "urls": "key string",
+            "domains": "host string, flaky int",
+            "rejects": "error string",
+        })
+        .record_bolt("normalize_domain", input="domains", fn=normalize_domain,
+                     outputs={"domain_keys": "key string"})
+        .count("urls", "url_counts")
+        .count("domain_keys", "domain_counts")
+        .reject("rejects")
     )
-    rejects = parsed.where(F.col("error").isNotNull()).select("partition", "offset", "error")
-    return BatchOutput(deltas=deltas, rejects=rejects)
+
+
+class FirstSeen(StatefulBolt):
+    """First-seen detection: emits a URL the first time it is ever seen, across batches.
+
+    State: URL -> the txid that saw it first (sharded by URL). Exactly once: the state and
+    the emitted tuple count only with the transaction, and only if the record's whole tree
+    completed, so a replayed or re-attempted batch never emits a URL a second time.
+    """
+
+    def init_state(self, state) -> None:
+        self.state = state
+
+    def execute(self, values: dict) -> list[dict]:
+        url = values["key"]
+        if self.state.get(url) is not None:
+            return []
+        self.state.put(url, True)
+        return [{"key": url}]
+
+
+def topology_first_seen(pipeline) -> Topology:
+    """The demo topology plus a stateful bolt: urls --first_seen--> new_urls (counted, so
+    each URL must end with exactly 1)."""
+    return (
+        topology(pipeline)
+        .stateful_bolt("first_seen", input="urls", key="key", bolt=FirstSeen(),
+                       outputs={"new_urls": "key string"})
+        .count("new_urls", "new_urls")
+    )

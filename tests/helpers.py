@@ -10,12 +10,15 @@ from onceflow.source import produce
 
 
 def tweets_pipeline(conn, *, events: int = 0, batch_size: int = 1000, seed: int = 7,
-                    malformed_share: float = 0.05, state_dsns=None, **overrides) -> Pipeline:
+                    malformed_share: float = 0.05, poison_share: float = 0.0005,
+                    flaky_share: float = 0.001, state_dsns=None, **overrides) -> Pipeline:
     """The demo pipeline registered in ``conn``'s database, with ``events`` produced."""
     pipeline = get_pipeline("tweets", batch_size=batch_size, **overrides)
     register(conn, pipeline, state_dsns, create_topic=True)
     if events:
-        produce(conn, pipeline.topic, generate(events, seed=seed, malformed_share=malformed_share))
+        produce(conn, pipeline.topic, generate(
+            events, seed=seed, malformed_share=malformed_share, poison_share=poison_share,
+            flaky_share=flaky_share))
     return pipeline
 
 

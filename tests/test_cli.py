@@ -34,7 +34,7 @@ def test_init_produce_status_verify(spark, dsn, conn, capsys):
     out = capsys.readouterr().out
     assert "txid=1 attempt=1 state=committed" in out and "partition=0" in out
     assert main(["verify"]) == 0
-    assert "verify tweets: OK: 400 committed records" in capsys.readouterr().out
+    assert "verify tweets: OK: 400 source records = 400 committed" in capsys.readouterr().out
 
 
 def test_verify_exits_non_zero_on_a_mismatch(spark, dsn, conn, capsys):

@@ -11,8 +11,8 @@ from onceflow.txn import Fenced, TransactionAttempt
 from onceflow.verify import verify
 from spark_tasks.processing import process_batch
 
-COMMIT_STEPS = ["locked", "state:url_counts", "state:domain_counts", "rejects", "offsets",
-                "staging", "commit_record"]
+COMMIT_STEPS = ["locked", "state:url_counts", "state:domain_counts", "rejects", "backflow",
+                "offsets", "staging", "commit_record"]
 
 
 class Crash(RuntimeError):
@@ -38,6 +38,10 @@ def snapshot(conn):
         "transactions": table(conn, "SELECT txid, attempt, state FROM transactions ORDER BY 1"),
         "last_committed": table(conn, "SELECT last_committed_txid FROM pipelines"),
         "staged": table(conn, "SELECT count(*) FROM staged_deltas"),
+        "queued": table(conn, 'SELECT partition, "offset", queue, failures, claimed_txid '
+                              "FROM backflow_items ORDER BY 1, 2"),
+        "dead": table(conn, 'SELECT partition, "offset" FROM dead_letters ORDER BY 1, 2'),
+        "pointers": table(conn, "SELECT to_queue, swaps FROM backflow_pointers"),
     }
 
 
@@ -68,9 +72,10 @@ def test_a_crash_inside_the_commit_leaves_nothing_and_the_rerun_applies_once(
         spark, conn, dsn, step):
     pipeline = tweets_pipeline(conn, events=1500, batch_size=1000)
     run_transaction(spark, dsn, conn, pipeline, "run-1")  # txid 1 committed: state not empty
-    before = snapshot(conn)
-    batch = begin(conn, pipeline, "run-2")
+    batch = begin(conn, pipeline, "run-2")  # claims txid 1's failed records for replay
     process_batch(spark, dsn, pipeline, batch.attempt)
+    before = snapshot(conn)
+    assert before["queued"] and all(claim == 2 for *_, claim in before["queued"])
     staged_before = table(conn, "SELECT count(*) FROM staged_deltas")
 
     with pytest.raises(Crash):

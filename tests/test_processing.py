@@ -16,6 +16,7 @@ from onceflow.examples.tweets import (
     ERR_OVERSIZED,
     classify,
     generate,
+    normalize_host,
 )
 from onceflow.txn import Fenced, TransactionAttempt
 from spark_tasks.processing import process_batch
@@ -91,34 +92,60 @@ def staged(conn, txid):
     return deltas, rejects
 
 
+def expected_outcome(payload: str):
+    """What the example topology must do with a record tried for the first time: its counts,
+    a rejection error, or "failed" (poison, or a flaky lookup's first try)."""
+    c = classify(payload)
+    if isinstance(c, str):
+        return c
+    doc = json.loads(payload)
+    try:
+        domain = normalize_host(c[1])
+    except UnicodeError:
+        return "failed"
+    if doc.get("flaky"):
+        return "failed"
+    return c[0], domain
+
+
 def test_staging_matches_recomputation_and_a_rerun_replaces_it(spark, conn, dsn):
-    pipeline = tweets_pipeline(conn, events=3000, batch_size=2000)
+    pipeline = tweets_pipeline(conn, events=3000, batch_size=2000, poison_share=0.01,
+                               flaky_share=0.01)
     batch = begin(conn, pipeline, "run-1")
     result = process_batch(spark, dsn, pipeline, batch.attempt)
     assert result.records == 2000
     deltas, rejects = staged(conn, batch.attempt.txid)
 
-    payloads = table(conn, """SELECT l.payload FROM source_log l JOIN batch_ranges b
+    payloads = table(conn, """SELECT l.partition, l."offset", l.payload
+                              FROM source_log l JOIN batch_ranges b
                               ON b.partition = l.partition AND l."offset" >= b.start_offset
                                  AND l."offset" < b.end_offset
                               WHERE b.txid = %s""", (batch.attempt.txid,))
-    want = Counter()
-    want_rejected = 0
-    for (payload,) in payloads:
-        c = classify(payload)
-        if isinstance(c, str):
+    want, want_rejected, want_failed = Counter(), 0, set()
+    for partition, offset, payload in payloads:
+        outcome = expected_outcome(payload)
+        if outcome == "failed":
+            want_failed.add((partition, offset))
+        elif isinstance(outcome, str):
             want_rejected += 1
         else:
-            want["url_counts", c[0]] += 1
-            want["domain_counts", c[1]] += 1
+            want["url_counts", outcome[0]] += 1
+            want["domain_counts", outcome[1]] += 1
     assert {(s, k): d for s, k, d in deltas} == dict(want)
     assert len(rejects) == want_rejected == result.rejected > 0
+    failures = table(conn, """SELECT partition, "offset", replayed, error FROM staged_failures
+                              WHERE txid = %s""", (batch.attempt.txid,))
+    assert {(p, o) for p, o, _, _ in failures} == want_failed and result.failed > 5
+    assert {e.split(":")[0] for *_, e in failures} == {"bolt normalize_domain"}
+    assert not any(replayed for _, _, replayed, _ in failures)
 
     # the same (txid, attempt) processed again: the staging is replaced, never added to
     process_batch(spark, dsn, pipeline, batch.attempt)
     assert staged(conn, batch.attempt.txid) == (deltas, rejects)
     assert table(conn, "SELECT count(*) FROM staged_groups WHERE txid = %s",
                  (batch.attempt.txid,)) == [(1,)]
+    assert len(table(conn, "SELECT 1 FROM staged_failures WHERE txid = %s",
+                     (batch.attempt.txid,))) == len(failures)
 
 
 def test_an_unknown_attempt_cannot_stage(spark, conn, dsn):

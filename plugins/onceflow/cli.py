@@ -48,8 +48,11 @@ def cmd_init(args) -> int:
         names = [args.pipeline] if args.pipeline else sorted(PIPELINES)
         for name in names:
             from onceflow.pipeline import get_pipeline
+            from onceflow.stateful import check_state_config
 
-            instance = register(conn, get_pipeline(name), create_topic=True)
+            pipeline = get_pipeline(name)
+            instance = register(conn, pipeline, create_topic=True)
+            check_state_config(pipeline, dsn)
             print(f"pipeline {name} ready (instance {instance})")
     return 0
 
@@ -60,6 +63,7 @@ def cmd_produce(args) -> int:
 
     pipeline = _pipeline(args)
     events = generate(args.events, seed=args.seed, malformed_share=args.malformed_share,
+                      poison_share=args.poison_share, flaky_share=args.flaky_share,
                       start_id=args.start_id)
     with db.connection() as conn:
         started = time.monotonic()
@@ -71,11 +75,13 @@ def cmd_produce(args) -> int:
             n = produce(conn, pipeline.topic, events)
         took = time.monotonic() - started
     print(f"produced {n} events to topic {pipeline.topic} in {took:.1f}s "
-          f"(seed {args.seed}, malformed share {args.malformed_share})")
+          f"(seed {args.seed}, malformed share {args.malformed_share}, poison share "
+          f"{args.poison_share}, flaky share {args.flaky_share})")
     return 0
 
 
 def cmd_status(args) -> int:
+    from onceflow.backflow import dead_letter_lines, queue_sizes
     from onceflow.status import commit_log, gap_lines, partition_lines
 
     with db.connection() as conn:
@@ -90,6 +96,36 @@ def cmd_status(args) -> int:
             print("gaps (records gone before they were read):" + ("" if gaps else " none"))
             for line in gaps:
                 print("  " + line)
+            print(queue_sizes(cur, args.pipeline).line())
+            for line in dead_letter_lines(cur, args.pipeline, args.limit):
+                print("  " + line)
+    return 0
+
+
+def cmd_replay_dead_letters(args) -> int:
+    from onceflow.backflow import replay_dead_letters
+    from onceflow.coordinator import lock_pipeline
+    from onceflow.db import transaction
+
+    positions = None
+    if args.record:
+        positions = []
+        for item in args.record:
+            partition, _, offset = item.partition(":")
+            if not (partition.isdigit() and offset.isdigit()):
+                raise ValueError(f"--record={item!r} is invalid: give PARTITION:OFFSET, "
+                                 "e.g. --record 2:1041 (see `onceflow status`)")
+            positions.append((int(partition), int(offset)))
+    if positions is None and args.error_contains is None and not args.all:
+        print("onceflow replay-dead-letters: nothing chosen: pass --record P:O (repeatable), "
+              "--error-contains TEXT, or --all", file=sys.stderr)
+        return 2
+    with db.connection() as conn, transaction(conn) as cur:
+        lock_pipeline(cur, args.pipeline)
+        n = replay_dead_letters(cur, args.pipeline, positions=positions,
+                                error_contains=args.error_contains)
+    print(f"put {n} dead letter(s) of {args.pipeline} back in the backflow from-queue: the "
+          "next transactions replay them")
     return 0
 
 
@@ -225,12 +261,19 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--seed", type=int, default=42, help="random seed (42)")
         p.add_argument("--malformed-share", type=float, default=0.02,
                        help="share of malformed payloads, 0..1 (0.02)")
+        p.add_argument("--poison-share", type=float, default=0.0005,
+                       help="share of tweets whose host the domain bolt refuses: they fail "
+                            "every try and end in the dead letters (0.0005)")
+        p.add_argument("--flaky-share", type=float, default=0.001,
+                       help="share of tweets whose lookup fails their first 1-2 tries, then "
+                            "succeeds on replay (0.001)")
         p.add_argument("--start-id", type=int, default=0, help="first tweet id (0)")
         if name == "demo":
             p.add_argument("--transactions", type=int, default=3, help="DAG runs (3)")
             p.add_argument("--batch-size", type=int, default=20_000,
                            help="records per transaction (20000)")
-    p = add("status", cmd_status, "show transactions in commit order and partition offsets")
+    p = add("status", cmd_status, "show transactions in commit order, partition offsets, "
+            "backflow queues and dead letters")
     p.add_argument("--pipeline", default="tweets")
     p.add_argument("--limit", type=int, default=50, help="last N transactions (50)")
     p = add("verify", cmd_verify,
@@ -253,6 +296,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="airflow: queue runs for the scheduler (airflow dags trigger); "
                         "local: run them here one by one with dag.test() (default airflow)")
     p.add_argument("--dry-run", action="store_true", help="only list what would be re-run")
+    p = add("replay-dead-letters", cmd_replay_dead_letters,
+            "put chosen dead letters back in the backflow queue (after fixing their cause)")
+    p.add_argument("--pipeline", default="tweets")
+    p.add_argument("--record", action="append", metavar="P:O",
+                   help="the dead letter at partition P, offset O (repeatable)")
+    p.add_argument("--error-contains", metavar="TEXT",
+                   help="the dead letters with TEXT in any of their errors")
+    p.add_argument("--all", action="store_true", help="every dead letter of the pipeline")
     add("ui", cmd_ui, "start the Airflow UI (airflow standalone on 127.0.0.1:8080)")
     return parser
 

@@ -2,7 +2,8 @@
 
 ONE PostgreSQL transaction under the coordinator row's lock: fence the attempt, check every
 processing group staged, apply every state's deltas (set-based upserts), keep the rejected
-records, advance the partition offsets, drop the staging, and last write the commit record.
+records, settle the backflow (failed records queued for replay or dead-lettered), advance
+the partition offsets, drop the staging, and last write the commit record.
 A crash anywhere before the final COMMIT leaves nothing; committing a committed txid again is a
 logged no-op.
 
@@ -17,10 +18,13 @@ from __future__ import annotations
 
 import io
 import logging
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from onceflow import backflow
 from onceflow import state as state_tables
+from onceflow import stateful as stateful_steps
 from onceflow.coordinator import end_attempt, external_dsn, lock_pipeline
 from onceflow.db import connection, transaction
 from onceflow.pipeline import Pipeline
@@ -88,12 +92,28 @@ def _apply_external(cur, spec, dsn: str, keys: dict) -> int:
 
 
 def commit(conn, pipeline: Pipeline, ta: TransactionAttempt, *, on_step: Step = _no_step,
-           state_dsns: Mapping[str, str] | None = None) -> CommitResult:
+           state_dsns: Mapping[str, str] | None = None, coordinator_dsn: str | None = None
+           ) -> CommitResult:
     """Commit ``ta`` if it is its turn; else return status "waiting" and change nothing.
 
     ``on_step(name)`` is called after each statement group (fault injection in tests);
-    ``state_dsns`` gives the database of each state with a conn_id.
+    ``state_dsns`` gives the database of each state with a conn_id; ``coordinator_dsn`` (default
+    ONCEFLOW_PG_DSN) lets stateful bolts' state provider find the coordinator's database.
     """
+    bolts = stateful_steps.stateful_bolts(pipeline)
+    provider = None
+    if bolts:
+        provider = stateful_steps.open_state_provider(
+            pipeline, coordinator_dsn or os.environ.get("ONCEFLOW_PG_DSN", ""))
+    try:
+        return _commit(conn, pipeline, ta, on_step, state_dsns, bolts, provider)
+    finally:
+        if provider is not None:
+            provider.close()
+
+
+def _commit(conn, pipeline: Pipeline, ta: TransactionAttempt, on_step: Step,
+            state_dsns: Mapping[str, str] | None, bolts: list, provider) -> CommitResult:
     with transaction(conn) as cur:
         cur.execute(
             """UPDATE transactions SET commit_requested_at = now()
@@ -124,6 +144,10 @@ def commit(conn, pipeline: Pipeline, ta: TransactionAttempt, *, on_step: Step = 
         for spec in pipeline.external_states():
             rows += _apply_external(cur, spec, external_dsn(spec, state_dsns), keys)
             on_step(f"external:{spec.name}")
+        if bolts:
+            stateful_steps.recover(conn, provider, pipeline, bolts, cur)
+            rows += stateful_steps.commit_states(cur, provider, pipeline, bolts, ta)
+            on_step("kv_state")
         for spec in pipeline.states:
             if spec.conn_id is None:
                 rows += state_tables.apply_source(
@@ -139,6 +163,8 @@ def commit(conn, pipeline: Pipeline, ta: TransactionAttempt, *, on_step: Step = 
             keys,
         )
         on_step("rejects")
+        settled = backflow.settle(cur, pipeline, ta)
+        on_step("backflow")
         cur.execute(
             """INSERT INTO partition_offsets
                    (pipeline, instance_id, topic, partition, "offset", txid)
@@ -155,10 +181,11 @@ def commit(conn, pipeline: Pipeline, ta: TransactionAttempt, *, on_step: Step = 
         cur.execute(
             """UPDATE transactions
                SET state = 'committed', committed_at = now(), rows_applied = %(rows)s,
-                   commit_wait_s = EXTRACT(EPOCH FROM now() - commit_requested_at)
+                   commit_wait_s = EXTRACT(EPOCH FROM now() - commit_requested_at),
+                   failed = %(failed)s
                WHERE pipeline = %(pipeline)s AND txid = %(txid)s
                RETURNING commit_wait_s""",
-            {**keys, "rows": rows},
+            {**keys, "rows": rows, "failed": settled.failed},
         )
         waited = cur.fetchone()[0] or 0.0
         end_attempt(cur, pipeline.name, ta, "committed", "")
@@ -166,7 +193,9 @@ def commit(conn, pipeline: Pipeline, ta: TransactionAttempt, *, on_step: Step = 
                     (ta.txid, pipeline.name))
         on_step("commit_record")
     log.info(
-        "COMMIT pipeline=%s txid=%d attempt=%d prev_txid=%d rows=%d waited=%.2fs",
-        pipeline.name, ta.txid, ta.attempt, ta.txid - 1, rows, waited,
+        "COMMIT pipeline=%s txid=%d attempt=%d prev_txid=%d rows=%d replayed_ok=%d "
+        "failed=%d (queued %d, dead %d) waited=%.2fs", pipeline.name, ta.txid, ta.attempt,
+        ta.txid - 1, rows, settled.replayed_ok, settled.failed, settled.queued, settled.dead,
+        waited,
     )
     return CommitResult("committed", ta, rows_applied=rows, waited_s=waited)

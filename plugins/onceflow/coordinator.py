@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import psycopg2.extras
 
+from onceflow import backflow
 from onceflow import state as state_tables
 from onceflow.db import connection, transaction
 from onceflow.offsets import OffsetOutOfRange, record_gaps, resolve_starts
@@ -52,6 +53,7 @@ class Batch:
     ranges: tuple[tuple[PartitionRange, int], ...]  # (range, group)
     groups: int
     committed: bool = False  # the txid is committed already: process and commit do nothing
+    replayed: int = 0  # backflow items the batch holds besides its source ranges
 
     @property
     def records(self) -> int:
@@ -109,6 +111,7 @@ def register(conn, pipeline: Pipeline, state_dsns: Mapping[str, str] | None = No
             )
         cur.execute("UPDATE pipelines SET mode = %s WHERE name = %s",
                     (pipeline.mode, pipeline.name))
+        backflow.ensure_pointers(cur, pipeline.name)
         for spec in pipeline.states:
             if spec.conn_id is None:
                 state_tables.ensure_table(cur, spec)
@@ -143,13 +146,14 @@ def lock_pipeline(cur, name: str) -> tuple:
 
 def load_batch(cur, pipeline: str, txid: int) -> Batch:
     cur.execute(
-        "SELECT attempt, groups, state FROM transactions WHERE pipeline = %s AND txid = %s",
+        """SELECT attempt, groups, state, replayed FROM transactions
+           WHERE pipeline = %s AND txid = %s""",
         (pipeline, txid),
     )
     row = cur.fetchone()
     if row is None:
         raise LookupError(f"pipeline {pipeline!r} has no txid {txid}")
-    attempt, groups, txn_state = row
+    attempt, groups, txn_state, replayed = row
     cur.execute(
         """SELECT partition, start_offset, end_offset, grp FROM batch_ranges
            WHERE pipeline = %s AND txid = %s ORDER BY partition""",
@@ -157,12 +161,12 @@ def load_batch(cur, pipeline: str, txid: int) -> Batch:
     )
     ranges = tuple((PartitionRange(p, s, e), g) for p, s, e, g in cur.fetchall())
     return Batch(pipeline, TransactionAttempt(txid, attempt), ranges, groups,
-                 committed=txn_state == "committed")
+                 committed=txn_state == "committed", replayed=replayed)
 
 
 def _plan(cur, pipeline: Pipeline, topic: str, groups: int, txid: int,
-          before_txid: int | None, old: list[tuple[PartitionRange, int]] = ()
-          ) -> list[tuple[PartitionRange, int]]:
+          before_txid: int | None, old: list[tuple[PartitionRange, int]] = (), *,
+          size: int) -> list[tuple[PartitionRange, int]]:
     """Plan txid's batch; ``old`` is its previous plan (a re-plan): where the new plan starts
     later than the old one did, the records between were skipped (gone) and are recorded."""
     starts = resolve_starts(cur, pipeline, topic, before_txid)
@@ -172,7 +176,7 @@ def _plan(cur, pipeline: Pipeline, topic: str, groups: int, txid: int,
         if new_start is not None and r.start < new_start and r.partition not in gapped:
             starts.gaps.append((r.partition, r.start, new_start))
     record_gaps(cur, pipeline, topic, txid, starts)
-    return plan_ranges(starts.offsets, starts.heads, pipeline.batch_size, groups,
+    return plan_ranges(starts.offsets, starts.heads, size, groups,
                        max_per_partition=pipeline.max_per_partition,
                        keep=starts.keep())
 
@@ -240,12 +244,17 @@ def _begin_new(cur, pipeline: Pipeline, run_id: str, txid: int, topic: str) -> B
             f"{', '.join(map(str, pending))} are uncommitted; no new transaction is planned "
             "until one commits"
         )
-    ranges = _plan(cur, pipeline, topic, pipeline.groups, txid, None)
+    # Backflow first: the to-queue (swapped in if it ran dry), up to replay_cap, then eden.
+    backflow.maybe_swap(cur, pipeline.name)
+    replayed = backflow.claim(cur, pipeline.name, txid, pipeline.replays_per_batch,
+                              pipeline.groups)
+    ranges = _plan(cur, pipeline, topic, pipeline.groups, txid, None,
+                   size=pipeline.batch_size - replayed)
     records = sum(r.size for r, _ in ranges)
     cur.execute(
-        """INSERT INTO transactions (pipeline, txid, attempt, run_id, groups, records)
-           VALUES (%s, %s, 1, %s, %s, %s)""",
-        (pipeline.name, txid, run_id, pipeline.groups, records),
+        """INSERT INTO transactions (pipeline, txid, attempt, run_id, groups, records, replayed)
+           VALUES (%s, %s, 1, %s, %s, %s, %s)""",
+        (pipeline.name, txid, run_id, pipeline.groups, records, replayed),
     )
     cur.execute(
         "INSERT INTO transaction_attempts (pipeline, txid, attempt, run_id) VALUES (%s, %s, 1, %s)",
@@ -254,9 +263,10 @@ def _begin_new(cur, pipeline: Pipeline, run_id: str, txid: int, topic: str) -> B
     _store_ranges(cur, pipeline.name, txid, topic, ranges)
     _map_run(cur, pipeline.name, run_id, txid)
     cur.execute("UPDATE pipelines SET next_txid = %s WHERE name = %s", (txid + 1, pipeline.name))
-    log.info("BEGIN pipeline=%s txid=%d attempt=1 run=%s records=%d ranges=%s",
-             pipeline.name, txid, run_id, records, _describe(ranges))
-    return Batch(pipeline.name, TransactionAttempt(txid, 1), tuple(ranges), pipeline.groups)
+    log.info("BEGIN pipeline=%s txid=%d attempt=1 run=%s records=%d replayed=%d ranges=%s",
+             pipeline.name, txid, run_id, records, replayed, _describe(ranges))
+    return Batch(pipeline.name, TransactionAttempt(txid, 1), tuple(ranges), pipeline.groups,
+                 replayed=replayed)
 
 
 def _reattempt(cur, pipeline: Pipeline, run_id: str, txid: int, topic: str, why: str) -> Batch:
@@ -312,7 +322,10 @@ def _replan(cur, pipeline: Pipeline, txid: int, topic: str, groups: int) -> bool
     """Opaque mode: plan ``txid`` again from where txid - 1 ends. Returns True if it changed;
     then every later uncommitted txid is superseded."""
     old = list(load_batch(cur, pipeline.name, txid).ranges)
-    new = _plan(cur, pipeline, topic, groups, txid, txid, old)
+    cur.execute("SELECT replayed FROM transactions WHERE pipeline = %s AND txid = %s",
+                (pipeline.name, txid))
+    new = _plan(cur, pipeline, topic, groups, txid, txid, old,
+                size=pipeline.batch_size - cur.fetchone()[0])
     if new == old:
         return False
     _store_ranges(cur, pipeline.name, txid, topic, new)
@@ -332,6 +345,7 @@ def _replan(cur, pipeline: Pipeline, txid: int, topic: str, groups: int) -> bool
         end_attempt(cur, pipeline.name, TransactionAttempt(later, attempt), "superseded",
                      f"txid {txid} was re-planned")
         delete_staging(cur, pipeline.name, later)
+    backflow.release_claims(cur, pipeline.name, [later for later, _ in superseded])
     log.warning("REPLAN pipeline=%s txid=%d: %s -> %s; superseded txids %s", pipeline.name,
                 txid, _describe(old), _describe(new),
                 ", ".join(str(t) for t, _ in superseded) or "none")

@@ -236,8 +236,10 @@ class CommitBatchOperator(BaseOperator):
         pipeline = _pipeline(self.pipeline)
         ta = _attempt(self.batch)
         try:
-            with connection(airflow_dsn(self.postgres_conn_id)) as conn:
-                result = commit(conn, pipeline, ta, state_dsns=_state_dsns(pipeline))
+            dsn = airflow_dsn(self.postgres_conn_id)
+            with connection(dsn) as conn:
+                result = commit(conn, pipeline, ta, state_dsns=_state_dsns(pipeline),
+                                coordinator_dsn=dsn)
         except Fenced as fenced:
             raise AirflowFailException(str(fenced)) from fenced
         if result.status == "waiting":

@@ -1,6 +1,6 @@
-"""A pipeline's declaration: its source topic, its state tables and its Spark-side transform.
+"""A pipeline's declaration: its source topic, its state tables and its Spark-side topology.
 
-Declarations are plain data, importable without Spark or Airflow running: the transform and
+Declarations are plain data, importable without Spark or Airflow running: the topology and
 the independent recomputation are referenced by "module:function" and imported where used.
 """
 
@@ -41,7 +41,7 @@ class StateSpec:
 
     name: str
     kind: str = "opaque"
-    source: str | None = None  # which deltas of the transform feed it (default: name)
+    source: str | None = None  # which count sink of the topology feeds it (default: name)
     conn_id: str | None = None
 
     @property
@@ -67,7 +67,7 @@ class StateSpec:
 class Pipeline:
     name: str
     topic: str
-    transform: str  # "module:function": (DataFrame of records, Pipeline) -> BatchOutput
+    topology: str  # "module:function": (Pipeline) -> spark_tasks.topology.Topology
     recompute: str  # "module:function": (iterable of payloads, Pipeline) -> Recomputed
     states: tuple[StateSpec, ...] = field(default_factory=tuple)
     mode: str = "transactional"
@@ -84,6 +84,21 @@ class Pipeline:
     source: str = "postgres"  # postgres: the source_log table; files: Parquet segments
     # Root folder of a files source (default: ONCEFLOW_SEGMENTS_DIR, else <project>/.run/segments)
     source_path: str | None = None
+    # The acker: a record counts only if its whole tuple tree completed; failed records go to
+    # the backflow queues. False: nothing is tracked (Storm's unreliable mode; benchmarks).
+    acker: bool = True
+    tuple_timeout_ms: int = 30_000  # a per-record bolt call taking longer fails its tuple
+    max_replays: int = 3  # a record failing more often than 1 + max_replays goes to dead letters
+    # Replayed records per transaction, read from the to-queue before the source (None: a
+    # tenth of batch_size, at least 1). Below batch_size, so the source always moves on.
+    replay_cap: int | None = None
+    # Where stateful bolts keep their key-value state (onceflow.kvstate): postgres (default:
+    # the coordinator's database, or config {"dsn": ...} / {"conn_id": ...}), redis (config:
+    # host, port, timeout, database, password, key/value serializers, require_persistence),
+    # memory (tests of one process only). Config: a JSON object (text), like Storm's
+    # topology.state.provider.config.
+    state_provider: str = "postgres"
+    state_provider_config: str | None = None
 
     def validate(self) -> Pipeline:
         _check(bool(_IDENT.match(self.name)), "pipeline.name", self.name,
@@ -112,6 +127,18 @@ class Pipeline:
                self.out_of_range, f"choose one of {', '.join(OUT_OF_RANGE_POLICIES)}")
         _check(self.source in SOURCES, "pipeline.source", self.source,
                f"choose one of {', '.join(SOURCES)}")
+        _check(isinstance(self.acker, bool), "pipeline.acker", self.acker, "give True or False")
+        _check(isinstance(self.tuple_timeout_ms, int) and self.tuple_timeout_ms > 0,
+               "pipeline.tuple_timeout_ms", self.tuple_timeout_ms,
+               "give a positive number of milliseconds per record and bolt")
+        _check(isinstance(self.max_replays, int) and self.max_replays >= 0,
+               "pipeline.max_replays", self.max_replays,
+               "give 0 or more replays before a record goes to the dead letters")
+        _check(self.replay_cap is None or (isinstance(self.replay_cap, int)
+                                           and 0 < self.replay_cap < self.batch_size),
+               "pipeline.replay_cap", self.replay_cap,
+               f"give a number of records from 1 to batch_size - 1 ({self.batch_size - 1}), "
+               "or None for a tenth of batch_size")
         _check(len(self.states) > 0, "pipeline.states", self.states, "declare at least one state")
         for state in self.states:
             state.validate()
@@ -124,6 +151,13 @@ class Pipeline:
         from onceflow.localenv import project_dir
 
         return Path(os.environ.get("ONCEFLOW_SEGMENTS_DIR") or project_dir() / ".run" / "segments")
+
+    @property
+    def replays_per_batch(self) -> int:
+        """How many replayed records a transaction takes at most (replay_cap)."""
+        if self.replay_cap is not None:
+            return self.replay_cap
+        return max(1, self.batch_size // 10) if self.batch_size > 1 else 0
 
     def external_states(self) -> list[StateSpec]:
         return [spec for spec in self.states if spec.conn_id is not None]

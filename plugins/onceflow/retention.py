@@ -34,10 +34,16 @@ def _retire(cur, name: str, topic: str, moves: list[tuple[int, int, int]]) -> in
         upto = min(new_start, committed.get(partition, 0))
         if upto <= old_start:
             continue
+        # Records parked in the backflow queues or dead letters were not counted: they keep
+        # their payload there, and a replay that completes later is kept for verify.
         cur.execute(
-            """SELECT payload FROM source_log WHERE topic = %s AND partition = %s
-               AND "offset" >= %s AND "offset" < %s""",
-            (topic, partition, old_start, upto),
+            """SELECT l.payload FROM source_log l WHERE l.topic = %s AND l.partition = %s
+               AND l."offset" >= %s AND l."offset" < %s
+               AND NOT EXISTS (SELECT 1 FROM backflow_items b WHERE b.pipeline = %s
+                               AND b.partition = l.partition AND b."offset" = l."offset")
+               AND NOT EXISTS (SELECT 1 FROM dead_letters d WHERE d.pipeline = %s
+                               AND d.partition = l.partition AND d."offset" = l."offset")""",
+            (topic, partition, old_start, upto, name, name),
         )
         payloads += [p for (p,) in cur.fetchall()]
     if not payloads:

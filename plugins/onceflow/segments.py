@@ -85,9 +85,10 @@ def segments_for(cur, topic: str, ranges: Iterable[tuple[int, int, int]]) -> lis
 
 
 def iter_segment_payloads(conn, topic: str, ends: dict[int, int],
-                          skipped: list[tuple[int, int, int]] = ()) -> Iterator[str]:
+                          skipped: list[tuple[int, int, int]] = (),
+                          parked: frozenset[tuple[int, int]] = frozenset()) -> Iterator[str]:
     """Payloads below ``ends[partition]``, leaving out the ``skipped`` (partition, from, to)
-    ranges (verify's reading of a file topic)."""
+    ranges and the ``parked`` (partition, offset) records (verify's reading of a file topic)."""
     with conn.cursor() as cur:
         paths = segments_for(cur, topic, [(p, 0, end) for p, end in ends.items()])
     conn.commit()
@@ -99,5 +100,7 @@ def iter_segment_payloads(conn, topic: str, ends: dict[int, int],
             if offset >= ends[partition]:
                 continue
             if any(p == partition and lo <= offset < hi for p, lo, hi in skipped):
+                continue
+            if (partition, offset) in parked:
                 continue
             yield payload

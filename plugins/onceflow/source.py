@@ -93,7 +93,8 @@ def produce(conn, topic: str, payloads: Iterable[str], *, chunk_size: int = 100_
 def iter_payloads_below(conn, topic: str, ends: dict[int, int], skipped_by: str | None = None,
                         fetch: int = 50_000) -> Iterator[str]:
     """Every payload of ``topic`` with offset below ``ends[partition]`` (a named cursor
-    streams), leaving out the ranges pipeline ``skipped_by`` skipped by policy (offset_gaps)."""
+    streams), leaving out the ranges pipeline ``skipped_by`` skipped by policy (offset_gaps)
+    and the records it parked in its backflow queues or dead letters."""
     with conn.cursor(name="onceflow_scan") as cur:
         cur.itersize = fetch
         cur.execute(
@@ -105,8 +106,12 @@ def iter_payloads_below(conn, topic: str, ends: dict[int, int], skipped_by: str 
                  AND NOT EXISTS (SELECT 1 FROM offset_gaps g
                                  WHERE g.pipeline = %s AND g.partition = l.partition
                                    AND l."offset" >= g.from_offset
-                                   AND l."offset" < g.to_offset)""",
-            (list(ends), list(ends.values()), topic, skipped_by),
+                                   AND l."offset" < g.to_offset)
+                 AND NOT EXISTS (SELECT 1 FROM backflow_items b WHERE b.pipeline = %s
+                                 AND b.partition = l.partition AND b."offset" = l."offset")
+                 AND NOT EXISTS (SELECT 1 FROM dead_letters d WHERE d.pipeline = %s
+                                 AND d.partition = l.partition AND d."offset" = l."offset")""",
+            (list(ends), list(ends.values()), topic, skipped_by, skipped_by, skipped_by),
         )
         for (payload,) in cur:
             yield payload

@@ -7,8 +7,8 @@ def commit_log(cur, pipeline: str, limit: int = 50) -> list[str]:
     """One line per transaction, in txid order: the commit order, since txid N commits only
     after N - 1. Open transactions show their last attempt's failure reason."""
     cur.execute(
-        """SELECT t.txid, t.attempt, t.state, t.run_id, t.records, t.rows_applied,
-                  t.committed_at, t.commit_wait_s,
+        """SELECT t.txid, t.attempt, t.state, t.run_id, t.records, t.replayed, t.failed,
+                  t.rows_applied, t.committed_at, t.commit_wait_s,
                   (SELECT a.reason FROM transaction_attempts a WHERE a.pipeline = t.pipeline
                    AND a.txid = t.txid AND a.attempt = t.attempt),
                   (SELECT string_agg(format('p%%s:[%%s,%%s)', partition, start_offset, end_offset),
@@ -19,12 +19,14 @@ def commit_log(cur, pipeline: str, limit: int = 50) -> list[str]:
         (pipeline, limit),
     )
     lines = []
-    for txid, attempt, state, run_id, records, rows, at, wait, reason, ranges in cur.fetchall():
+    for (txid, attempt, state, run_id, records, replayed, failed, rows, at, wait, reason,
+         ranges) in cur.fetchall():
         when = at.strftime("%Y-%m-%d %H:%M:%S") if at else "-"
         wait_s = f"{wait:.2f}s" if wait is not None else "-"
         lines.append(
             f"txid={txid} attempt={attempt} state={state} committed_at={when} waited={wait_s} "
-            f"records={records} rows={rows if rows is not None else '-'} run={run_id} "
+            f"records={records} replayed={replayed} failed={failed if failed is not None else '-'}"
+            f" rows={rows if rows is not None else '-'} run={run_id} "
             f"ranges={ranges or '-'}" + (f" reason={reason}" if reason else "")
         )
     return lines

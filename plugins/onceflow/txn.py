@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from psycopg2 import sql
 
-STAGING_TABLES = ("staged_deltas", "staged_rejects", "staged_groups")
+STAGING_TABLES = ("staged_deltas", "staged_rejects", "staged_failures", "staged_groups")
 
 
 @dataclass(frozen=True, order=True)

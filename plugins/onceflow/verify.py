@@ -1,8 +1,12 @@
 """`onceflow verify`: recompute the expected state from the source, independently of Spark,
 and compare it with what was committed.
 
-Scope: every record below the committed offsets. Each must be either counted in every state
-table (exactly once) or kept in rejected_records. Records retention deleted after they were
+Scope: every record below the committed offsets. Each must be exactly one of: counted in every
+state table (exactly once), kept in rejected_records, waiting in a backflow queue for its
+replay, or given up on in dead_letters; so committed state + rejects + queued + dead letters
+== the source. A record the recomputation says always fails (poison) must be queued or dead.
+A replay that completed after retention deleted its source row is recomputed from
+replayed_retired. Records retention deleted after they were
 committed are accounted for by what retention summed before deleting them (retired_counts);
 ranges an out_of_range policy skipped (offset_gaps) were never read and are left out. After a
 force_from_start reset records are read (and counted) again, which verify does not model.
@@ -10,6 +14,7 @@ force_from_start reset records are read (and counted) again, which verify does n
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -24,6 +29,8 @@ class VerifyReport:
     records: int = 0
     rejected_expected: int = 0
     rejected_committed: int = 0
+    queued: int = 0
+    dead: int = 0
     keys: dict[str, int] = field(default_factory=dict)
     mismatches: list[str] = field(default_factory=list)
 
@@ -34,9 +41,10 @@ class VerifyReport:
     def line(self) -> str:
         states = ", ".join(f"{name} {n} keys" for name, n in self.keys.items())
         verdict = "OK" if self.ok else f"FAILED ({len(self.mismatches)} mismatches)"
-        return (f"verify {self.pipeline}: {verdict}: {self.records} committed records, "
-                f"{states}, {self.rejected_committed} rejected "
-                f"(expected {self.rejected_expected})")
+        return (f"verify {self.pipeline}: {verdict}: {self.records + self.queued + self.dead} "
+                f"source records = {self.records} committed ({states}; "
+                f"{self.rejected_committed} rejected, expected {self.rejected_expected}) + "
+                f"{self.queued} queued for replay + {self.dead} dead letters")
 
 
 def _diff(name: str, expected: dict, actual: dict, limit: int = 5) -> list[str]:
@@ -82,6 +90,22 @@ def _add_retired(conn, pipeline: str, counts: dict) -> tuple[int, int]:
     return row
 
 
+def _parked(cur, pipeline: str, ends: dict[int, int]) -> tuple[int, int, list[str]]:
+    """How many records wait in the backflow queues and the dead letters, and any of them
+    that lies beyond what was committed as read (which would be counted twice)."""
+    cur.execute(
+        """SELECT 'queued', partition, "offset" FROM backflow_items WHERE pipeline = %(p)s
+           UNION ALL
+           SELECT 'dead', partition, "offset" FROM dead_letters WHERE pipeline = %(p)s""",
+        {"p": pipeline},
+    )
+    rows = cur.fetchall()
+    stray = [f"{kind} record p{p}:{o} lies beyond the committed offset {ends.get(p, 0)}"
+             for kind, p, o in rows if o >= ends.get(p, 0)]
+    return (sum(1 for r in rows if r[0] == "queued"), sum(1 for r in rows if r[0] == "dead"),
+            stray[:5])
+
+
 def verify(conn, pipeline: Pipeline, state_dsns: Mapping[str, str] | None = None
            ) -> VerifyReport:
     """``state_dsns``: the database of each state kept outside the coordinator's."""
@@ -94,6 +118,11 @@ def verify(conn, pipeline: Pipeline, state_dsns: Mapping[str, str] | None = None
         ends = dict(cur.fetchall())
         cur.execute("SELECT count(*) FROM rejected_records WHERE pipeline = %s", (pipeline.name,))
         report.rejected_committed = cur.fetchone()[0]
+        report.queued, report.dead, stray = _parked(cur, pipeline.name, ends)
+        report.mismatches += stray
+        cur.execute("SELECT payload FROM replayed_retired WHERE pipeline = %s",
+                    (pipeline.name,))
+        replayed_retired = [p for (p,) in cur.fetchall()]
     committed = _read_states(conn, pipeline, state_dsns)
     conn.commit()
     recompute = load_callable(pipeline.recompute)
@@ -106,10 +135,20 @@ def verify(conn, pipeline: Pipeline, state_dsns: Mapping[str, str] | None = None
             cur.execute("SELECT partition, from_offset, to_offset FROM offset_gaps "
                         "WHERE pipeline = %s", (pipeline.name,))
             skipped = cur.fetchall()
-        payloads = iter_segment_payloads(conn, pipeline.topic, ends, skipped)
+            cur.execute("""SELECT partition, "offset" FROM backflow_items WHERE pipeline = %s
+                           UNION ALL
+                           SELECT partition, "offset" FROM dead_letters WHERE pipeline = %s""",
+                        (pipeline.name, pipeline.name))
+            parked = frozenset(cur.fetchall())
+        payloads = iter_segment_payloads(conn, pipeline.topic, ends, skipped, parked)
     else:
         payloads = iter_payloads_below(conn, pipeline.topic, ends, pipeline.name)
-    expected = recompute(payloads, pipeline)
+    expected = recompute(itertools.chain(payloads, replayed_retired), pipeline)
+    failing = sum(getattr(expected, "failing", {}).values())
+    if failing:
+        report.mismatches.append(
+            f"{failing} record(s) fail every try ({dict(expected.failing)}) but are neither "
+            "queued for replay nor dead letters: they were counted, or lost")
     retired_records, retired_rejected = _add_retired(conn, pipeline.name, expected.counts)
     report.records = expected.records + retired_records
     report.rejected_expected = sum(expected.rejected.values()) + retired_rejected

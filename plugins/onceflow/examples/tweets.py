@@ -35,11 +35,34 @@ _WORDS = "look read this great new wow breaking thread today via must see".split
 
 @dataclass
 class Recomputed:
-    """Expected state per state name, plus how many records were rejected and why."""
+    """Expected state per state name, how many records were rejected and why, and how many
+    always fail (poison: they must end in the dead letters, or be still queued for replay)."""
 
     counts: dict[str, Counter] = field(default_factory=dict)
     rejected: Counter = field(default_factory=Counter)
+    failing: Counter = field(default_factory=Counter)
     records: int = 0
+
+
+class FlakyLookup(RuntimeError):
+    """The demo's stand-in for a lookup service that fails now and then."""
+
+
+def normalize_host(host: str) -> str:
+    """A host as IDNA ASCII (what the domain bolt counts). Raises UnicodeError for a host
+    IDNA refuses (an empty label as in "a..b", a label over 63 characters): poison input."""
+    return host.encode("idna").decode("ascii")
+
+
+def normalize_domain(values: dict) -> list[dict]:
+    """The example topology's per-record Python bolt (spark_tasks/tweets.py): a domain tuple
+    -> its normalized key. Fails on a host IDNA refuses (every try: it ends in the dead
+    letters), and, to show the backflow at work, on a tweet marked ``"flaky": n`` for its
+    first n tries (``_replays`` is how often the record failed before)."""
+    flaky = values.get("flaky") or 0
+    if values["_replays"] < flaky:
+        raise FlakyLookup(f"lookup failed (simulated: fails {flaky} time(s))")
+    return [{"key": normalize_host(values["host"])}]
 
 
 def classify(payload: str, max_bytes: int = DEFAULT_MAX_BYTES) -> tuple[str, str] | str:
@@ -71,8 +94,15 @@ def recompute(payloads: Iterable[str], pipeline=None) -> Recomputed:
             out.rejected[result] += 1
             continue
         url, domain = result
+        try:
+            domain = normalize_host(domain)
+        except UnicodeError as exc:
+            out.failing[f"{type(exc).__name__}: {exc}"] += 1
+            continue
         out.counts["url_counts"][url] += 1
         out.counts["domain_counts"][domain] += 1
+    # first-seen detection (tweets_first_seen): every URL ever counted, emitted exactly once
+    out.counts["new_urls"] = Counter(dict.fromkeys(out.counts["url_counts"], 1))
     return out
 
 
@@ -88,19 +118,30 @@ def _malformed(rng: random.Random, good: str) -> str:
 
 
 def generate(count: int, *, seed: int = 42, malformed_share: float = 0.02,
+             poison_share: float = 0.0005, flaky_share: float = 0.001,
              start_id: int = 0) -> Iterator[str]:
-    """``count`` tweet payloads. URLs follow a skewed distribution (a few are very popular)."""
-    if not 0.0 <= malformed_share <= 1.0:
-        raise ValueError(f"malformed_share={malformed_share!r} must be between 0 and 1")
+    """``count`` tweet payloads. URLs follow a skewed distribution (a few are very popular).
+
+    ``malformed_share``: unusable tweets (rejected); ``poison_share``: tweets whose URL host
+    the domain bolt cannot normalize (they fail every try and end in the dead letters);
+    ``flaky_share``: tweets whose lookup fails their first 1-2 tries (replayed, then counted).
+    """
+    for name, share in (("malformed_share", malformed_share), ("poison_share", poison_share),
+                        ("flaky_share", flaky_share)):
+        if not 0.0 <= share <= 1.0:
+            raise ValueError(f"{name}={share!r} must be between 0 and 1")
     rng = random.Random(seed)
+    odd = random.Random(seed + 1)  # poison and flaky picks: the other draws stay as they were
     for i in range(start_id, start_id + count):
         domain = _DOMAINS[min(int(rng.paretovariate(1.2)) - 1, len(_DOMAINS) - 1)]
         path = min(int(rng.paretovariate(0.8)), 5000)
+        doc = {"id": i, "user": f"u{rng.randrange(10_000)}"}
+        roll = odd.random()
+        if roll < poison_share:
+            domain = domain.replace(".", "..", 1)  # an empty label: IDNA refuses it
+        elif roll < poison_share + flaky_share:
+            doc["flaky"] = odd.randint(1, 2)
         url = f"https://{domain}/p/{path}"
-        good = json.dumps({
-            "id": i,
-            "user": f"u{rng.randrange(10_000)}",
-            "text": f"{rng.choice(_WORDS)} {rng.choice(_WORDS)} {url}",
-            "url": url,
-        })
+        doc.update(text=f"{rng.choice(_WORDS)} {rng.choice(_WORDS)} {url}", url=url)
+        good = json.dumps(doc)
         yield _malformed(rng, good) if rng.random() < malformed_share else good

@@ -1,0 +1,150 @@
+"""What the acker costs: the example topology with the acker on and off, same data, same
+batches, and the acker's state per root.
+
+    .venv/bin/python bench/bench_acker.py --events 10000000 --batch-size 1000000
+
+The events (demo tweets, with the default shares of malformed, poison and flaky ones) are
+generated once into a Parquet file under .run/bench-acker/ and read back by Spark, so the
+figures are the topology's alone (no PostgreSQL source, no staging). Per mode it prints the
+processing throughput over all batches (events/s: read, bolts, the acker's aggregation and
+all-or-nothing join, one collect of deltas, rejects and failures); then the ratio, and the
+acker's state per root: the cached size of the per-root verdict rows (root, xor, failed,
+initialised, error) divided by the number of roots, next to the messages per root the
+aggregation reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from onceflow.examples.tweets import generate
+from onceflow.localenv import project_dir
+from onceflow.pipeline import get_pipeline
+
+PARTITIONS = 4
+
+
+def make_data(events: int, seed: int) -> Path:
+    path = project_dir() / ".run" / "bench-acker" / f"tweets-{events}-{seed}.parquet"
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    schema = pa.schema([("partition", pa.int32()), ("offset", pa.int64()),
+                        ("payload", pa.string())])
+    tmp = path.with_suffix(".tmp")
+    with pq.ParquetWriter(tmp, schema) as writer:
+        chunk: list[str] = []
+        first = 0
+        for i, payload in enumerate(generate(events, seed=seed)):
+            chunk.append(payload)
+            if len(chunk) == 500_000 or i == events - 1:
+                ids = range(first, first + len(chunk))
+                writer.write_table(pa.table({
+                    "partition": pa.array([n % PARTITIONS for n in ids], pa.int32()),
+                    "offset": pa.array([n // PARTITIONS for n in ids], pa.int64()),
+                    "payload": pa.array(chunk, pa.string()),
+                }, schema=schema))
+                first += len(chunk)
+                chunk = []
+    tmp.rename(path)
+    print(f"generated {events:,} events into {path} in {time.monotonic() - started:.1f}s")
+    return path
+
+
+def run_mode(spark, path: Path, pipeline, events: int, batch: int, acker: bool) -> float:
+    from pyspark.sql import functions as F
+
+    from spark_tasks.processing import collect_output
+    from spark_tasks.topology import run_topology
+    from spark_tasks.tweets import topology
+
+    per_partition = batch // PARTITIONS
+    total = 0.0
+    failed = 0
+    data = spark.read.parquet(str(path))
+    for lo in range(0, events // PARTITIONS, per_partition):
+        src = data.where((F.col("offset") >= lo) & (F.col("offset") < lo + per_partition)) \
+            .select("partition", "offset", "payload", F.lit(0).alias("replays"),
+                    F.lit(False).alias("replayed"))
+        started = time.monotonic()
+        out = run_topology(topology(pipeline), src, attempt=1, acker=acker)
+        collected = collect_output(out, "bench")
+        total += time.monotonic() - started
+        failed += collected.failed
+    rate = events / total
+    print(f"acker {'on ' if acker else 'off'}: {events:,} events in {total:.1f}s = "
+          f"{rate:,.0f} events/s ({failed} failed roots handed to the backflow)")
+    return rate
+
+
+def state_per_root(spark, path: Path, pipeline, batch: int) -> None:
+    from pyspark.sql import functions as F
+
+    from spark_tasks.acker import verdicts
+    from spark_tasks.topology import wire
+    from spark_tasks.tweets import topology
+
+    src = spark.read.parquet(str(path)).where(F.col("offset") < batch // PARTITIONS) \
+        .select("partition", "offset", "payload", F.lit(0).alias("replays"),
+                F.lit(False).alias("replayed"))
+    wired = wire(topology(pipeline), src, attempt=1)
+    messages = wired.messages()
+    n_messages = messages.count()
+    roots = src.count()
+
+    def cached() -> dict[int, int]:
+        return {i.id(): i.memSize() for i in spark.sparkContext._jsc.sc().getRDDStorageInfo()}
+
+    before = cached()
+    state = verdicts(messages, errors=False, require_init=False).persist()
+    tracked = state.count()
+    size = sum(v for k, v in cached().items() if k not in before)
+    print(f"acker state: {roots:,} roots in the batch, {n_messages / roots:.2f} messages per "
+          f"root reach the shuffle; {tracked:,} roots have messages, their state (root, xor, "
+          f"failed; cached, columnar) takes {size / max(tracked, 1):.1f} bytes per tracked "
+          f"root, {size / roots:.1f} per root of the batch")
+    state.unpersist()
+    for df in wired.run.persisted:
+        df.unpersist()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--events", type=int, default=10_000_000, help="events (10M)")
+    parser.add_argument("--batch-size", type=int, default=1_000_000,
+                        help="events per transaction (1M)")
+    parser.add_argument("--seed", type=int, default=5)
+    parser.add_argument("--modes", default="off,on,off,on",
+                        help="acker modes in order (off,on,off,on); the best run of each counts")
+    args = parser.parse_args()
+
+    path = make_data(args.events, args.seed)
+    from spark_tasks.session import get_spark
+
+    started = time.monotonic()
+    spark = get_spark("onceflow-bench-acker")
+    spark.sparkContext.setLogLevel("ERROR")
+    print(f"Spark session start: {time.monotonic() - started:.1f}s (not counted)")
+    pipeline = get_pipeline("tweets", batch_size=args.batch_size)
+    # warm-up: JIT and Python workers, on a small batch, not counted
+    run_mode(spark, path, pipeline, min(args.events, 200_000), 200_000, True)
+    rates: dict[str, float] = {}
+    for mode in args.modes.split(","):
+        rate = run_mode(spark, path, pipeline, args.events, args.batch_size, mode == "on")
+        rates[mode] = max(rate, rates.get(mode, 0.0))
+    if {"on", "off"} <= set(rates):
+        cost = 1 - rates["on"] / rates["off"]
+        print(f"the acker costs {cost:.1%} of throughput (goal: at most 15%)")
+    state_per_root(spark, path, pipeline, min(args.batch_size, 1_000_000))
+    spark.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,207 @@
+"""Stateful bolts in transactions on real PostgreSQL, Redis and Spark: the first-seen bolt
+emits each URL exactly once over many transactions with failures, the hooks run in order, a
+crash between the store's commit and the coordinator's is exact on replay, and bad settings
+fail at start naming the fix."""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import uuid
+
+import pytest
+import redis
+from pyspark import cloudpickle
+
+from helpers import table
+from onceflow.committer import commit
+from onceflow.coordinator import begin, mark_failed, register
+from onceflow.examples.tweets import generate
+from onceflow.pipeline import ConfigError, get_pipeline
+from onceflow.source import produce
+from onceflow.stateful import check_state_config
+from onceflow.verify import verify
+from spark_tasks.processing import process_batch
+from spark_tasks.topology import StatefulBolt
+
+# The hook-recording topology below is shipped to Spark's workers by value.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+class Crash(RuntimeError):
+    pass
+
+
+def first_seen_pipeline(conn, events: int, **overrides):
+    pipeline = get_pipeline("tweets_first_seen", **overrides)
+    register(conn, pipeline, create_topic=True)
+    produce(conn, pipeline.topic, generate(events, seed=11, malformed_share=0.03,
+                                           poison_share=0.002, flaky_share=0.01))
+    return pipeline
+
+
+def redis_settings(prefix: str) -> str:
+    return json.dumps({"host": "127.0.0.1", "port": 6379, "key_prefix": prefix})
+
+
+@pytest.fixture
+def redis_prefix():
+    prefix = f"onceflow-test-{uuid.uuid4().hex[:12]}:"
+    yield prefix
+    client = redis.Redis(host="127.0.0.1", port=6379)
+    keys = list(client.scan_iter(match=prefix + "*", count=1000))
+    if keys:
+        client.delete(*keys)
+    client.close()
+
+
+def exactly_once(conn, pipeline):
+    report = verify(conn, pipeline)
+    assert report.ok, report.mismatches
+    emitted = table(conn, "SELECT max(value), count(*) FROM first_seen_urls")[0]
+    assert emitted[0] in (None, 1)  # no URL emitted twice
+    return report
+
+
+@pytest.mark.parametrize("provider, transactions", [("postgres", 20), ("redis", 5)])
+def test_first_seen_emits_each_url_once_over_20_transactions_with_failures(
+        spark, dsn, conn, provider, transactions, redis_prefix):
+    seed = random.randrange(1 << 30)
+    print(f"fault seed {seed}")
+    rng = random.Random(seed)
+    settings = {"state_provider": provider,
+                "state_provider_config": redis_settings(redis_prefix)
+                if provider == "redis" else None}
+    pipeline = first_seen_pipeline(conn, 250 * transactions, batch_size=250, **settings)
+    committed = runs = 0
+    while committed < transactions:
+        # about 4 in 10 runs fail; the bound only stops a run that makes no progress at all
+        runs += 1
+        assert runs <= 8 * transactions, f"no progress after {runs} runs (seed {seed})"
+        batch = begin(conn, pipeline, f"run-{runs}")
+        fault = rng.choice(["none", "none", "process", "kv_state", "offsets", "fail"])
+        process_batch(spark, dsn, pipeline, batch.attempt)
+        if fault == "fail":  # the attempt dies after processing: prepared, never committed
+            mark_failed(conn, pipeline.name, batch.attempt, "test: killed")
+            continue
+        step = {"process": "locked", "kv_state": "kv_state", "offsets": "offsets"}.get(fault)
+
+        def on_step(name, step=step):
+            if name == step:
+                raise Crash(name)
+        try:
+            result = commit(conn, pipeline, batch.attempt, on_step=on_step, coordinator_dsn=dsn)
+        except Crash:
+            if rng.random() < 0.5:  # retried as is, or the run fails and is adopted later
+                mark_failed(conn, pipeline.name, batch.attempt, "test: crashed in commit")
+                continue
+            result = commit(conn, pipeline, batch.attempt, coordinator_dsn=dsn)
+        assert result.status == "committed"
+        committed += 1
+        exactly_once(conn, pipeline)
+    report = exactly_once(conn, pipeline)
+    urls = table(conn, "SELECT count(*) FROM fs_url_counts")[0][0]
+    assert table(conn, "SELECT count(*), sum(value) FROM first_seen_urls")[0] == (urls, urls)
+    assert report.records > 250 * transactions * 0.6
+
+
+class RecordingBolt(StatefulBolt):
+    """Counts words; every hook call is recorded (in the process that makes it)."""
+
+    calls: list[str] = []
+
+    def execute(self, values):
+        key = values["key"]
+        self.state.put(key, (self.state.get(key) or 0) + 1)
+        return [{"key": key}]
+
+    def pre_prepare(self, txid):
+        RecordingBolt.calls.append(f"pre_prepare {txid}")
+
+    def pre_commit(self, txid):
+        RecordingBolt.calls.append(f"pre_commit {txid}")
+
+    def pre_rollback(self):
+        RecordingBolt.calls.append("pre_rollback")
+
+
+def recording_topology(pipeline):
+    from spark_tasks.tweets import topology
+
+    return (topology(pipeline)
+            .stateful_bolt("recorder", input="urls", key="key", bolt=RecordingBolt(),
+                           outputs={"seen": "key string"})
+            .count("seen", "seen"))
+
+
+def test_hooks_are_called_in_order(spark, dsn, conn):
+    from onceflow.kvstate import open_provider
+
+    pipeline = first_seen_pipeline(conn, 600, batch_size=200,
+                                   topology=f"{__name__}:recording_topology")
+    RecordingBolt.calls.clear()
+    first = begin(conn, pipeline, "run-1")
+    process_batch(spark, dsn, pipeline, first.attempt)
+    commit(conn, pipeline, first.attempt, coordinator_dsn=dsn)
+    second = begin(conn, pipeline, "run-2")
+    process_batch(spark, dsn, pipeline, second.attempt)
+    mark_failed(conn, pipeline.name, second.attempt, "test: killed")
+    again = begin(conn, pipeline, "run-3")  # attempt 2: recovery rolls attempt 1 back
+    process_batch(spark, dsn, pipeline, again.attempt)
+    commit(conn, pipeline, again.attempt, coordinator_dsn=dsn)
+    assert RecordingBolt.calls == ["pre_prepare 1", "pre_commit 1", "pre_prepare 2",
+                                   "pre_rollback", "pre_prepare 2", "pre_commit 2"]
+    # the counts in the state are those of the committed batches only
+    with open_provider("postgres", None, coordinator_dsn=dsn) as provider:
+        total = sum(v for ns in range(2) for _, v in provider.scan(
+            pipeline.name, "recorder", f"shard-{ns}", txid=3))
+        assert not provider.prepared(pipeline.name, "recorder")
+    counted = table(conn, "SELECT sum(value) FROM fs_url_counts")[0][0]
+    assert total == counted > 0
+
+
+def test_a_crash_after_the_store_commit_then_a_replay_is_exact(spark, dsn, conn, redis_prefix):
+    """Redis commits first, the coordinator crashes before its COMMIT; the re-attempt reads
+    the state as before the txid and its commit puts back what the first one changed."""
+    pipeline = first_seen_pipeline(conn, 900, batch_size=300, state_provider="redis",
+                                   state_provider_config=redis_settings(redis_prefix),
+                                   mode="opaque")
+
+    def crash(name):
+        if name == "kv_state":
+            raise Crash(name)
+    b1 = begin(conn, pipeline, "run-1")
+    process_batch(spark, dsn, pipeline, b1.attempt)
+    with pytest.raises(Crash):
+        commit(conn, pipeline, b1.attempt, on_step=crash, coordinator_dsn=dsn)
+    assert table(conn, "SELECT last_committed_txid FROM pipelines WHERE name = %s",
+                 (pipeline.name,)) == [(0,)]
+    mark_failed(conn, pipeline.name, b1.attempt, "test: crashed")
+    # the re-attempt reads a different batch (opaque re-plan with a smaller batch size)
+    smaller = get_pipeline("tweets_first_seen", batch_size=200, state_provider="redis",
+                           state_provider_config=redis_settings(redis_prefix), mode="opaque")
+    b2 = begin(conn, smaller, "run-2")
+    assert b2.attempt.attempt == 2
+    process_batch(spark, dsn, smaller, b2.attempt)
+    assert commit(conn, smaller, b2.attempt, coordinator_dsn=dsn).status == "committed"
+    exactly_once(conn, smaller)
+    b3 = begin(conn, smaller, "run-3")
+    process_batch(spark, dsn, smaller, b3.attempt)
+    commit(conn, smaller, b3.attempt, coordinator_dsn=dsn)
+    exactly_once(conn, smaller)
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"state_provider": "mongo"}, "state.provider='mongo' is invalid"),
+    ({"groups": 2}, "pipeline.groups=2 is invalid for a pipeline with stateful bolts"),
+    ({"state_provider": "memory"}, "state.provider='memory' is invalid for a pipeline"),
+    ({"state_provider": "redis",
+      "state_provider_config": '{"host": "127.0.0.1", "port": 1}'}, "127.0.0.1:1"),
+    ({"state_provider": "redis", "state_provider_config": '{"value_serializer": "pickle"}'},
+     "value_serializer='pickle'"),
+])
+def test_bad_state_settings_fail_at_start(dsn, settings, message):
+    pipeline = get_pipeline("tweets_first_seen", **settings)
+    with pytest.raises(ConfigError, match=message):
+        check_state_config(pipeline, dsn)

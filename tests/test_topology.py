@@ -1,0 +1,179 @@
+"""The topology runner on real local Spark: bolts of both kinds, the acker's all-or-nothing
+verdict per root, the per-record time budget, and declarations refused with a fix."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from pyspark.sql import functions as F
+
+from spark_tasks.topology import (
+    ANCHORS,
+    SPOUT,
+    Topology,
+    TopologyError,
+    root_id,
+    run_topology,
+)
+
+
+def records(spark, payloads, replays=0):
+    return spark.createDataFrame(
+        [(i % 3, i, p, replays, False) for i, p in enumerate(payloads)],
+        "partition int, offset long, payload string, replays int, replayed boolean")
+
+
+def collect(out):
+    try:
+        deltas = {(r.state_name, r.key): r.delta for r in out.deltas.collect()}
+        rejects = {(r.partition, r.offset): r.error for r in out.rejects.collect()}
+        failures = {(r.partition, r.offset): r.error for r in out.failures.collect()}
+    finally:
+        out.unpersist()
+    return deltas, rejects, failures
+
+
+def split_words(df):
+    """A DataFrame bolt: one tuple per word (with its position), words in one stream and
+    lengths in another; an empty payload is rejected."""
+    words = df.select(*ANCHORS, F.posexplode(F.split("payload", " ")).alias("_pos", "word"))
+    return {
+        "words": words.where(F.col("word") != "").select(*ANCHORS, "_pos",
+                                                          F.col("word").alias("key")),
+        "lengths": df.where(F.col("payload") != "").select(
+            *ANCHORS, F.length("payload").cast("string").alias("key")),
+        "empty": df.where(F.col("payload") == "").select(
+            *ANCHORS, F.lit("empty payload").alias("error")),
+    }
+
+
+def words_topology(upper):
+    return (
+        Topology("words")
+        .bolt("split", input=SPOUT, fn=split_words, outputs={
+            "words": "key string", "lengths": "key string", "empty": "error string"})
+        .record_bolt("upper", input="words", fn=upper, outputs={"upper": "key string"})
+        .count("upper", "words")
+        .count("lengths", "lengths")
+        .reject("empty")
+    )
+
+
+def test_a_record_counts_fully_or_not_at_all(spark):
+    def upper(values):  # fails on a word with a digit: the whole record must count nothing
+        if any(c.isdigit() for c in values["key"]):
+            raise ValueError(f"digit in {values['key']!r}")
+        return [{"key": values["key"].upper()}]
+
+    src = records(spark, ["a b", "b c9 d", "", "a"])
+    deltas, rejects, failures = collect(run_topology(words_topology(upper), src, attempt=1))
+    # record 1 ("b c9 d"): its "b", "d" and its length were emitted, but "c9" failed
+    assert deltas == {("words", "A"): 2, ("words", "B"): 1, ("lengths", "3"): 1,
+                      ("lengths", "1"): 1}
+    assert rejects == {(2, 2): "empty payload"}
+    assert failures == {(1, 1): "bolt upper: ValueError: digit in 'c9'"}
+
+
+def test_without_the_acker_partial_effects_count(spark):
+    def upper(values):
+        if any(c.isdigit() for c in values["key"]):
+            raise ValueError("digit")
+        return [{"key": values["key"].upper()}]
+
+    src = records(spark, ["b c9 d"])
+    deltas, _, failures = collect(run_topology(words_topology(upper), src, attempt=1,
+                                               acker=False))
+    assert deltas == {("words", "B"): 1, ("words", "D"): 1, ("lengths", "6"): 1}
+    assert failures == {}
+
+
+def test_a_tuple_over_its_time_budget_fails(spark):
+    def slow_upper(values):
+        if values["key"] == "slow" and values["_replays"] == 0:
+            time.sleep(0.3)
+        return [{"key": values["key"].upper()}]
+
+    topology = words_topology(slow_upper)
+    deltas, _, failures = collect(run_topology(topology, records(spark, ["fast", "slow x"]),
+                                               attempt=1, tuple_timeout_ms=100))
+    assert deltas == {("words", "FAST"): 1, ("lengths", "4"): 1}
+    [(origin, error)] = failures.items()
+    assert origin == (1, 1) and error.startswith("bolt upper: TimeoutError: took ")
+    assert "over tuple_timeout_ms=100" in error
+    # replayed (replays 1), the same record completes
+    deltas, _, failures = collect(run_topology(
+        topology, records(spark, ["slow x"], replays=1), attempt=1, tuple_timeout_ms=100))
+    assert deltas == {("words", "SLOW"): 1, ("words", "X"): 1, ("lengths", "6"): 1}
+    assert failures == {}
+
+
+def test_a_dataframe_bolt_fails_tuples_with_fail_column(spark):
+    def check(df):
+        return df.select(*ANCHORS, F.col("payload").alias("key"),
+                         F.when(F.col("payload").startswith("!"), F.lit("bang")).alias("_fail"))
+
+    topology = (Topology("t").bolt("check", input=SPOUT, fn=check, outputs={"ok": "key string"})
+                .count("ok", "seen"))
+    deltas, _, failures = collect(run_topology(topology, records(spark, ["x", "!y", "x"]),
+                                               attempt=3))
+    assert deltas == {("seen", "x"): 2}
+    assert failures == {(1, 1): "bolt check: bang"}
+
+
+def test_root_ids_keep_the_origin(spark):
+    df = spark.createDataFrame([(5, 123456789, True), (4_000_000, (1 << 40) - 1, False)],
+                               "partition int, offset long, replayed boolean")
+    from spark_tasks.topology import origin
+
+    rows = df.select(root_id("partition", "offset", "replayed").alias("_root")) \
+        .select("_root", *origin()).collect()
+    assert [(r.partition, r.offset) for r in rows] == [(5, 123456789),
+                                                       (4_000_000, (1 << 40) - 1)]
+    assert rows[0]._root != rows[1]._root and rows[0]._root >> 62 == 1
+
+
+@pytest.mark.parametrize("build, message", [
+    (lambda t: t.bolt("b", input="nope", fn=None, outputs={"x": "key string"}).count("x", "s"),
+     "input='nope' is not a stream declared before it"),
+    (lambda t: t.bolt("b", input=SPOUT, fn=None, outputs={"x": "key string",
+                                                         "y": "key string"}).count("x", "s"),
+     r"stream\(s\) \['y'\] are emitted but nothing consumes them"),
+    (lambda t: t.bolt("b", input=SPOUT, fn=None, outputs={SPOUT: "key string"}),
+     "stream 'records' is already emitted by the spout"),
+    (lambda t: t.bolt("b", input=SPOUT, fn=None, outputs={"x": "word string"}).count("x", "s"),
+     r"sink of stream 'x' needs column\(s\) \['key'\]"),
+])
+def test_bad_declarations_are_refused_naming_the_fix(build, message):
+    with pytest.raises(TopologyError, match=message):
+        build(Topology("bad")).validate()
+
+
+def test_a_frame_bolt_that_drops_the_anchors_is_refused(spark):
+    topology = (Topology("t").bolt("b", input=SPOUT, outputs={"x": "key string"},
+                                   fn=lambda df: df.select(F.col("payload").alias("key")))
+                .count("x", "s"))
+    with pytest.raises(TopologyError, match=r"output lacks column\(s\) \['_root', '_tid'"):
+        run_topology(topology, records(spark, ["a"]), attempt=1)
+
+
+def test_a_stream_with_several_consumers_gives_each_a_copy(spark):
+    """"words" feeds a Python bolt and a sink: each gets its own copy of every tuple, so the
+    trees still balance, and a failure on one branch still drops the other's counts."""
+    def upper(values):
+        if values["key"] == "boom":
+            raise RuntimeError("boom")
+        return [{"key": values["key"].upper()}]
+
+    topology = (
+        Topology("fan-out")
+        .bolt("split", input=SPOUT, fn=lambda df: split_words(df)["words"],
+              outputs={"words": "key string"})
+        .record_bolt("upper", input="words", fn=upper, outputs={"upper": "key string"})
+        .count("words", "raw")
+        .count("upper", "upper")
+    )
+    deltas, _, failures = collect(run_topology(topology, records(spark, ["a b", "a boom"]),
+                                               attempt=2))
+    assert deltas == {("raw", "a"): 1, ("raw", "b"): 1, ("upper", "A"): 1, ("upper", "B"): 1}
+    assert failures == {(1, 1): "bolt upper: RuntimeError: boom"}
