@@ -14,7 +14,9 @@ payload), and passes tuples through bolts to sinks:
   ``fn(values: dict) -> iterable`` of output dicts (of (stream, dict) pairs when it declares
   several streams). ``values`` holds the input's columns and ``_replays`` (how often this
   record failed before). Raising fails the input tuple; so does taking longer than the
-  pipeline's ``tuple_timeout_ms`` (the seed's message timeout), and then its outputs are dropped.
+  pipeline's ``tuple_timeout_ms`` (the seed's message timeout): a call still running then is
+  interrupted (SIGALRM in the Python worker: pure Python code and blocking I/O stop; one long C
+  call stops when it returns) and its outputs are dropped.
 - sinks: ``count(stream, state)`` adds the stream's ``key`` (and ``delta``, default 1) to a
   state's deltas; ``reject(stream)`` keeps the record in rejected_records with its ``error``.
 
@@ -35,6 +37,8 @@ branches still count); it exists to measure what the acker costs.
 from __future__ import annotations
 
 import hashlib
+import signal
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping
@@ -267,6 +271,49 @@ def _blake64(*parts) -> int:
 _STATE_FIELDS = ("_skey", "_sval", "_seq")
 
 
+class TupleTimeout(TimeoutError):
+    """A per-record bolt call ran past ``tuple_timeout_ms``."""
+
+
+class _Deadline:
+    """Interrupts a per-record bolt call that runs past its budget: a one-shot real-time
+    timer whose SIGALRM handler raises TupleTimeout inside the call. Signals reach only the
+    main thread (where Spark's Python worker runs a mapInArrow function); elsewhere the budget
+    is checked when the call returns."""
+
+    def __init__(self, timeout_ms: int) -> None:
+        self.seconds = timeout_ms / 1000
+        self.timeout_ms = timeout_ms
+        self.armed_ok = threading.current_thread() is threading.main_thread()
+        self.previous = None
+        if self.armed_ok:
+            self.previous = signal.signal(signal.SIGALRM, self._expired)
+
+    def _expired(self, signum, frame):
+        raise TupleTimeout(f"interrupted after {self.timeout_ms} ms, over "
+                           f"tuple_timeout_ms={self.timeout_ms}")
+
+    def __enter__(self) -> _Deadline:
+        self.started = time.perf_counter()
+        if self.armed_ok:
+            signal.setitimer(signal.ITIMER_REAL, self.seconds)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.armed_ok:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+        if exc[0] is None:
+            elapsed_ms = (time.perf_counter() - self.started) * 1000
+            if elapsed_ms > self.timeout_ms:
+                raise TupleTimeout(f"took {elapsed_ms:.0f} ms, over "
+                                   f"tuple_timeout_ms={self.timeout_ms}")
+
+    def close(self) -> None:
+        if self.armed_ok:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, self.previous or signal.SIG_DFL)
+
+
 def _record_runner(bolt: Bolt, attempt: int, timeout_ms: int, out_fields: list[str],
                    arrow_schema, ctx: StateContext | None = None):
     """The mapInArrow function of a per-record bolt: tuples, acks, fails, and for a stateful
@@ -294,27 +341,24 @@ def _record_runner(bolt: Bolt, attempt: int, timeout_ms: int, out_fields: list[s
             tracked, namespace, provider = _open_state(bolt, ctx, batches)
             call = bolt.fn.execute
         seq = 0
+        deadline = _Deadline(timeout_ms)
         try:
             for batch in batches:
                 cols = {name: [] for name in names}
                 for row in batch.to_pylist():
                     root, tid, replays = row.pop("_root"), row.pop("_tid"), row["_replays"]
-                    started = time.perf_counter()
                     if tracked is not None:
                         tracked.begin()
                     try:
                         outputs = []
-                        for item in call(row) or ():
-                            stream, values = (single, item) if single else item
-                            if stream not in bolt.outputs:
-                                raise TopologyError(
-                                    f"emitted to undeclared stream {stream!r}: declare it in "
-                                    "outputs")
-                            outputs.append((stream, values))
-                        elapsed_ms = (time.perf_counter() - started) * 1000
-                        if elapsed_ms > timeout_ms:
-                            raise TimeoutError(f"took {elapsed_ms:.0f} ms, over "
-                                               f"tuple_timeout_ms={timeout_ms}")
+                        with deadline:
+                            for item in call(row) or ():
+                                stream, values = (single, item) if single else item
+                                if stream not in bolt.outputs:
+                                    raise TopologyError(
+                                        f"emitted to undeclared stream {stream!r}: declare "
+                                        "it in outputs")
+                                outputs.append((stream, values))
                     except Exception as exc:  # a failing bolt fails its input tuple only
                         if tracked is not None:
                             tracked.undo()
@@ -338,6 +382,7 @@ def _record_runner(bolt: Bolt, attempt: int, timeout_ms: int, out_fields: list[s
                             None if pos else tid, None, values)
                 yield pa.RecordBatch.from_pydict(cols, schema=arrow_schema)
         finally:
+            deadline.close()
             if provider is not None:
                 provider.close()
 

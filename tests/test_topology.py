@@ -90,21 +90,32 @@ def test_without_the_acker_partial_effects_count(spark):
 
 def test_a_tuple_over_its_time_budget_fails(spark):
     def slow_upper(values):
-        if values["key"] == "slow" and values["_replays"] == 0:
-            time.sleep(0.3)
+        if values["_replays"] == 0:
+            if values["key"] == "hangs":
+                time.sleep(3600)  # interrupted at the budget: the batch does not wait
+            if values["key"] == "stubborn":
+                try:
+                    time.sleep(3600)
+                except Exception:  # swallows the interruption: failed when it returns
+                    time.sleep(0.2)
         return [{"key": values["key"].upper()}]
 
     topology = words_topology(slow_upper)
-    deltas, _, failures = collect(run_topology(topology, records(spark, ["fast", "slow x"]),
-                                               attempt=1, tuple_timeout_ms=100))
-    assert deltas == {("words", "FAST"): 1, ("lengths", "4"): 1}
-    [(origin, error)] = failures.items()
-    assert origin == (1, 1) and error.startswith("bolt upper: TimeoutError: took ")
-    assert "over tuple_timeout_ms=100" in error
-    # replayed (replays 1), the same record completes
+    started = time.monotonic()
     deltas, _, failures = collect(run_topology(
-        topology, records(spark, ["slow x"], replays=1), attempt=1, tuple_timeout_ms=100))
-    assert deltas == {("words", "SLOW"): 1, ("words", "X"): 1, ("lengths", "6"): 1}
+        topology, records(spark, ["fast", "hangs x", "stubborn"]), attempt=1,
+        tuple_timeout_ms=200))
+    assert time.monotonic() - started < 60
+    assert deltas == {("words", "FAST"): 1, ("lengths", "4"): 1}
+    assert failures[(1, 1)] == ("bolt upper: TupleTimeout: interrupted after 200 ms, over "
+                                "tuple_timeout_ms=200")
+    assert failures[(2, 2)].startswith("bolt upper: TupleTimeout: took ")
+    assert failures[(2, 2)].endswith(" ms, over tuple_timeout_ms=200")
+    assert len(failures) == 2
+    # replayed (replays 1), the same records complete
+    deltas, _, failures = collect(run_topology(
+        topology, records(spark, ["hangs x"], replays=1), attempt=1, tuple_timeout_ms=200))
+    assert deltas == {("words", "HANGS"): 1, ("words", "X"): 1, ("lengths", "7"): 1}
     assert failures == {}
 
 
