@@ -106,6 +106,28 @@ def test_first_seen_emits_each_url_once_over_20_transactions_with_failures(
     assert report.records > 250 * transactions * 0.6
 
 
+def test_verify_after_retention_expects_each_url_once(spark, dsn, conn):
+    """Retention retires committed records whose URLs come again later: the first-seen state
+    still holds 1 per URL, and verify merges the retired presence by max, not by sum."""
+    from onceflow.examples.tweets import recompute
+    from onceflow.retention import delete_before
+    from onceflow.source import iter_payloads_below
+
+    pipeline = first_seen_pipeline(conn, 800, batch_size=400)
+    for n in range(2):
+        batch = begin(conn, pipeline, f"run-{n}")
+        process_batch(spark, dsn, pipeline, batch.attempt)
+        commit(conn, pipeline, batch.attempt, coordinator_dsn=dsn)
+        if n == 0:
+            delete_before(conn, pipeline.topic, 60)
+    retired = {k for (k,) in table(conn, "SELECT key FROM retired_counts "
+                                         "WHERE state_name = 'new_urls'")}
+    ends = dict(table(conn, 'SELECT partition, "offset" FROM partition_offsets'))
+    remaining = recompute(iter_payloads_below(conn, pipeline.topic, ends, pipeline.name))
+    assert retired & set(remaining.counts["new_urls"])  # URLs seen on both sides
+    exactly_once(conn, pipeline)
+
+
 class RecordingBolt(StatefulBolt):
     """Counts words; every hook call is recorded (in the process that makes it)."""
 

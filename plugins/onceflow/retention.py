@@ -49,13 +49,17 @@ def _retire(cur, name: str, topic: str, moves: list[tuple[int, int, int]]) -> in
     if not payloads:
         return 0
     result = load_callable(pipeline.recompute)(payloads, pipeline)
+    max_states = getattr(result, "max_states", frozenset())
     for state_name, counts in result.counts.items():
         for key, value in Counter(counts).items():
             cur.execute(
                 """INSERT INTO retired_counts (pipeline, state_name, key, value)
-                   VALUES (%s, %s, %s, %s) ON CONFLICT (pipeline, state_name, key)
-                   DO UPDATE SET value = retired_counts.value + EXCLUDED.value""",
-                (name, state_name, key, value),
+                   VALUES (%(p)s, %(s)s, %(k)s, %(v)s) ON CONFLICT (pipeline, state_name, key)
+                   DO UPDATE SET value = CASE WHEN %(max)s
+                       THEN GREATEST(retired_counts.value, EXCLUDED.value)
+                       ELSE retired_counts.value + EXCLUDED.value END""",
+                {"p": name, "s": state_name, "k": key, "v": value,
+                 "max": state_name in max_states},
             )
     cur.execute(
         """INSERT INTO retired_records (pipeline, records, rejected) VALUES (%s, %s, %s)

@@ -75,14 +75,17 @@ def _read_states(conn, pipeline: Pipeline, state_dsns: Mapping[str, str] | None
     return states
 
 
-def _add_retired(conn, pipeline: str, counts: dict) -> tuple[int, int]:
-    """Add what retention deleted after this pipeline had committed it (retention.py)."""
+def _add_retired(conn, pipeline: str, counts: dict, max_states=frozenset()
+                 ) -> tuple[int, int]:
+    """Add what retention deleted after this pipeline had committed it (retention.py); a
+    state in ``max_states`` (a presence per key, like first-seen) merges by max."""
     with conn.cursor() as cur:
         cur.execute("SELECT state_name, key, value FROM retired_counts WHERE pipeline = %s",
                     (pipeline,))
         for state_name, key, value in cur.fetchall():
-            counts.setdefault(state_name, {})
-            counts[state_name][key] = counts[state_name].get(key, 0) + value
+            state = counts.setdefault(state_name, {})
+            merge = max if state_name in max_states else int.__add__
+            state[key] = merge(state.get(key, 0), value)
         cur.execute("SELECT records, rejected FROM retired_records WHERE pipeline = %s",
                     (pipeline,))
         row = cur.fetchone() or (0, 0)
@@ -149,7 +152,8 @@ def verify(conn, pipeline: Pipeline, state_dsns: Mapping[str, str] | None = None
         report.mismatches.append(
             f"{failing} record(s) fail every try ({dict(expected.failing)}) but are neither "
             "queued for replay nor dead letters: they were counted, or lost")
-    retired_records, retired_rejected = _add_retired(conn, pipeline.name, expected.counts)
+    retired_records, retired_rejected = _add_retired(
+        conn, pipeline.name, expected.counts, getattr(expected, "max_states", frozenset()))
     report.records = expected.records + retired_records
     report.rejected_expected = sum(expected.rejected.values()) + retired_rejected
     for spec in pipeline.states:

@@ -42,6 +42,9 @@ class Recomputed:
     rejected: Counter = field(default_factory=Counter)
     failing: Counter = field(default_factory=Counter)
     records: int = 0
+    # States whose value per key is a presence, not a sum (first-seen: 1 per URL ever seen):
+    # what retention retired merges with what remains by max.
+    max_states: frozenset = frozenset({"new_urls"})
 
 
 class FlakyLookup(RuntimeError):
