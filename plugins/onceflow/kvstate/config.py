@@ -232,13 +232,20 @@ def _open_redis(config: dict) -> Provider:
             f"state.provider_config.require_persistence=True is not met: {message}; turn on "
             "appendonly yes (with appendfsync everysec or always) or an RDB save schedule, or "
             "set require_persistence false to accept it")
-    if message:
-        log.warning("kv state: %s; turn on appendonly yes", message)
     client.close()
-    log.info("kv state: redis provider at %s db %d (persistence: %s), key prefix %r", where,
-             database, {None: "unknown", "": "none"}.get(persistence, persistence), prefix)
+    # Every Spark task opens the provider: say it once per process and server.
+    if (where, database, prefix) not in _ANNOUNCED:
+        _ANNOUNCED.add((where, database, prefix))
+        if message:
+            log.warning("kv state: %s; turn on appendonly yes", message)
+        log.info("kv state: redis provider at %s db %d (persistence: %s), key prefix %r",
+                 where, database, {None: "unknown", "": "none"}.get(persistence, persistence),
+                 prefix)
     return RedisProvider(redis.Redis(**settings), key_prefix=prefix,
                          key_serializer=config["key_serializer"])
+
+
+_ANNOUNCED: set[tuple] = set()
 
 
 def _persistence(client) -> str | None:
