@@ -13,6 +13,7 @@ import io
 import json
 import logging
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 
 import pyarrow as pa
@@ -128,8 +129,9 @@ def process_batch(spark: SparkSession, dsn: str, pipeline: Pipeline, ta: Transac
     """
 
     started = time.monotonic()
-    conn = connect(dsn, application_name=f"onceflow-process-{pipeline.name}")
-    try:
+    with ExitStack() as cleanup:
+        conn = connect(dsn, application_name=f"onceflow-process-{pipeline.name}")
+        cleanup.callback(conn.close)
         with transaction(conn) as cur:
             # Fail fast before any Spark work; the real fence is in stage_group.
             txn_state = current_attempt(cur, pipeline.name, ta)
@@ -145,9 +147,9 @@ def process_batch(spark: SparkSession, dsn: str, pipeline: Pipeline, ta: Transac
         stateful = topology.validate().stateful()
         provider = None
         if stateful:
-            stateful_steps.check_state_config(pipeline, dsn)
+            provider = stateful_steps.open_checked_provider(pipeline, dsn)
+            cleanup.callback(provider.close)
             stateful_steps.wait_for_turn(conn, pipeline.name, ta.txid)
-            provider = stateful_steps.open_state_provider(pipeline, dsn)
             stateful_steps.recover(conn, provider, pipeline, stateful)
         ranges = [r for r, g in batch.ranges if g == group]
         eden = sum(r.size for r in ranges)
@@ -167,16 +169,11 @@ def process_batch(spark: SparkSession, dsn: str, pipeline: Pipeline, ta: Transac
         else:
             collected = Collected(io.BytesIO(), io.BytesIO(), io.BytesIO())
         if provider is not None:
-            try:
-                stateful_steps.prepare_states(provider, pipeline, stateful, ta, group,
-                                              collected.state_changes)
-            finally:
-                provider.close()
+            stateful_steps.prepare_states(provider, pipeline, stateful, ta, group,
+                                          collected.state_changes)
         staged = stage_group(conn, pipeline.name, ta, group, deltas_csv=collected.deltas,
                              rejects_csv=collected.rejects, failures_csv=collected.failures,
                              records=eden, replayed=replayed_n)
-    finally:
-        conn.close()
     log.info("PROCESSED pipeline=%s %s group=%d records=%d replayed=%d failed=%d in %.2fs",
              pipeline.name, ta, group, staged.records, staged.replayed, staged.failed,
              time.monotonic() - started)

@@ -38,8 +38,12 @@ def open_state_provider(pipeline: Pipeline, coordinator_dsn: str):
 def check_state_config(pipeline: Pipeline, coordinator_dsn: str) -> None:
     """At start: a pipeline with stateful bolts must have a usable provider (ConfigError
     naming state.provider / state.provider_config otherwise)."""
-    if not stateful_bolts(pipeline):
-        return
+    if stateful_bolts(pipeline):
+        open_checked_provider(pipeline, coordinator_dsn).close()
+
+
+def open_checked_provider(pipeline: Pipeline, coordinator_dsn: str):
+    """The provider of a pipeline that has stateful bolts, its settings checked first."""
     if pipeline.groups != 1:
         raise ConfigError(
             f"pipeline.groups={pipeline.groups} is invalid for a pipeline with stateful bolts: "
@@ -50,7 +54,7 @@ def check_state_config(pipeline: Pipeline, coordinator_dsn: str) -> None:
             "state.provider='memory' is invalid for a pipeline: it keeps state inside one "
             "process, and Spark's Python workers and the Airflow tasks are separate "
             "processes; use postgres (default) or redis")
-    open_state_provider(pipeline, coordinator_dsn).close()
+    return open_state_provider(pipeline, coordinator_dsn)
 
 
 def committed_check(conn, pipeline: str, cur=None):
