@@ -29,7 +29,7 @@ from onceflow.kvstate import DELETED
 from onceflow.pipeline import Pipeline, load_callable
 from onceflow.staging import Staged, stage_group
 from onceflow.txn import Fenced, TransactionAttempt, current_attempt
-from spark_tasks.topology import StateContext, TopologyOutput, run_topology
+from spark_tasks.topology import StateContext, TopologyOutput, run_topology, union_all
 
 log = logging.getLogger(__name__)
 
@@ -71,9 +71,7 @@ def collect_output(out: TopologyOutput, topic: str) -> Collected:
     split again by Arrow); the topology persisted what several branches read, so it is
     computed once."""
     parts = (out.deltas, out.rejects, out.failures, out.state_changes)
-    both = _tagged(0, parts[0])
-    for kind, df in enumerate(parts[1:], start=1):
-        both = both.unionByName(_tagged(kind, df))
+    both = union_all([_tagged(kind, df) for kind, df in enumerate(parts)])
     try:
         table = both.toArrow()
     finally:

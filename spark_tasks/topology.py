@@ -577,7 +577,7 @@ class Wired:
         """Every acker message of the batch: root, kind, value, error."""
         if not self.run.messages:
             return self.spout.sparkSession.createDataFrame([], _MESSAGE_SCHEMA)
-        return _union(self.run.messages)
+        return union_all(self.run.messages)
 
 
 def wire(topology: Topology, source: DataFrame, *, attempt: int, acker: bool = True,
@@ -636,7 +636,7 @@ def wire(topology: Topology, source: DataFrame, *, attempt: int, acker: bool = T
     if stateful:
         done = None
         if acker:
-            done = F.broadcast(run.keep(verdicts(_union(run.messages) if run.messages else
+            done = F.broadcast(run.keep(verdicts(union_all(run.messages) if run.messages else
                                                  spout.sparkSession.createDataFrame(
                                                      [], _MESSAGE_SCHEMA),
                                                  errors=False, require_init=False)
@@ -681,10 +681,10 @@ def run_topology(topology: Topology, source: DataFrame, *, attempt: int, acker: 
     rejects = [completed(taken[i]).select(*origin(), F.col("error").cast("string"))
                for i, s in enumerate(topology.sinks) if not s.state]
     spark = source.sparkSession
-    deltas_df = (_union(deltas) if deltas else
+    deltas_df = (union_all(deltas) if deltas else
                  spark.createDataFrame([], "state_name string, key string, delta long"))
     deltas_df = deltas_df.groupBy("state_name", "key").agg(F.sum("delta").alias("delta"))
-    rejects_df = (_union(rejects) if rejects else
+    rejects_df = (union_all(rejects) if rejects else
                   spark.createDataFrame([], "partition int, offset long, error string"))
     if bad is None:
         failures = spark.createDataFrame(
@@ -700,12 +700,13 @@ def run_topology(topology: Topology, source: DataFrame, *, attempt: int, acker: 
         F.max_by("value", "seq").alias("value")).select(
         F.lit(name).alias("bolt"), "namespace", "key", "value")
         for name, df in run.state_changes.items()]
-    state_df = (_union(changes) if changes else spark.createDataFrame(
+    state_df = (union_all(changes) if changes else spark.createDataFrame(
         [], "bolt string, namespace string, key string, value string"))
     return TopologyOutput(deltas_df, rejects_df, failures, state_df, run.persisted)
 
 
-def _union(dfs: list[DataFrame]) -> DataFrame:
+def union_all(dfs: list[DataFrame]) -> DataFrame:
+    """The rows of every DataFrame (by column name)."""
     out = dfs[0]
     for df in dfs[1:]:
         out = out.unionByName(df)
