@@ -22,9 +22,9 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from onceflow.examples.tweets import generate
-from onceflow.localenv import project_dir
-from onceflow.pipeline import get_pipeline
+from onceflow.core.registry import get_pipeline
+from onceflow.dev.localenv import project_dir
+from tweets_example.data import generate
 
 PARTITIONS = 4
 
@@ -61,8 +61,8 @@ def run_mode(spark, path: Path, pipeline, events: int, batch: int, acker: bool) 
     from pyspark.sql import functions as F
 
     from spark_tasks.processing import collect_output
-    from spark_tasks.topology import run_topology
-    from spark_tasks.tweets import topology
+    from spark_tasks.runner import run_topology
+    from tweets_example.topology import topology
 
     per_partition = batch // PARTITIONS
     total = 0.0
@@ -87,8 +87,8 @@ def state_per_root(spark, path: Path, pipeline, batch: int) -> None:
     from pyspark.sql import functions as F
 
     from spark_tasks.acker import verdicts
-    from spark_tasks.topology import wire
-    from spark_tasks.tweets import topology
+    from spark_tasks.runner import wire
+    from tweets_example.topology import topology
 
     src = spark.read.parquet(str(path)).where(F.col("offset") < batch // PARTITIONS) \
         .select("partition", "offset", "payload", F.lit(0).alias("replays"),

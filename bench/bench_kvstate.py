@@ -26,11 +26,11 @@ import uuid
 import redis
 from bench_transactions import fresh_database
 
-from onceflow import db
+from onceflow.core import db
+from onceflow.core.txlog import TransactionAttempt
+from onceflow.dev.localenv import project_dir
+from onceflow.dev.localpg import ensure_postgres
 from onceflow.kvstate import KeyValueState, open_provider
-from onceflow.localenv import project_dir
-from onceflow.localpg import ensure_postgres
-from onceflow.txn import TransactionAttempt
 
 PIPELINE, BOLT, NS = "bench", "counter", "s0"
 

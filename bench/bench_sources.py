@@ -16,15 +16,16 @@ import time
 
 from bench_transactions import fresh_database
 
-from onceflow import db
-from onceflow.committer import commit
-from onceflow.coordinator import begin, register
-from onceflow.examples.tweets import generate
-from onceflow.localenv import project_dir
-from onceflow.localpg import ensure_postgres
-from onceflow.pipeline import get_pipeline
-from onceflow.segments import produce_segments
-from onceflow.source import produce
+from helpers import produce
+from onceflow.core import db
+from onceflow.core.begin import begin
+from onceflow.core.commit import commit
+from onceflow.core.registration import register
+from onceflow.core.registry import get_pipeline
+from onceflow.dev.localenv import project_dir
+from onceflow.dev.localpg import ensure_postgres
+from onceflow.sources.segments import produce_segments
+from tweets_example.data import generate
 
 
 def main() -> None:
@@ -55,7 +56,7 @@ def main() -> None:
         name = {"postgres": "tweets", "files": "tweets_files"}[kind]
         pipeline = get_pipeline(name, batch_size=args.batch_size, max_pending=1000,
                                 **({"source_path": str(root)} if kind == "files" else {}))
-        register(conn, pipeline, create_topic=True)
+        register(conn, pipeline, create_source=True)
         t = time.monotonic()
         events = generate(args.events, seed=5)
         if kind == "files":

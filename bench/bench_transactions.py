@@ -16,15 +16,16 @@ import time
 import psycopg2
 from psycopg2 import sql
 
-from onceflow import db
-from onceflow.committer import commit
-from onceflow.coordinator import begin, register
-from onceflow.examples.tweets import generate
-from onceflow.localenv import project_dir
-from onceflow.localpg import ensure_postgres
-from onceflow.pipeline import get_pipeline
-from onceflow.source import produce
-from onceflow.verify import verify
+from helpers import produce
+from onceflow.core import db
+from onceflow.core.begin import begin
+from onceflow.core.commit import commit
+from onceflow.core.registration import register
+from onceflow.core.registry import get_pipeline
+from onceflow.dev.localenv import project_dir
+from onceflow.dev.localpg import ensure_postgres
+from onceflow.ops.verify import recount as verify
+from tweets_example.data import generate
 
 
 def fresh_database(server_dsn: str, name: str) -> str:
@@ -51,7 +52,7 @@ def main() -> None:
     conn = db.connect(dsn)
     db.migrate(conn)
     pipeline = get_pipeline("tweets", batch_size=args.batch_size)
-    register(conn, pipeline, create_topic=True)
+    register(conn, pipeline, create_source=True)
     t = time.monotonic()
     produce(conn, pipeline.topic, generate(args.events, seed=1))
     print(f"PostgreSQL: {how}; produced {args.events} events in {time.monotonic() - t:.1f}s")

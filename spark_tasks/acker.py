@@ -19,9 +19,10 @@ value 7; bolt 3 acks 7 -> [66, 7], value 0: complete.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from pyspark.sql import DataFrame
-from pyspark.sql import functions as F
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame
 
 # Message kinds (Storm's acker streams).
 INIT, ACK, FAIL = "init", "ack", "fail"
@@ -73,6 +74,8 @@ def verdicts(messages: DataFrame, *, errors: bool = True, require_init: bool = T
     runs it as a hash aggregation; the reasons, rare, are aggregated apart and joined on.
     ``require_init=False``: a root needs no init message (the topology runner combines the
     spout's init with the first bolt's ack when it computes both from one row)."""
+    from pyspark.sql import functions as F
+
     state = messages.groupBy("root").agg(
         F.bit_xor(F.coalesce(F.col("value"), F.lit(0).cast("long"))).alias("xor"),
         F.bool_or(F.col("kind") == FAIL).alias("failed"),

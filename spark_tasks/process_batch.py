@@ -1,9 +1,12 @@
 """spark-submit entry point of the processing phase.
 
-    spark-submit spark_tasks/process_batch.py --pipeline tweets --txid 7 --attempt 1 [--group 0]
+    spark-submit spark_tasks/process_batch.py --pipeline page_views --txid 7 --attempt 1 \
+        [--group 0] [--pipelines my_company.pipelines:PIPELINES]
 
-The PostgreSQL DSN comes from the environment (ONCEFLOW_PG_DSN by default), never from the
-command line, where it would show in process lists and logs.
+The pipeline is found like everywhere else (onceflow.core.registry): an installed entry point,
+ONCEFLOW_PIPELINES, or the ``--pipelines`` reference the Airflow task passes along. The
+PostgreSQL DSN comes from the environment (ONCEFLOW_PG_DSN by default), never from the command
+line, where it would show in process lists and logs.
 """
 
 from __future__ import annotations
@@ -13,8 +16,9 @@ import logging
 import os
 import sys
 
-from onceflow.pipeline import get_pipeline
-from onceflow.txn import TransactionAttempt
+from onceflow.core.errors import Permanent
+from onceflow.core.registry import get_pipeline
+from onceflow.core.txlog import TransactionAttempt
 from spark_tasks.processing import process_batch
 from spark_tasks.session import get_spark
 
@@ -24,7 +28,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         prog="process_batch",
         description="Process one transaction attempt of a onceflow pipeline and stage its result.",
     )
-    parser.add_argument("--pipeline", required=True, help="registered pipeline name, e.g. tweets")
+    parser.add_argument("--pipeline", required=True, help="registered pipeline name")
+    parser.add_argument("--pipelines", action="append", default=[], metavar="MODULE:ATTR",
+                        help="where to find the pipeline besides entry points and "
+                             "ONCEFLOW_PIPELINES (repeatable)")
     parser.add_argument("--txid", type=int, required=True, help="transaction id planned by begin")
     parser.add_argument("--attempt", type=int, required=True, help="the attempt being processed")
     parser.add_argument("--group", type=int, default=0, help="processing group (default 0)")
@@ -42,7 +49,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: environment variable {args.dsn_env} is not set: export the PostgreSQL DSN "
               "there (the Airflow operator does this from its connection)", file=sys.stderr)
         return 2
-    pipeline = get_pipeline(args.pipeline)
+    try:
+        pipeline = get_pipeline(args.pipeline, args.pipelines)
+    except Permanent as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     spark = get_spark(app_name=f"onceflow-{pipeline.name}-txid{args.txid}")
     try:
         process_batch(spark, dsn, pipeline, TransactionAttempt(args.txid, args.attempt), args.group)

@@ -22,14 +22,18 @@ from pyarrow import csv as pacsv
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
-from onceflow import stateful as stateful_steps
-from onceflow.coordinator import load_batch
-from onceflow.db import connect, transaction
+from onceflow.core import backflow, txlog
+from onceflow.core import stateful as stateful_steps
+from onceflow.core.db import connect, transaction
+from onceflow.core.errors import Fenced
+from onceflow.core.lease import AttemptLease
+from onceflow.core.pipeline import Pipeline
+from onceflow.core.staging import Staged, stage_group
+from onceflow.core.txlog import TransactionAttempt, TxState
 from onceflow.kvstate import DELETED
-from onceflow.pipeline import Pipeline, load_callable
-from onceflow.staging import Staged, stage_group
-from onceflow.txn import Fenced, TransactionAttempt, current_attempt
-from spark_tasks.topology import StateContext, TopologyOutput, run_topology, union_all
+from spark_tasks.runner import DELTA, REJECT, run_topology
+from spark_tasks.session import ship_code
+from spark_tasks.topology import StateContext
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +48,7 @@ def _csv(table: pa.Table) -> io.BytesIO:
 
 
 @dataclass
-class Collected:
+class Staging:
     """A processed group's output as CSV for COPY, and its row counts; state changes by
     stateful bolt as (namespace, key, value or DELETED)."""
 
@@ -55,59 +59,48 @@ class Collected:
     state_changes: dict[str, list] = field(default_factory=dict)
 
 
-_COLUMNS = {"state_name": "string", "key": "string", "delta": "long", "partition": "int",
-            "offset": "long", "error": "string", "replayed": "boolean", "payload": "string",
-            "bolt": "string", "namespace": "string", "value": "string"}
+def _printable(table: pa.Table) -> pa.Table:
+    """Error texts come from bolts' exceptions and may quote data: a NUL in them would break
+    the COPY into staging, so it is spelled out."""
+    i = table.schema.get_field_index("error")
+    error = pc.replace_substring(table.column(i), "\x00", "\\u0000")
+    return table.set_column(i, "error", error)
 
 
-def _tagged(kind: int, df: DataFrame) -> DataFrame:
-    return df.select(F.lit(kind).alias("kind"), *[
-        (F.col(name) if name in df.columns else F.lit(None)).cast(kind_).alias(name)
-        for name, kind_ in _COLUMNS.items()])
-
-
-def collect_output(out: TopologyOutput, topic: str) -> Collected:
-    """Deltas, rejects, failures and state changes, collected in ONE Spark job (a union,
-    split again by Arrow); the topology persisted what several branches read, so it is
-    computed once."""
-    parts = (out.deltas, out.rejects, out.failures, out.state_changes)
-    both = union_all([_tagged(kind, df) for kind, df in enumerate(parts)])
-    try:
-        table = both.toArrow()
-    finally:
-        out.unpersist()
+def staging_of(out, topic: str, payload_of) -> Staging:
+    """The run's outputs as staging: deltas and rejects straight from Arrow; the failures
+    with their payloads (``payload_of((partition, offset, replayed)) -> str``), which the
+    backflow keeps for their replay."""
+    table = out.table
     kind = table.column("kind")
 
     def part(n: int, names: list[str]) -> pa.Table:
         return table.filter(pc.equal(kind, n)).select(names)
 
-    deltas = part(0, ["state_name", "key", "delta"])
-    rejects = part(1, ["partition", "offset", "error"])
+    deltas = part(DELTA, ["state_name", "key", "delta"])
+    rejects = _printable(part(REJECT, ["partition", "offset", "error"]))
     rejects = rejects.add_column(0, "topic", pa.array([topic] * rejects.num_rows, pa.string()))
-    failures = part(2, ["partition", "offset", "replayed", "payload", "error"])
-    changes: dict[str, list] = {}
-    for bolt, namespace, key, value in zip(*part(3, ["bolt", "namespace", "key", "value"])
-                                           .to_pydict().values(), strict=True):
-        changes.setdefault(bolt, []).append(
-            (namespace, key, DELETED if value is None else json.loads(value)))
-    return Collected(_csv(deltas), _csv(rejects), _csv(failures), failures.num_rows, changes)
+    failed = sorted(out.failed.items())
+    failures = _printable(pa.table({
+        "partition": pa.array([p for (p, _, _), _ in failed], pa.int32()),
+        "offset": pa.array([o for (_, o, _), _ in failed], pa.int64()),
+        "replayed": pa.array([r for (_, _, r), _ in failed], pa.bool_()),
+        "payload": pa.array([payload_of(k) for k, _ in failed], pa.string()),
+        "error": pa.array([e for _, e in failed], pa.string())}))
+    changes = {bolt: [(ns, key, DELETED if value is None else json.loads(value))
+                      for ns, key, value in rows] for bolt, rows in out.changes.items()}
+    return Staging(_csv(deltas), _csv(rejects), _csv(failures), failures.num_rows, changes)
 
 
 def read_claimed(spark: SparkSession, conn, pipeline: str, txid: int, group: int
-                 ) -> tuple[DataFrame | None, int]:
+                 ) -> tuple[DataFrame | None, dict[tuple[int, int], str]]:
     """The backflow items this txid's batch holds for ``group`` (claimed at planning), as
-    source records with their failure count, and how many there are."""
+    source records with their failure count, and their payloads by position."""
     with conn.cursor() as cur:
-        cur.execute(
-            """SELECT partition, "offset", payload, failures FROM backflow_items
-               WHERE pipeline = %s AND claimed_txid = %s AND claimed_grp = %s
-               ORDER BY partition, "offset" """,
-            (pipeline, txid, group),
-        )
-        rows = cur.fetchall()
+        rows = backflow.claimed(cur, pipeline, txid, group)
     conn.rollback()
     if not rows:
-        return None, 0
+        return None, {}
     table = pa.table({
         "partition": pa.array([r[0] for r in rows], pa.int32()),
         "offset": pa.array([r[1] for r in rows], pa.int64()),
@@ -115,79 +108,79 @@ def read_claimed(spark: SparkSession, conn, pipeline: str, txid: int, group: int
         "replays": pa.array([r[3] for r in rows], pa.int32()),
         "replayed": pa.array([True] * len(rows), pa.bool_()),
     })
-    return spark.createDataFrame(table), len(rows)
+    return spark.createDataFrame(table), {(p, o): payload for p, o, payload, _ in rows}
 
 
 def process_batch(spark: SparkSession, dsn: str, pipeline: Pipeline, ta: TransactionAttempt,
-                  group: int = 0) -> Staged | None:
+                  group: int = 0, *, stage=stage_group) -> Staged | None:
     """Process group ``group`` of ``ta``'s batch and stage the result.
 
     Returns None, doing nothing, when the txid is committed already (a re-run after the
-    commit); raises Fenced when ``ta`` is not the current attempt.
+    commit); raises Fenced when ``ta`` is not the current attempt. The attempt's lease is
+    renewed while it runs. ``stage``: what writes the staging (stage_group's signature; the
+    fault tests stage from a process they kill).
     """
-
     started = time.monotonic()
     with ExitStack() as cleanup:
         conn = connect(dsn, application_name=f"onceflow-process-{pipeline.name}")
         cleanup.callback(conn.close)
         with transaction(conn) as cur:
             # Fail fast before any Spark work; the real fence is in stage_group.
-            txn_state = current_attempt(cur, pipeline.name, ta)
-            if txn_state == "committed":
+            state = txlog.fence(cur, pipeline.name, ta)
+            if state is TxState.COMMITTED:
                 log.info("%s of %s is committed already: nothing to process", ta, pipeline.name)
                 return None
-            if txn_state != "planned":
-                raise Fenced(f"{ta} of {pipeline.name} is {txn_state}: nothing to process")
-            batch = load_batch(cur, pipeline.name, ta.txid)
-            cur.execute("SELECT topic FROM pipelines WHERE name = %s", (pipeline.name,))
-            topic = cur.fetchone()[0]
-        topology = load_callable(pipeline.topology)(pipeline)
-        stateful = topology.validate().stateful()
+            if state is not TxState.PLANNED:
+                raise Fenced(f"{ta} of {pipeline.name} is {state}: nothing to process")
+            batch = txlog.load_batch(cur, pipeline.name, ta.txid)
+        cleanup.enter_context(AttemptLease(dsn, pipeline.name, ta,
+                                           pipeline.attempt_heartbeat_s))
+        ship_code(pipeline.ref, pipeline.topology)
+        topology = pipeline.build_topology()
+        stateful = topology.stateful()
         provider = None
         if stateful:
             provider = stateful_steps.open_checked_provider(pipeline, dsn)
             cleanup.callback(provider.close)
             stateful_steps.wait_for_turn(conn, pipeline.name, ta.txid)
             stateful_steps.recover(conn, provider, pipeline, stateful)
-        ranges = [r for r, g in batch.ranges if g == group]
+        ranges = batch.ranges_of(group)
         eden = sum(r.size for r in ranges)
-        replayed, replayed_n = (read_claimed(spark, conn, pipeline.name, ta.txid, group)
-                                if batch.replayed else (None, 0))
-        if eden or replayed_n:
+        replayed, replay_payloads = (read_claimed(spark, conn, pipeline.name, ta.txid, group)
+                                     if batch.replayed else (None, {}))
+        if eden or replay_payloads:
             source = replayed
             if eden:
-                source = _read_source(spark, dsn, pipeline, topic, ranges)
-                if replayed_n:
+                source = pipeline.source.read(spark, dsn, ranges).select(
+                    "partition", "offset", "payload", F.lit(0).alias("replays"),
+                    F.lit(False).alias("replayed"))
+                if replayed is not None:
                     source = source.unionByName(replayed)
             context = StateContext(pipeline.name, ta.txid, pipeline.state_provider,
                                    pipeline.state_provider_config, dsn) if stateful else None
             out = run_topology(topology, source, attempt=ta.attempt, acker=pipeline.acker,
-                               tuple_timeout_ms=pipeline.tuple_timeout_ms, state=context)
-            collected = collect_output(out, topic)
+                               tuple_timeout_ms=pipeline.tuple_timeout_ms, state=context,
+                               max_record_bytes=pipeline.source.max_record_bytes,
+                               max_key_bytes=pipeline.max_key_bytes).collect()
+            eden_failed = [(p, o) for p, o, again in out.failed if not again]
+            with transaction(conn) as cur:
+                payloads = pipeline.source.payloads_at(cur, eden_failed) if eden_failed else {}
+
+            def payload_of(position) -> str:
+                partition, offset, again = position
+                return (replay_payloads if again else payloads)[(partition, offset)]
+
+            collected = staging_of(out, pipeline.topic, payload_of)
         else:
-            collected = Collected(io.BytesIO(), io.BytesIO(), io.BytesIO())
+            collected = Staging(io.BytesIO(), io.BytesIO(), io.BytesIO())
         if provider is not None:
             stateful_steps.prepare_states(provider, pipeline, stateful, ta, group,
                                           collected.state_changes)
-        staged = stage_group(conn, pipeline.name, ta, group, deltas_csv=collected.deltas,
+        staged = stage(conn, pipeline.name, ta, group, deltas_csv=collected.deltas,
                              rejects_csv=collected.rejects, failures_csv=collected.failures,
-                             records=eden, replayed=replayed_n)
+                             records=eden, replayed=len(replay_payloads),
+                             stateful=tuple(b.name for b in stateful))
     log.info("PROCESSED pipeline=%s %s group=%d records=%d replayed=%d failed=%d in %.2fs",
              pipeline.name, ta, group, staged.records, staged.replayed, staged.failed,
              time.monotonic() - started)
     return staged
-
-
-def _read_source(spark: SparkSession, dsn: str, pipeline: Pipeline, topic: str, ranges
-                 ) -> DataFrame:
-    """The planned source ranges as records never failed before (replays 0)."""
-    if pipeline.source == "files":
-        from spark_tasks.segment_reader import read_segment_ranges
-
-        records = read_segment_ranges(spark, dsn, topic, ranges)
-    else:
-        from spark_tasks.source_reader import read_ranges
-
-        records = read_ranges(spark, dsn, topic, ranges)
-    return records.select("partition", "offset", "payload", F.lit(0).alias("replays"),
-                          F.lit(False).alias("replayed"))

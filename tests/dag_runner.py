@@ -1,7 +1,7 @@
 """Run the demo DAG once with dag.test() in a process of its own (dag.test() cannot run from
 threads), for tests that need several runs at the same time.
 
-    python tests/dag_runner.py LOGICAL_DATE_ISO [CONF_JSON]
+    python tests/dag_runner.py LOGICAL_DATE_ISO [CONF_JSON [DAG_ID]]
 
 Prints one last line: {"run_id": ..., "state": ..., "tasks": {task_id: state}}.
 """
@@ -13,13 +13,14 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
-from onceflow.demo import load_dag
+from onceflow.dev.demo import load_dag
 
 
 def main() -> None:
     logical_date = datetime.fromisoformat(sys.argv[1])
     conf = json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}
-    dag = load_dag(Path(__file__).resolve().parents[1] / "dags")
+    dag_id = sys.argv[3] if len(sys.argv) > 3 else "onceflow_tweets"
+    dag = load_dag(Path(__file__).resolve().parents[1] / "dags", dag_id)
     dr = dag.test(logical_date=logical_date, run_conf=conf)
     tis = dr.get_task_instances()
     tasks = {f"{ti.task_id}[{ti.map_index}]": str(ti.state) for ti in tis}

@@ -2,19 +2,56 @@
 
 from __future__ import annotations
 
-from onceflow.committer import CommitResult, commit
-from onceflow.coordinator import Batch, begin, register
-from onceflow.examples.tweets import generate
-from onceflow.pipeline import Pipeline, get_pipeline
-from onceflow.source import produce
+import dataclasses
+
+from onceflow.core.begin import begin
+from onceflow.core.commit import CommitResult, commit
+from onceflow.core.pipeline import Pipeline
+from onceflow.core.registration import register
+from onceflow.core.registry import get_pipeline
+from onceflow.core.txlog import Batch
+from onceflow.sources import catalog
+from onceflow.sources.pglog import PostgresLog
+from tweets_example.data import generate
+
+
+def produce(conn, topic: str, payloads) -> int:
+    """Append payloads to a PostgreSQL-log topic."""
+    return PostgresLog(topic=topic).append(conn, payloads)
+
+
+def ensure_topic(conn, topic: str, partitions: int) -> None:
+    catalog.ensure_topic(conn, topic, partitions, create=True)
+
+
+def read_ranges(spark, dsn: str, topic: str, ranges, chunk: int = 100_000):
+    return PostgresLog(topic=topic, read_chunk=chunk).read(spark, dsn, ranges)
+
+
+def delete_before(conn, topic: str, before: int, partition: int | None = None, *,
+                  force: bool = True) -> int:
+    """Retention (forced by default: these tests delete records pipelines have not read)."""
+    from onceflow.core.registry import pipelines
+    from onceflow.ops import retention
+
+    known = pipelines()
+    source = next((p.source for p in known.values() if p.topic == topic),
+                  PostgresLog(topic=topic))
+    plan = retention.apply(conn, source, before, partition=partition, force=force,
+                           pipelines=known)
+    return plan.deletes
 
 
 def tweets_pipeline(conn, *, events: int = 0, batch_size: int = 1000, seed: int = 7,
                     malformed_share: float = 0.05, poison_share: float = 0.0005,
                     flaky_share: float = 0.001, state_dsns=None, **overrides) -> Pipeline:
-    """The demo pipeline registered in ``conn``'s database, with ``events`` produced."""
+    """The tweets example's pipeline registered in ``conn``'s database, with ``events``
+    produced."""
+    source = {k: overrides.pop(k) for k in ("partitions", "max_record_bytes") if k in overrides}
+    if source:
+        overrides["source"] = dataclasses.replace(get_pipeline("tweets").source, **source)
     pipeline = get_pipeline("tweets", batch_size=batch_size, **overrides)
-    register(conn, pipeline, state_dsns, create_topic=True)
+    register(conn, pipeline, state_dsns, create_source=True)
     if events:
         produce(conn, pipeline.topic, generate(
             events, seed=seed, malformed_share=malformed_share, poison_share=poison_share,

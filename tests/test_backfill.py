@@ -8,9 +8,9 @@ import sys
 import pytest
 
 from helpers import table, tweets_pipeline
-from onceflow.cli import main
-from onceflow.coordinator import begin, mark_failed
-from onceflow.verify import verify
+from onceflow.core.begin import begin, mark_failed
+from onceflow.ops.cli import main
+from onceflow.ops.verify import recount as verify
 
 
 @pytest.fixture
@@ -23,7 +23,7 @@ def two_failed(conn):
 
 
 def test_dry_run_lists_in_txid_order_and_triggers_nothing(two_failed, conn, capsys):
-    assert main(["backfill", "--dry-run"]) == 0
+    assert main(["backfill", "--pipeline", "tweets", "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert out.index("txid=1 state=failed") < out.index("txid=2 state=failed")
     assert "reason=run-1 died" in out and "dry run: nothing triggered" in out
@@ -31,12 +31,13 @@ def test_dry_run_lists_in_txid_order_and_triggers_nothing(two_failed, conn, caps
 
 
 @pytest.mark.timeout(300)
-def test_local_backfill_commits_them_in_order(two_failed, conn, airflow_db, capsys):
-    assert main(["backfill", "--via", "local"]) == 0
+def test_local_backfill_commits_them_in_order(two_failed, conn, airflow_db, capsys,
+                                               warm_spark):
+    assert main(["backfill", "--pipeline", "tweets", "--via", "local"]) == 0
     assert table(conn, """SELECT txid, attempt, state FROM transactions
                           ORDER BY committed_at""") == [(1, 2, "committed"), (2, 2, "committed")]
-    assert main(["backfill", "--dry-run"]) == 0
-    assert "no failed or superseded transactions" in capsys.readouterr().out
+    assert main(["backfill", "--pipeline", "tweets", "--dry-run"]) == 0
+    assert "no failed, superseded or abandoned transactions" in capsys.readouterr().out
     assert verify(conn, two_failed).ok
 
 
@@ -44,7 +45,7 @@ def test_local_backfill_commits_them_in_order(two_failed, conn, airflow_db, caps
 def test_airflow_backfill_queues_runs_with_the_txid_in_conf(two_failed, conn, airflow_db):
     subprocess.run([sys.executable, "-m", "airflow", "dags", "reserialize"], check=True,
                    capture_output=True)
-    assert main(["backfill", "--via", "airflow"]) == 0
+    assert main(["backfill", "--pipeline", "tweets", "--via", "airflow"]) == 0
     from airflow.models import DagRun
     from airflow.utils.session import create_session
 

@@ -9,12 +9,13 @@ import json
 import pytest
 
 from helpers import run_transaction, table, tweets_pipeline
-from onceflow.backflow import queue_sizes, replay_dead_letters
-from onceflow.cli import main
-from onceflow.committer import commit
-from onceflow.coordinator import begin, lock_pipeline, mark_failed
-from onceflow.db import transaction
-from onceflow.verify import verify
+from onceflow.core.backflow import queue_sizes, replay_dead_letters
+from onceflow.core.begin import begin, mark_failed
+from onceflow.core.commit import commit
+from onceflow.core.db import transaction
+from onceflow.core.txlog import lock_pipeline
+from onceflow.ops.cli import main
+from onceflow.ops.verify import recount as verify
 from spark_tasks.processing import process_batch
 
 
@@ -185,21 +186,24 @@ def test_status_and_replay_dead_letters_cli(spark, dsn, conn, capsys):
     run_transaction(spark, dsn, conn, pipeline, "run-0")
     dead = table(conn, 'SELECT partition, "offset" FROM dead_letters ORDER BY 1, 2')
     assert dead
-    assert main(["status"]) == 0
+    assert main(["status", "--pipeline", "tweets"]) == 0
     out = capsys.readouterr().out
-    assert f"dead_letters={len(dead)}" in out and "from-queue=0" in out
-    assert f"dead letter p{dead[0][0]}:{dead[0][1]} failures=1" in out
-    assert "last_error=bolt normalize_domain: UnicodeError" in out
-    assert main(["replay-dead-letters"]) == 2
+    assert f"dead letters: {len(dead)}" in out and "from-queue holds 0" in out
+    assert f"{len(dead):>6} x bolt normalize_domain: UnicodeError" in out  # by reason
+    assert any(line.strip().startswith(f"p{p}:{o} failures=1") for p, o in dead
+               for line in out.splitlines())
+    assert max(map(len, out.splitlines())) <= 100
+    assert main(["replay-dead-letters", "--pipeline", "tweets"]) == 2
     assert "nothing chosen" in capsys.readouterr().err
-    assert main(["replay-dead-letters", "--record", "x"]) == 2
+    assert main(["replay-dead-letters", "--pipeline", "tweets", "--record", "x"]) == 2
     assert "--record='x' is invalid: give PARTITION:OFFSET" in capsys.readouterr().err
     p, o = dead[0]
-    assert main(["replay-dead-letters", "--record", f"{p}:{o}"]) == 0
+    assert main(["replay-dead-letters", "--pipeline", "tweets", "--record", f"{p}:{o}"]) == 0
     assert "put 1 dead letter(s) of tweets back" in capsys.readouterr().out
-    assert main(["replay-dead-letters", "--error-contains", "UnicodeError"]) == 0
+    assert main(["replay-dead-letters", "--pipeline", "tweets",
+                 "--error-contains", "UnicodeError"]) == 0
     assert f"put {len(dead) - 1} dead letter" in capsys.readouterr().out
-    assert main(["verify"]) == 0
+    assert main(["verify", "--pipeline", "tweets", "--recount"]) == 0
     assert f"+ {len(dead)} queued for replay + 0 dead letters" in capsys.readouterr().out
 
 
@@ -210,7 +214,8 @@ def test_status_and_replay_dead_letters_cli(spark, dsn, conn, capsys):
     ("acker", "yes", "pipeline.acker='yes' is invalid: give True or False"),
 ])
 def test_bad_backflow_settings_are_refused(field, value, message):
-    from onceflow.pipeline import ConfigError, get_pipeline
+    from onceflow.core.errors import ConfigError
+    from onceflow.core.registry import get_pipeline
 
     with pytest.raises(ConfigError, match=message):
         get_pipeline("tweets", batch_size=1000, **{field: value})

@@ -1,7 +1,9 @@
-"""The `onceflow` command: help, init / produce / status / verify, and clear errors."""
+"""The `onceflow` command: help, init / produce / status / verify, repair, and errors a user
+can act on (the setting, the value, the fix; exit 2; no traceback)."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -9,64 +11,171 @@ import sys
 import pytest
 
 from helpers import run_transaction, table
-from onceflow.cli import main
-from onceflow.coordinator import register
-from onceflow.pipeline import ConfigError, StateSpec, get_pipeline
+from onceflow.core.errors import ConfigError
+from onceflow.core.pipeline import StateSpec
+from onceflow.core.registration import register
+from onceflow.core.registry import get_pipeline
+from onceflow.ops.cli import main
+from onceflow.sources.pglog import BadRecord, PostgresLog
+from tweets_example.data import generate
+
+
+def cli(*args: str, stdin: str | None = None, env: dict | None = None):
+    import os
+
+    return subprocess.run([sys.executable, "-m", "onceflow.ops.cli", *args], input=stdin,
+                          capture_output=True, text=True, env={**os.environ, **(env or {})})
 
 
 def test_help_lists_every_command():
-    out = subprocess.run([sys.executable, "-m", "onceflow.cli", "--help"], capture_output=True,
-                         text=True, check=True).stdout
-    for command in ("pg", "init", "produce", "status", "verify", "demo", "ui"):
-        assert command in out
-    assert "ONCEFLOW_PG_DSN" in out
+    out = cli("--help")
+    assert out.returncode == 0
+    for command in ("pg", "init", "pipelines", "produce", "status", "verify", "backfill",
+                    "retention", "reset", "replay-dead-letters", "repair", "ui"):
+        assert command in out.stdout
+    assert "ONCEFLOW_PG_DSN" in out.stdout and "ONCEFLOW_PIPELINES" in out.stdout
+    for command in ("status", "retention", "repair"):
+        assert cli(command, "--help").returncode == 0
+
+
+def produce_lines(n: int, seed: int = 42, **shares) -> str:
+    return "\n".join(generate(n, seed=seed, **shares)) + "\n"
 
 
 def test_init_produce_status_verify(spark, dsn, conn, capsys):
     assert main(["init"]) == 0
     assert main(["init"]) == 0  # idempotent
     assert "none (up to date)" in capsys.readouterr().out
-    assert main(["produce", "--events", "500", "--malformed-share", "0.1"]) == 0
+    out = cli("produce", "--pipeline", "tweets", stdin=produce_lines(500, malformed_share=0.1))
+    assert out.returncode == 0 and "produced 500 records" in out.stdout
     assert table(conn, "SELECT count(*) FROM source_log") == [(500,)]
     run_transaction(spark, dsn, conn, get_pipeline("tweets", batch_size=400), "run-1")
     capsys.readouterr()
-    assert main(["status"]) == 0
+    assert main(["status", "--pipeline", "tweets"]) == 0
     out = capsys.readouterr().out
-    assert "txid=1 attempt=1 state=committed" in out and "partition=0" in out
-    assert main(["verify"]) == 0
-    assert "verify tweets: OK: 400 source records = 400 committed" in capsys.readouterr().out
+    assert re.search(r"^\s+1\s+1 committed ", out, re.M) and "p0: log_start=0" in out
+    assert max(map(len, out.splitlines())) <= 100
+    assert main(["status", "--pipeline", "tweets", "--json"]) == 0
+    status = json.loads(capsys.readouterr().out)
+    assert status["last_committed"] == 1 and len(status["partitions"]) == 4
+    assert main(["verify", "--pipeline", "tweets", "--recount"]) == 0
+    assert "verify tweets (recount): OK: 400 source records = 400 committed" in \
+        capsys.readouterr().out
 
 
 def test_verify_exits_non_zero_on_a_mismatch(spark, dsn, conn, capsys):
     main(["init"])
-    main(["produce", "--events", "100"])
+    get_pipeline("tweets").source.append(conn, generate(100))
     run_transaction(spark, dsn, conn, get_pipeline("tweets"), "run-1")
     with conn.cursor() as cur:
         cur.execute("DELETE FROM url_counts WHERE key = (SELECT min(key) FROM url_counts)")
     conn.commit()
-    assert main(["verify"]) == 1
+    assert main(["verify", "--pipeline", "tweets", "--recount"]) == 1
     assert "FAILED" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["verify", "--pipeline", "nope"], "pipeline='nope' is not registered"),
-    (["produce", "--malformed-share", "2"], "malformed_share=2.0 must be between 0 and 1"),
+    # an unknown pipeline names the ones there are
+    (["verify", "--pipeline", "nope"],
+     "pipeline='nope' is not registered: known pipelines are tweets, tweets_files, "
+     "tweets_first_seen"),
+    (["status", "--pipeline", "nope"], "pipeline='nope' is not registered"),
+    (["backfill", "--pipeline", "nope", "--dry-run"], "pipeline='nope' is not registered"),
+    # several pipelines: which one must be said
+    (["status"], "--pipeline is needed: choose one of tweets, tweets_files, tweets_first_seen"),
+    (["produce", "--pipeline", "tweets", "--file", "/nonexistent"],
+     "--file='/nonexistent' does not exist"),
+    (["replay-dead-letters", "--pipeline", "tweets", "--record", "x"],
+     "--record='x' is invalid: give PARTITION:OFFSET"),
 ])
 def test_bad_input_is_named(dsn, capsys, argv, message):
     main(["init"])
+    capsys.readouterr()
     assert main(argv) == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv, why", [
+    (["status", "--limit", "-5"], "argument --limit: -5 is negative"),
+    (["status", "--limit", "0"], "argument --limit: 0: give 1 or more"),
+    (["retention", "--topic", "t", "--before", "x"], "--before: 'x' is not a whole number"),
+])
+def test_bad_numbers_exit_2_with_the_reason(argv, why, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    assert why in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("payload, why", [
+    ("", "record 2 is empty"),
+    ("a\x00b", "record 2 holds a NUL character"),
+])
+def test_produce_refuses_a_bad_record_by_number_and_writes_none_of_its_chunk(dsn, conn,
+                                                                            payload, why):
+    main(["init"])
+    out = cli("produce", "--pipeline", "tweets", stdin=f'{{"url": "x"}}\n{payload}\n')
+    assert out.returncode == 2 and why in out.stderr and "Traceback" not in out.stderr
+    assert table(conn, "SELECT count(*) FROM source_log") == [(0,)]
+
+
+def test_produce_refuses_a_lone_surrogate(dsn, conn):
+    main(["init"])
+    with pytest.raises(BadRecord, match="record 1 is not valid UTF-8 text"):
+        PostgresLog(topic="tweets").append(conn, ["\ud800"])
+
+
+def test_an_unreachable_database_says_which_and_how_to_fix(capsys):
+    dsn = "postgresql://someone:s3cret@127.0.0.1:1/onceflow"
+    out = cli("status", "--pipeline", "tweets", env={"ONCEFLOW_PG_DSN": dsn})
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "PostgreSQL at" in out.stderr and "port=1" in out.stderr
+    assert "s3cret" not in out.stderr and "ONCEFLOW_PG_DSN" in out.stderr
+    assert "bash run.sh onceflow pg" in out.stderr
+
+
+def test_repair_says_what_it_will_do_then_does_it(dsn, conn, capsys):
+    from onceflow.core.begin import begin
+
+    main(["init"])
+    pipeline = get_pipeline("tweets")
+    pipeline.source.append(conn, generate(100))
+    begin(conn, pipeline, "run-1")
+    with conn.cursor() as cur:  # its run died an hour ago; someone edited the coordinator
+        cur.execute("UPDATE transactions SET heartbeat_at = now() - interval '1 hour'")
+        cur.execute("UPDATE pipelines SET next_txid = 1, last_committed_txid = 5 "
+                    "WHERE name = 'tweets'")
+    conn.commit()
+    capsys.readouterr()
+    assert main(["repair", "--pipeline", "tweets"]) == 0
+    said = capsys.readouterr().out
+    assert "would repair (pass --yes to do it)" in said
+    assert "next_txid is 1 but txid 1 exists" in said
+    assert "last_committed_txid is 5 but the transaction log says 0" in said
+    assert "txid 1 attempt 1 is planned but its run run-1 has not reported" in said
+    assert table(conn, "SELECT next_txid, last_committed_txid FROM pipelines "
+                       "WHERE name = 'tweets'") == [(1, 5)]  # nothing done yet
+    assert main(["repair", "--pipeline", "tweets", "--yes"]) == 0
+    assert "repaired:" in capsys.readouterr().out
+    assert table(conn, "SELECT next_txid, last_committed_txid FROM pipelines "
+                       "WHERE name = 'tweets'") == [(2, 0)]
+    assert table(conn, "SELECT state FROM transactions") == [("failed",)]
+    assert main(["repair", "--pipeline", "tweets"]) == 0
+    assert "nothing to repair" in capsys.readouterr().out
 
 
 def test_a_stored_topic_that_differs_is_refused(conn):
-    register(conn, get_pipeline("tweets"), create_topic=True)
-    with pytest.raises(ConfigError, match="pipeline.topic='other' .* stored with topic 'tweets'"):
-        register(conn, get_pipeline("tweets", topic="other"), create_topic=True)
+    register(conn, get_pipeline("tweets"), create_source=True)
+    with pytest.raises(ConfigError, match="topic='other' but the pipeline is stored with "
+                                          "topic 'tweets'"):
+        register(conn, get_pipeline("tweets", source=PostgresLog(topic="other")),
+                 create_source=True)
 
 
 def test_an_unknown_topic_is_refused(conn):
-    with pytest.raises(ConfigError, match="pipeline.topic='nope' is unknown"):
-        register(conn, get_pipeline("tweets", topic="nope"))
+    with pytest.raises(ConfigError, match="source topic='nope' is unknown"):
+        register(conn, get_pipeline("tweets", source=PostgresLog(topic="nope")))
 
 
 @pytest.mark.parametrize("overrides, field", [
@@ -77,6 +186,8 @@ def test_an_unknown_topic_is_refused(conn):
     ({"start_policy": "yesterday"}, "pipeline.start_policy='yesterday'"),
     ({"start_policy": "timestamp:not-a-date"}, "pipeline.start_policy='timestamp:not-a-date'"),
     ({"out_of_range": "skip"}, "pipeline.out_of_range='skip'"),
+    ({"max_key_bytes": 5000}, "pipeline.max_key_bytes=5000"),
+    ({"source": PostgresLog(topic="t", partitions=0)}, "source.partitions=0"),
     # a state in another database must be opaque
     ({"states": (StateSpec("x", "transactional", conn_id="db2"),)},
      "state[x].kind='transactional'"),

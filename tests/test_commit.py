@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 
 from helpers import run_transaction, table, tweets_pipeline
-from onceflow.committer import MissingStaging, commit
-from onceflow.coordinator import begin
-from onceflow.txn import Fenced, TransactionAttempt
-from onceflow.verify import verify
+from onceflow.core.begin import begin
+from onceflow.core.commit import MissingStaging, commit
+from onceflow.core.errors import Fenced
+from onceflow.core.txlog import TransactionAttempt
+from onceflow.ops.verify import recount as verify
 from spark_tasks.processing import process_batch
 
 COMMIT_STEPS = ["locked", "state:url_counts", "state:domain_counts", "rejects", "backflow",
@@ -53,7 +54,7 @@ def test_txid_n_plus_1_never_commits_before_n(spark, conn, dsn):
     process_batch(spark, dsn, pipeline, second.attempt)
     waiting = commit(conn, pipeline, second.attempt)
     assert waiting.status == "waiting"
-    assert (waiting.blocking_txid, waiting.blocking_state, waiting.blocking_run_id) == (
+    assert (waiting.blocker.txid, waiting.blocker.state, waiting.blocker.run_id) == (
         1, "planned", "run-1")
     assert table(conn, "SELECT count(*) FROM url_counts") == [(0,)]
     assert table(conn, "SELECT last_committed_txid FROM pipelines") == [(0,)]

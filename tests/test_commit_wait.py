@@ -9,10 +9,10 @@ import time
 import pytest
 
 from helpers import tweets_pipeline
-from onceflow.committer import commit
-from onceflow.coordinator import begin
-from onceflow.operators import CommitBatchOperator
-from onceflow.triggers import CommitTurnTrigger
+from onceflow.airflow.operators import CommitBatchOperator
+from onceflow.airflow.triggers import CommitTurnTrigger
+from onceflow.core.begin import begin
+from onceflow.core.commit import commit
 from spark_tasks.processing import process_batch
 
 
@@ -32,7 +32,7 @@ def _operator(batch):
 
 
 def test_commit_defers_while_an_earlier_txid_is_open(two_batches):
-    from airflow.exceptions import TaskDeferred
+    from airflow.sdk.exceptions import TaskDeferred
 
     _, _, second = two_batches
     with pytest.raises(TaskDeferred) as deferred:
@@ -40,22 +40,65 @@ def test_commit_defers_while_an_earlier_txid_is_open(two_batches):
     trigger = deferred.value.trigger
     assert isinstance(trigger, CommitTurnTrigger)
     classpath, kwargs = trigger.serialize()
-    assert classpath == "onceflow.triggers.CommitTurnTrigger"
+    assert classpath == "onceflow.airflow.triggers.CommitTurnTrigger"
     assert kwargs["txid"] == 2 and "dsn" not in kwargs  # no secret in the metadata database
 
 
 def test_commit_wait_past_the_timeout_names_the_blocking_txid(two_batches):
+    from airflow.sdk.exceptions import AirflowFailException
+
     _, _, second = two_batches
-    with pytest.raises(TimeoutError, match=r"txid 1 is planned \(run run-1\); retry or clear"):
+    with pytest.raises(AirflowFailException,
+                       match=r"until the commit timeout: txid 1 is planned \(run run-1\)"):
         _operator(second)._try_commit(time.time() - 1)
 
 
+def test_a_failed_earlier_txid_fails_the_waiting_commit_at_once_naming_the_backfill(
+        two_batches, conn):
+    """The waiting commit does not sit out its timeout behind a txid nobody will re-run: it
+    fails (without retries) and says which txid to backfill and how."""
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from onceflow.core.begin import mark_failed
+
+    _, first, second = two_batches
+    assert mark_failed(conn, "tweets", first.attempt, "process failed after its last retry")
+    with pytest.raises(AirflowFailException) as failed:
+        _operator(second)._try_commit(time.time() + 3600)
+    text = str(failed.value)
+    assert "txid 1 is failed (run run-1): process failed after its last retry" in text
+    assert 'trigger this DAG with {"txid": 1}' in text and "onceflow backfill" in text
+
+
+def test_an_abandoned_earlier_txid_wakes_the_trigger(two_batches, conn):
+    """txid 1's run died (no report within its lease): the trigger fires instead of polling
+    until the deadline, and the operator names the txid."""
+    from airflow.sdk.exceptions import AirflowFailException
+
+    _, first, second = two_batches
+    with conn.cursor() as cur:
+        cur.execute("UPDATE transactions SET heartbeat_at = now() - interval '1 hour' "
+                    "WHERE txid = 1")
+    conn.commit()
+    trigger = CommitTurnTrigger("tweets", 2, 1, "onceflow_pg", 0.1, time.time() + 60)
+
+    async def first_event():
+        async for event in trigger.run():
+            return event
+
+    started = time.monotonic()
+    event = asyncio.run(first_event())
+    assert time.monotonic() - started < 5 and event.payload["last_committed_txid"] == 0
+    with pytest.raises(AirflowFailException, match="it is abandoned"):
+        _operator(second).execute_complete({}, event.payload)
+
+
 def test_trigger_fires_when_the_turn_comes_and_the_commit_goes_through(two_batches, dsn):
-    from onceflow.db import connect
+    from onceflow.core.db import connect
 
     pipeline, first, second = two_batches
-    trigger = CommitTurnTrigger("tweets", second.attempt.txid, "onceflow_pg", 0.1,
-                                time.time() + 60)
+    trigger = CommitTurnTrigger("tweets", second.attempt.txid, second.attempt.attempt,
+                                "onceflow_pg", 0.1, time.time() + 60)
 
     def commit_first_later():
         time.sleep(0.5)

@@ -15,10 +15,15 @@ import uuid
 import psycopg2
 import pytest
 import redis
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from psycopg2 import sql
 from redis_server import RedisServer, answers, free_port
 
-from onceflow import db
+from onceflow.core import db
+from onceflow.core.errors import ConfigError
+from onceflow.core.txlog import TransactionAttempt
+from onceflow.dev.localenv import airflow_connection_json
 from onceflow.kvstate import (
     DELETED,
     KeyValueState,
@@ -28,9 +33,6 @@ from onceflow.kvstate import (
     StateBehind,
     open_provider,
 )
-from onceflow.localenv import airflow_connection_json
-from onceflow.pipeline import ConfigError
-from onceflow.txn import TransactionAttempt
 
 P, B = "tweets", "counter"
 PROVIDERS = ["memory", "postgres", "postgres_other_db", "redis"]
@@ -561,3 +563,42 @@ def test_require_persistence_refuses_a_redis_that_keeps_nothing(redis_config):
     message = str(error.value)
     assert "require_persistence=True is not met" in message
     assert "appendonly yes" in message
+
+
+# -- one rule, one reference, every store -------------------------------------------------------
+_KEYS = ["a", "b", "c", "d"]
+_change = st.one_of(st.integers(-5, 5), st.just(DELETED), st.none())  # None: JSON null
+# a txid's attempts, each a change set; every attempt commits in the store (the store is not
+# the coordinator: a crash after its commit makes the next attempt of the same txid replay)
+_txid = st.lists(st.dictionaries(st.sampled_from(_KEYS), _change, max_size=4),
+                 min_size=1, max_size=3)
+
+
+@settings(max_examples=20, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(plan=st.lists(_txid, min_size=1, max_size=5))
+def test_every_store_follows_the_opaque_reference(opener, plan):
+    """Replays of a txid with other changes, a new txid after a failed attempt: every store
+    equals onceflow.core.opaque, the one pure reference."""
+    from onceflow.core import opaque
+
+    store = opener()
+    bolt = f"prop-{uuid.uuid4().hex[:10]}"
+    reference: dict[str, opaque.Versioned] = {}
+    for txid, attempts in enumerate(plan, start=1):
+        for attempt, changes in enumerate(attempts, start=1):
+            store.prepare(P, bolt, ta(txid, attempt), [("s0", k, v) for k, v in changes.items()])
+            store.commit(P, bolt, ta(txid, attempt))
+            for key in [k for k, v in reference.items() if v.txid == txid and k not in changes]:
+                back = opaque.put_back(reference[key], txid)
+                if back is None or (back.value is opaque.ABSENT and back.prev is opaque.ABSENT):
+                    reference.pop(key)
+                else:
+                    reference[key] = back
+            for key, value in changes.items():
+                new = opaque.ABSENT if value is DELETED else value
+                reference[key] = opaque.write(reference.get(key), txid, new)
+        after = len(plan) + 1
+        expected = {k: v for k, v in ((k, opaque.seen(r, after)) for k, r in reference.items())
+                    if v is not opaque.ABSENT}
+        assert store.read(P, bolt, "s0", _KEYS, txid=after) == expected, (txid, attempts)

@@ -11,7 +11,7 @@ from pathlib import Path
 import psycopg2
 import pytest
 
-from onceflow.localpg import ensure_postgres, start_private, stop_private
+from onceflow.dev.localpg import ensure_postgres, start_private, stop_private
 
 
 def _free_port() -> int:

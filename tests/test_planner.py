@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from onceflow.planner import PartitionRange, plan_ranges
+from onceflow.core.planner import PartitionRange, plan_ranges
 
 CASES = [
     # (starts, heads, batch_size, groups, expected [(partition, start, end, group)])

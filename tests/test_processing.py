@@ -7,70 +7,24 @@ from collections import Counter
 
 import pytest
 
-from helpers import table, tweets_pipeline
-from onceflow.coordinator import begin
-from onceflow.examples.tweets import (
-    ERR_BAD_URL,
-    ERR_MALFORMED,
-    ERR_NO_URL,
-    ERR_OVERSIZED,
-    classify,
-    generate,
-    normalize_host,
-)
-from onceflow.txn import Fenced, TransactionAttempt
+from helpers import read_ranges, table, tweets_pipeline
+from onceflow.core.begin import begin
+from onceflow.core.errors import Fenced
+from onceflow.core.txlog import TransactionAttempt
+from onceflow.sources.pglog import chunk_ranges
 from spark_tasks.processing import process_batch
-from spark_tasks.source_reader import chunk_ranges, read_ranges
-
-EDGE_PAYLOADS = [
-    # (payload, what the pure-Python twin says)
-    ('{"url": "https://News.Example.com/a?b=1#c", "text": "x"}',
-     ("https://News.Example.com/a?b=1#c", "news.example.com")),
-    ('{"url": "http://h.example:8080/p"}', ("http://h.example:8080/p", "h.example")),
-    ('{"url": ', ERR_MALFORMED),
-    ("[1, 2]", ERR_MALFORMED),
-    ('"just a string"', ERR_MALFORMED),
-    ('{"text": "no url"}', ERR_NO_URL),
-    ('{"url": null}', ERR_NO_URL),
-    ('{"url": 42}', ERR_BAD_URL),
-    ('{"url": {"nested": 1}}', ERR_BAD_URL),
-    ('{"url": "ftp://x.example/f"}', ERR_BAD_URL),
-    ('{"url": "https://"}', ERR_BAD_URL),
-    ('{"url": "https://q.example/with,comma \\"quote\\"\\nnewline"}',
-     ('https://q.example/with,comma "quote"\nnewline', "q.example")),
-]
-
-
-@pytest.mark.parametrize("payload, expected", EDGE_PAYLOADS)
-def test_python_twin_classifies(payload, expected):
-    assert classify(payload) == expected
-
-
-def test_spark_transform_agrees_with_the_python_twin(spark):
-    """Record by record, the JVM transform and the independent recomputation agree."""
-    from spark_tasks.tweets import parse
-
-    long_one = json.dumps({"url": "https://big.example/x", "text": "é" * 300})  # 600+ bytes
-    payloads = ([p for p, _ in EDGE_PAYLOADS] + [long_one]
-                + list(generate(500, seed=3, malformed_share=0.2)))
-    df = spark.createDataFrame([(0, i, p) for i, p in enumerate(payloads)],
-                               "partition int, offset long, payload string")
-    got = {r["offset"]: (r["error"] or (r["url"], r["domain"]))
-           for r in parse(df, max_bytes=400).collect()}
-    expected = {i: classify(p, 400) for i, p in enumerate(payloads)}
-    assert got == expected
-    assert expected[len(EDGE_PAYLOADS)] == ERR_OVERSIZED
+from tweets_example.data import classify, normalize_host, parse_event
 
 
 def test_chunks_cover_ranges_exactly():
-    from onceflow.planner import PartitionRange
+    from onceflow.core.planner import PartitionRange
 
     pieces = chunk_ranges([PartitionRange(0, 5, 25), PartitionRange(3, 0, 3)], chunk=8)
     assert pieces == [(0, 5, 13), (0, 13, 21), (0, 21, 25), (3, 0, 3)]
 
 
 def test_read_ranges_reads_exactly_the_planned_records(spark, conn, dsn):
-    from onceflow.planner import PartitionRange
+    from onceflow.core.planner import PartitionRange
 
     pipeline = tweets_pipeline(conn, events=400)
     # 400 events round-robin over 4 partitions: offsets 0..99 in each
@@ -98,7 +52,7 @@ def expected_outcome(payload: str):
     c = classify(payload)
     if isinstance(c, str):
         return c
-    doc = json.loads(payload)
+    doc = parse_event(payload)
     try:
         domain = normalize_host(c[1])
     except UnicodeError:
@@ -165,7 +119,7 @@ def test_an_empty_batch_stages_nothing_without_spark_work(spark, conn, dsn):
 
 
 def test_payload_with_csv_specials_round_trips(spark, conn, dsn):
-    from onceflow.source import produce
+    from helpers import produce
 
     pipeline = tweets_pipeline(conn)
     odd = json.dumps({"url": 'https://x.example/a,b"c\nd', "text": "é ✓ \t tab"})

@@ -6,27 +6,27 @@ from __future__ import annotations
 import pytest
 from psycopg2 import sql
 
-from helpers import run_transaction, table
-from onceflow.coordinator import register
-from onceflow.examples.tweets import generate
-from onceflow.pipeline import ConfigError, get_pipeline
-from onceflow.retention import delete_before
-from onceflow.segments import produce_segments
-from onceflow.source import produce
-from onceflow.verify import verify
+from helpers import delete_before, produce, run_transaction, table
+from onceflow.core.errors import ConfigError
+from onceflow.core.registration import register
+from onceflow.core.registry import get_pipeline
+from onceflow.ops.verify import recount as verify
+from onceflow.sources.segments import FileSegments, produce_segments
+from tweets_example.data import generate
 
 
 @pytest.fixture
 def both(conn, tmp_path):
     log_kind = get_pipeline("tweets", batch_size=700)
-    file_kind = get_pipeline("tweets_files", batch_size=700, source_path=str(tmp_path / "seg"))
+    file_kind = get_pipeline("tweets_files", batch_size=700,
+                             source=FileSegments(topic="tweets_files", path=str(tmp_path / "seg")))
     for pipeline in (log_kind, file_kind):
-        register(conn, pipeline, create_topic=True)
+        register(conn, pipeline, create_source=True)
     produce(conn, "tweets", generate(2000, seed=11, malformed_share=0.05))
     # several produce calls: several segments per partition, ranges cross segment ends
     for start, count in ((0, 900), (900, 600), (1500, 500)):
         events = list(generate(2000, seed=11, malformed_share=0.05))[start:start + count]
-        produce_segments(conn, file_kind.segments_root(), "tweets_files", events,
+        produce_segments(conn, file_kind.source.root(), "tweets_files", events,
                          chunk_size=250)
     return log_kind, file_kind
 
@@ -58,10 +58,11 @@ def test_file_segments_commit_exactly_what_the_postgres_log_commits(spark, conn,
 
 
 def test_a_missing_source_path_is_refused(conn, tmp_path):
-    with pytest.raises(ConfigError, match="pipeline.source_path=.*does not exist"):
-        register(conn, get_pipeline("tweets_files", source_path=str(tmp_path / "nope")))
+    with pytest.raises(ConfigError, match="source.path=.*does not exist"):
+        register(conn, get_pipeline("tweets_files", source=FileSegments(
+            topic="tweets_files", path=str(tmp_path / "nope"))))
 
 
 def test_retention_refuses_a_file_topic(conn, both):
-    with pytest.raises(ConfigError, match="file-segment topic"):
+    with pytest.raises(ConfigError, match="retention is not supported by a file-segments"):
         delete_before(conn, "tweets_files", 10)

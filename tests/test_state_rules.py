@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from psycopg2 import sql
 
-from onceflow.db import transaction
-from onceflow.pipeline import StateSpec
-from onceflow.state import StaleBatch, apply_deltas, ensure_table
+from onceflow.core.db import transaction
+from onceflow.core.pipeline import StateSpec
+from onceflow.core.state_tables import StaleBatch, apply_deltas, ensure_table
 
 OPAQUE = StateSpec("opaque_counts", "opaque")
 TRANSACTIONAL = StateSpec("tx_counts", "transactional")
@@ -83,3 +85,41 @@ TRANSACTIONAL_CASES = [
 @pytest.mark.parametrize("batches, expected", TRANSACTIONAL_CASES)
 def test_transactional_rule(conn, batches, expected):
     assert apply_in_order(conn, TRANSACTIONAL, batches) == expected
+
+
+_deltas = st.dictionaries(st.sampled_from(["a", "b", "c", "d"]), st.integers(-3, 9), max_size=4)
+
+
+@settings(max_examples=25, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(plan=st.lists(st.lists(_deltas, min_size=1, max_size=3), min_size=1, max_size=5),
+       stale=st.booleans())
+def test_state_tables_follow_the_opaque_reference(conn, plan, stale):
+    """The SQL upsert against onceflow.core.opaque: every attempt of a txid is written (a
+    state outside the coordinator, which cannot tell a crashed attempt from a committed one),
+    replays put back what they no longer write, and a batch older than the state is refused
+    by both."""
+    from onceflow.core import opaque
+
+    spec = StateSpec(f"prop_{abs(hash(str(plan))) % 10**9}", "opaque")
+    with transaction(conn) as cur:
+        ensure_table(cur, spec)
+    reference: dict[str, opaque.Versioned] = {}
+    for txid, attempts in enumerate(plan, start=1):
+        for deltas in attempts:
+            with transaction(conn) as cur:
+                apply_deltas(cur, spec, txid, deltas)
+            opaque.apply_batch(reference, txid, deltas, revert_absent=True)
+    if stale and any(v.txid > 1 for v in reference.values()):
+        with pytest.raises(StaleBatch):
+            opaque.apply_batch(dict(reference), 1, {"a": 1, "b": 1, "c": 1, "d": 1})
+        with pytest.raises(StaleBatch), transaction(conn) as cur:
+            apply_deltas(cur, spec, 1, {"a": 1, "b": 1, "c": 1, "d": 1})
+    got = {key: (value, prev, txid) for key, txid, value, prev in rows(conn, spec)}
+
+    def as_row(v: opaque.Versioned):
+        return (v.value, 0 if v.prev is opaque.ABSENT else v.prev, v.txid)
+
+    want = {k: as_row(v) for k, v in reference.items()}
+    # a key the reference dropped (it did not exist before its txid) stays as a 0 row in SQL
+    assert {k: r for k, r in got.items() if k in want or r[0] != 0} == want

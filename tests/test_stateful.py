@@ -6,6 +6,7 @@ fail at start naming the fix."""
 from __future__ import annotations
 
 import json
+import os
 import random
 import sys
 import uuid
@@ -14,16 +15,17 @@ import pytest
 import redis
 from pyspark import cloudpickle
 
-from helpers import table
-from onceflow.committer import commit
-from onceflow.coordinator import begin, mark_failed, register
-from onceflow.examples.tweets import generate
-from onceflow.pipeline import ConfigError, get_pipeline
-from onceflow.source import produce
-from onceflow.stateful import check_state_config
-from onceflow.verify import verify
+from helpers import produce, table
+from onceflow.core.begin import begin, mark_failed
+from onceflow.core.commit import commit
+from onceflow.core.errors import ConfigError
+from onceflow.core.registration import register
+from onceflow.core.registry import get_pipeline
+from onceflow.core.stateful import check_state_config
+from onceflow.ops.verify import recount as verify
 from spark_tasks.processing import process_batch
 from spark_tasks.topology import StatefulBolt
+from tweets_example.data import generate
 
 # The hook-recording topology below is shipped to Spark's workers by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -35,7 +37,7 @@ class Crash(RuntimeError):
 
 def first_seen_pipeline(conn, events: int, **overrides):
     pipeline = get_pipeline("tweets_first_seen", **overrides)
-    register(conn, pipeline, create_topic=True)
+    register(conn, pipeline, create_source=True)
     produce(conn, pipeline.topic, generate(events, seed=11, malformed_share=0.03,
                                            poison_share=0.002, flaky_share=0.01))
     return pipeline
@@ -64,10 +66,12 @@ def exactly_once(conn, pipeline):
     return report
 
 
-@pytest.mark.parametrize("provider, transactions", [("postgres", 20), ("redis", 5)])
-def test_first_seen_emits_each_url_once_over_20_transactions_with_failures(
+@pytest.mark.parametrize("provider, transactions", [("postgres", 8), ("redis", 5)])
+def test_first_seen_emits_each_url_once_over_transactions_with_failures(
         spark, dsn, conn, provider, transactions, redis_prefix):
-    seed = random.randrange(1 << 30)
+    # fixed by default, so that every run tests the same interleaving; another one with
+    # ONCEFLOW_FAULT_SEED
+    seed = int(os.environ.get("ONCEFLOW_FAULT_SEED", "20261123")) + transactions
     print(f"fault seed {seed}")
     rng = random.Random(seed)
     settings = {"state_provider": provider,
@@ -109,9 +113,9 @@ def test_first_seen_emits_each_url_once_over_20_transactions_with_failures(
 def test_verify_after_retention_expects_each_url_once(spark, dsn, conn):
     """Retention retires committed records whose URLs come again later: the first-seen state
     still holds 1 per URL, and verify merges the retired presence by max, not by sum."""
-    from onceflow.examples.tweets import recompute
-    from onceflow.retention import delete_before
-    from onceflow.source import iter_payloads_below
+    from helpers import delete_before
+    from onceflow.core.planner import PartitionRange
+    from tweets_example.data import recount
 
     pipeline = first_seen_pipeline(conn, 800, batch_size=400)
     for n in range(2):
@@ -123,7 +127,9 @@ def test_verify_after_retention_expects_each_url_once(spark, dsn, conn):
     retired = {k for (k,) in table(conn, "SELECT key FROM retired_counts "
                                          "WHERE state_name = 'new_urls'")}
     ends = dict(table(conn, 'SELECT partition, "offset" FROM partition_offsets'))
-    remaining = recompute(iter_payloads_below(conn, pipeline.topic, ends, pipeline.name))
+    remaining = recount(p for _, _, p in pipeline.source.payloads(
+        conn, [PartitionRange(part, 60, end) for part, end in ends.items()]))
+    conn.commit()
     assert retired & set(remaining.counts["new_urls"])  # URLs seen on both sides
     exactly_once(conn, pipeline)
 
@@ -149,7 +155,7 @@ class RecordingBolt(StatefulBolt):
 
 
 def recording_topology(pipeline):
-    from spark_tasks.tweets import topology
+    from tweets_example.topology import topology
 
     return (topology(pipeline)
             .stateful_bolt("recorder", input="urls", key="key", bolt=RecordingBolt(),

@@ -8,14 +8,9 @@ import time
 import pytest
 from pyspark.sql import functions as F
 
-from spark_tasks.topology import (
-    ANCHORS,
-    SPOUT,
-    Topology,
-    TopologyError,
-    root_id,
-    run_topology,
-)
+from spark_tasks.ids import root_id
+from spark_tasks.runner import run_topology
+from spark_tasks.topology import ANCHORS, SPOUT, Topology, TopologyError
 
 
 def records(spark, payloads, replays=0):
@@ -24,14 +19,10 @@ def records(spark, payloads, replays=0):
         "partition int, offset long, payload string, replays int, replayed boolean")
 
 
-def collect(out):
-    try:
-        deltas = {(r.state_name, r.key): r.delta for r in out.deltas.collect()}
-        rejects = {(r.partition, r.offset): r.error for r in out.rejects.collect()}
-        failures = {(r.partition, r.offset): r.error for r in out.failures.collect()}
-    finally:
-        out.unpersist()
-    return deltas, rejects, failures
+def collect(run):
+    out = run.collect()
+    failures = {(p, o): error for (p, o, _), error in out.failed.items()}
+    return out.deltas, out.rejected, failures
 
 
 def split_words(df):
@@ -135,7 +126,7 @@ def test_a_dataframe_bolt_fails_tuples_with_fail_column(spark):
 def test_root_ids_keep_the_origin(spark):
     df = spark.createDataFrame([(5, 123456789, True), (4_000_000, (1 << 40) - 1, False)],
                                "partition int, offset long, replayed boolean")
-    from spark_tasks.topology import origin
+    from spark_tasks.ids import origin
 
     rows = df.select(root_id("partition", "offset", "replayed").alias("_root")) \
         .select("_root", *origin()).collect()

@@ -4,18 +4,16 @@ processing groups, and a randomized run with faults at every boundary."""
 
 from __future__ import annotations
 
-import os
-import random
-
 import pytest
 
 from helpers import table, tweets_pipeline
-from onceflow.committer import MissingStaging, commit
-from onceflow.coordinator import MaxPendingReached, begin, mark_failed
-from onceflow.db import connect
-from onceflow.pipeline import StateSpec
-from onceflow.txn import Fenced, TransactionAttempt
-from onceflow.verify import verify
+from onceflow.core.begin import begin, mark_failed
+from onceflow.core.commit import MissingStaging, commit
+from onceflow.core.db import connect
+from onceflow.core.errors import Fenced, MaxPendingReached
+from onceflow.core.pipeline import StateSpec
+from onceflow.core.txlog import TransactionAttempt
+from onceflow.ops.verify import recount as verify
 from spark_tasks.processing import process_batch
 
 
@@ -165,80 +163,3 @@ def test_groups_are_processed_apart_and_committed_together(spark, conn, dsn):
     process_batch(spark, dsn, pipeline, batch.attempt, group=1)  # a retried group: replaces
     assert commit(conn, pipeline, batch.attempt).status == "committed"
     assert verify(conn, pipeline).ok
-
-
-BOUNDARIES = ("after_begin", "inside_process", "inside_commit", "after_commit")
-
-
-@pytest.mark.timeout(900)
-def test_randomized_faults_at_every_boundary(spark, conn, dsn, capsys):
-    """At least 50 transactions in flight in random order, with a fault drawn at each
-    boundary; a failed attempt is marked failed (as Airflow's failure callback does) and
-    adopted by a later run. Ends with state == recomputation, nothing lost, nothing twice."""
-    seed = int(os.environ.get("ONCEFLOW_FAULT_SEED", random.randrange(1 << 30)))
-    with capsys.disabled():
-        print(f"\nrandomized fault run: ONCEFLOW_FAULT_SEED={seed}")
-    rng = random.Random(seed)
-    mode = rng.choice(["transactional", "opaque"])
-    pipeline = tweets_pipeline(conn, events=6000, batch_size=100, mode=mode, max_pending=4,
-                               groups=rng.choice([1, 2]), malformed_share=0.05)
-    steps = ["locked", "state:url_counts", "state:domain_counts", "rejects", "offsets",
-             "staging", "commit_record"]
-    in_flight: list = []  # (batch, processed)
-    runs = faults = 0
-    while table(conn, "SELECT last_committed_txid FROM pipelines")[0][0] < 50:
-        runs += 1
-        assert runs < 400, f"no progress (seed {seed})"
-        if len(in_flight) < 3 and rng.random() < 0.6:
-            try:
-                batch = begin(conn, pipeline, f"run-{runs}")
-            except MaxPendingReached:
-                batch = None
-            if batch is not None and not batch.committed:
-                # a fault right after begin: the run dies before processing
-                if rng.random() < 0.1:
-                    faults += 1
-                    mark_failed(conn, "tweets", batch.attempt, "after_begin")
-                else:
-                    in_flight.append((batch, False))
-            continue
-        if not in_flight:
-            continue
-        batch, processed = in_flight.pop(rng.randrange(len(in_flight)))
-        try:
-            for group in range(batch.groups if not processed else 0):
-                if rng.random() < 0.05:
-                    raise Crash("inside_process")
-                process_batch(spark, dsn, pipeline, batch.attempt, group)
-            step = rng.choice(steps) if rng.random() < 0.1 else None
-
-            def on_step(name, step=step):
-                if name == step:
-                    raise Crash(f"inside_commit:{name}")
-
-            result = commit(conn, pipeline, batch.attempt, on_step=on_step)
-            if result.status == "waiting":
-                in_flight.append((batch, True))  # its turn has not come: try later
-            elif rng.random() < 0.05:
-                raise Crash("after_commit")  # the run dies after PostgreSQL committed
-        except Crash as crash:
-            faults += 1
-            mark_failed(conn, "tweets", batch.attempt, str(crash))
-        except Fenced:
-            pass  # superseded (opaque re-plan) or re-attempted meanwhile: a zombie
-    with capsys.disabled():
-        print(f"randomized fault run: seed {seed}, mode {mode}, {runs} steps, {faults} faults")
-    assert faults > 0
-    committed = table(conn, "SELECT txid FROM transactions WHERE state = 'committed' ORDER BY 1")
-    assert [t for (t,) in committed][:50] == list(range(1, 51))
-    # no offset read twice, none skipped: committed ranges tile each partition from 0
-    rows = table(conn, """SELECT b.partition, b.start_offset, b.end_offset FROM batch_ranges b
-                          JOIN transactions t USING (pipeline, txid)
-                          WHERE t.state = 'committed' ORDER BY 1, 2""")
-    ends: dict[int, int] = {}
-    for partition, start, end in rows:
-        assert start == ends.get(partition, 0), (partition, start, seed)
-        ends[partition] = end
-    assert dict(table(conn, 'SELECT partition, "offset" FROM partition_offsets')) == ends
-    report = verify(conn, pipeline)
-    assert report.ok, (seed, report.mismatches)

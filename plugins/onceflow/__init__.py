@@ -1,0 +1,24 @@
+"""onceflow: exactly-once batch transactions on Airflow, Spark and PostgreSQL.
+
+What a pipeline author needs, in one place::
+
+    from onceflow import FileSegments, Pipeline, PostgresLog, StatefulBolt, StateSpec, Topology
+
+The folders are the architecture: ``core`` (the transaction protocol: pipeline declaration
+and registry, transaction log, begin, staging, commit, offsets, backflow, the opaque rule),
+``sources`` (the Source interface and its implementations), ``kvstate`` (key-value state of
+stateful bolts), ``airflow`` (DAGs, operators, trigger), ``ops`` (the CLI: status, verify,
+backfill, retention, repair), ``dev`` (local PostgreSQL and Spark, demo and test helpers).
+The Spark side is the ``spark_tasks`` package.
+"""
+
+from onceflow.core.errors import ConfigError
+from onceflow.core.pipeline import Pipeline, StateSpec
+from onceflow.sources.pglog import PostgresLog
+from onceflow.sources.segments import FileSegments
+from spark_tasks.topology import ANCHORS, SPOUT, StatefulBolt, Topology
+
+__version__ = "0.2.0"
+__all__ = ["ANCHORS", "SPOUT", "ConfigError", "FileSegments", "Pipeline", "PostgresLog",
+           "StateSpec",
+           "StatefulBolt", "Topology", "__version__"]

@@ -10,8 +10,9 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from onceflow.state import StaleBatch
-from onceflow.txn import TransactionAttempt
+from onceflow.core.errors import StaleBatch
+from onceflow.core.opaque import sees_value
+from onceflow.core.txlog import TransactionAttempt
 
 log = logging.getLogger("onceflow.kvstate")
 
@@ -199,11 +200,6 @@ def dedupe(changes: Iterable[Change]) -> dict[tuple[str, str], Any]:
 
 def as_of(stored_txid: int, txid: int, where: str) -> bool:
     """Whether a key stored at ``stored_txid`` is read from its value (True) or its prev (False)
-    by a batch ``txid``; a key written by a later txid cannot say what it was before ``txid``."""
-    if stored_txid > txid:
-        raise StaleBatch(
-            f"{where} was written by txid {stored_txid}: a batch of txid {txid} is older than the "
-            "state and cannot be processed (only the lowest uncommitted txid may read state)"
-        )
-    return stored_txid < txid
-
+    by a batch ``txid``: the opaque rule (onceflow.core.opaque); a key written by a later txid
+    cannot say what it was before ``txid`` (StaleBatch)."""
+    return sees_value(stored_txid, txid, where)

@@ -6,17 +6,15 @@ Every refusal is a ConfigError naming the setting, the value and the fix.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Mapping
-from types import SimpleNamespace
 from typing import Any
-from urllib.parse import unquote, urlsplit
 
 import psycopg2
-from psycopg2.extensions import make_dsn, parse_dsn
+from psycopg2.extensions import parse_dsn
 
+from onceflow.core.connections import safe_dsn
+from onceflow.core.errors import ConfigError, Unreachable
 from onceflow.kvstate.base import Provider, log
-from onceflow.pipeline import ConfigError
 
 PROVIDERS = ("memory", "postgres", "redis")
 REDIS_DEFAULTS: dict[str, Any] = {
@@ -98,24 +96,14 @@ def _open_postgres(config: Mapping, coordinator_dsn: str) -> Provider:
     try:
         atomic = _same_database(target, coordinator_dsn)
         provider = PostgresProvider(target, atomic_with_coordinator=atomic)
-    except psycopg2.Error as error:
+    except (psycopg2.Error, Unreachable) as error:
         raise ConfigError(
-            f"state.provider_config.{setting}={conn_id or _safe(target)!r} is unreachable "
+            f"state.provider_config.{setting}={conn_id or safe_dsn(target)!r} is unreachable "
             f"({str(error).strip()}): check the host, port, database name and credentials, and "
             "that PostgreSQL runs there") from error
     log.info("kv state: postgres provider in database %s (%s the coordinator's transaction)",
              parse_dsn(target).get("dbname"), "atomic with" if atomic else "outside")
     return provider
-
-
-def _safe(dsn: str) -> str:
-    """The DSN without its password, for messages."""
-    try:
-        params = parse_dsn(dsn)
-    except psycopg2.Error:
-        return "<unparseable DSN>"
-    params.pop("password", None)
-    return make_dsn(**params)
 
 
 def _same_database(dsn: str, other: str) -> bool:
@@ -127,34 +115,10 @@ def _same_database(dsn: str, other: str) -> bool:
 
 
 def _connection_dsn(conn_id: str) -> str:
-    """The DSN of an Airflow connection: AIRFLOW_CONN_<ID> (JSON or URI) or Airflow itself."""
-    from onceflow.connections import dsn_from_connection
+    """The DSN of an Airflow connection (onceflow.core.connections)."""
+    from onceflow.core.connections import resolve_dsn
 
-    env = "AIRFLOW_CONN_" + conn_id.upper()
-    raw = os.environ.get(env, "").strip()
-    if raw.startswith("{"):
-        try:
-            fields = json.loads(raw)
-        except ValueError as error:
-            raise ConfigError(f"{env} (state.provider_config.conn_id={conn_id!r}) is not valid "
-                              f"JSON ({error}): give the connection as JSON or a URI") from error
-        return dsn_from_connection(SimpleNamespace(
-            host=fields.get("host"), port=fields.get("port"), login=fields.get("login"),
-            password=fields.get("password"), schema=fields.get("schema")))
-    if raw:
-        uri = urlsplit(raw)
-        return dsn_from_connection(SimpleNamespace(
-            host=uri.hostname, port=uri.port, login=unquote(uri.username or "") or None,
-            password=unquote(uri.password or "") or None, schema=uri.path.lstrip("/") or None))
-    try:
-        from airflow.sdk import BaseHook
-
-        return dsn_from_connection(BaseHook.get_connection(conn_id))
-    except Exception as error:  # not in Airflow, or the SDK's own not-found type
-        raise ConfigError(
-            f"state.provider_config.conn_id={conn_id!r} is invalid: no such connection "
-            f"({error}); create the Airflow connection or export {env}="
-            "'postgresql://user@host:5432/database'") from error
+    return resolve_dsn(conn_id, setting="state.provider_config.conn_id")
 
 
 # -- redis --------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from onceflow.core.txlog import TransactionAttempt
 from onceflow.kvstate.base import (
     DELETED,
     Change,
@@ -24,7 +25,6 @@ from onceflow.kvstate.base import (
     dedupe,
     log,
 )
-from onceflow.txn import TransactionAttempt
 
 _ABSENT = None  # in a stored record: no value (JSON null is the text "null")
 

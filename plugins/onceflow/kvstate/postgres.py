@@ -15,7 +15,8 @@ from typing import Any
 import psycopg2.errors
 from psycopg2 import sql
 
-from onceflow import db
+from onceflow.core import db
+from onceflow.core.txlog import TransactionAttempt
 from onceflow.kvstate.base import (
     DELETED,
     Change,
@@ -28,7 +29,6 @@ from onceflow.kvstate.base import (
     dedupe,
     log,
 )
-from onceflow.txn import TransactionAttempt
 
 _SCHEMA_LOCK = 0x6B767374  # pg_advisory_xact_lock key: one creator of the tables at a time
 _SCAN_PAGE = 10_000
@@ -75,7 +75,8 @@ class PostgresProvider(Provider):
             if cur.fetchone()[0]:
                 return
             cur.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK,))
-            cur.execute((db.sql_dir() / "006_kv_state.sql").read_text())
+            cur.execute(next(p for p in db.migration_files()
+                             if p.name == "006_kv_state.sql").read_text())
         log.info("kv state: created the kv_state tables in database %s",
                  self._conn.info.dbname)
 

@@ -27,6 +27,7 @@ from typing import Any
 
 import redis
 
+from onceflow.core.txlog import TransactionAttempt
 from onceflow.kvstate.base import (
     DELETED,
     Change,
@@ -39,7 +40,6 @@ from onceflow.kvstate.base import (
     dedupe,
     log,
 )
-from onceflow.txn import TransactionAttempt
 
 _CHUNK = 10_000
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+from onceflow.core.txlog import TransactionAttempt
 from onceflow.kvstate.base import DELETED, Change, Provider, StateBehind, check_json
-from onceflow.txn import TransactionAttempt
 
 _ABSENT = object()  # cached: the key has no committed value
 _UNKNOWN = object()  # not cached yet

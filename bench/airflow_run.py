@@ -1,0 +1,159 @@
+"""onceflow through a real Airflow (bench/compare.py's ``airflow`` system): an API server, a
+scheduler, a DAG processor and a triggerer (LocalExecutor, a PostgreSQL metadata database of
+their own), the project's DAG file, processing on the warm Spark (Spark Connect). All runs
+are triggered at once; the clock runs from the first trigger to the last commit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _meta(server: str, name: str) -> str:
+    import psycopg2
+    from psycopg2 import sql
+
+    from onceflow.core import db
+
+    admin = psycopg2.connect(db.with_database(server, "postgres"))
+    admin.autocommit = True
+    with admin.cursor() as cur:
+        cur.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
+            sql.Identifier(name)))
+        cur.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    admin.close()
+    return db.with_database(server, name)
+
+
+def _sqlalchemy(dsn: str) -> str:
+    from psycopg2.extensions import parse_dsn
+
+    p = parse_dsn(dsn)
+    auth = p.get("user", "postgres") + (f":{p['password']}" if p.get("password") else "")
+    return f"postgresql+psycopg2://{auth}@{p.get('host', '127.0.0.1')}:" \
+           f"{p.get('port', 5432)}/{p['dbname']}"
+
+
+def _query(dsn: str, query: str, params=()):
+    import psycopg2
+
+    conn = psycopg2.connect(dsn)
+    try:
+        with conn, conn.cursor() as cur:
+            cur.execute(query, params)
+            return cur.fetchall()
+    finally:
+        conn.close()
+
+
+def run_airflow(dsn: str, server: str, spark_url: str, folder: Path, pipeline: str,
+                batch_size: int, runs: int) -> dict:
+    from onceflow.dev.localenv import airflow_connection_json
+
+    meta = _meta(server, "onceflow_bench_airflow_meta")
+    home = Path(tempfile.mkdtemp(prefix="onceflow-bench-airflow-"))
+    api_port = _free_port()
+    host, _, port = spark_url.removeprefix("sc://").partition(":")
+    env = {
+        **os.environ,
+        "AIRFLOW_HOME": str(home),
+        "AIRFLOW__CORE__DAGS_FOLDER": str(ROOT / "dags"),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
+        "AIRFLOW__CORE__PARALLELISM": "6",
+        "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
+        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": _sqlalchemy(meta),
+        "AIRFLOW__API__HOST": "127.0.0.1",
+        "AIRFLOW__API__PORT": str(api_port),
+        "AIRFLOW__CORE__EXECUTION_API_SERVER_URL":
+            f"http://127.0.0.1:{api_port}/execution/",
+        "AIRFLOW__SCHEDULER__SCHEDULER_HEARTBEAT_SEC": "1",
+        "AIRFLOW__SCHEDULER__TASK_QUEUED_TIMEOUT": "600",
+        "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
+        "AIRFLOW__TRIGGERER__JOB_HEARTBEAT_SEC": "1",
+        "AIRFLOW__LOGGING__LOGGING_LEVEL": "WARNING",
+        "AIRFLOW_CONN_ONCEFLOW_PG": airflow_connection_json(dsn),
+        "AIRFLOW_CONN_SPARK_DEFAULT": json.dumps({"conn_type": "spark_connect", "host": host,
+                                                  "port": int(port)}),
+        "ONCEFLOW_PG_DSN": dsn,
+        "ONCEFLOW_RETRY_DELAY_SECONDS": "5",
+        "PYSPARK_PYTHON": sys.executable,
+    }
+    airflow = [sys.executable, "-m", "airflow"]
+    subprocess.run([*airflow, "db", "migrate"], env=env, check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    logs = home / "component-logs"
+    logs.mkdir()
+    procs = []
+    for component in ("api-server", "scheduler", "dag-processor", "triggerer"):
+        out = open(logs / f"{component}.log", "wb")  # noqa: SIM115 (closed with the process)
+        procs.append(subprocess.Popen([*airflow, component], env=env, stdout=out,
+                                      stderr=subprocess.STDOUT, start_new_session=True))
+    dag_id = f"onceflow_{pipeline}"
+    try:
+        deadline = time.monotonic() + 300
+        while not _query(meta, "SELECT 1 FROM dag WHERE dag_id = %s AND NOT is_paused",
+                         (dag_id,)):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{dag_id} never appeared (logs in {logs})")
+            time.sleep(1)
+        code = (
+            "import sys\n"
+            "from airflow.api.common.trigger_dag import trigger_dag\n"
+            "from airflow.utils.types import DagRunTriggeredByType\n"
+            f"for i in range({runs}):\n"
+            f"    trigger_dag('{dag_id}', run_id=f'bench_{{i:03d}}', "
+            f"conf={{'batch_size': {batch_size}}}, "
+            "triggered_by=DagRunTriggeredByType.CLI)\n"
+        )
+        started = time.monotonic()
+        subprocess.run([sys.executable, "-c", code], env=env, check=True)
+        deadline = time.monotonic() + 3600
+        while True:
+            states = _query(meta, "SELECT state, count(*) FROM dag_run WHERE dag_id = %s "
+                                  "GROUP BY state", (dag_id,))
+            done = dict(states)
+            if sum(done.get(s, 0) for s in ("success", "failed")) >= runs:
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"runs not done: {done} (logs in {logs})")
+            time.sleep(0.5)
+        last_commit = _query(dsn, "SELECT max(committed_at) - min(planned_at) FROM "
+                                  "transactions")[0][0]
+        seconds = time.monotonic() - started
+        durations = _query(meta, """SELECT task_id, extract(epoch FROM end_date - start_date)
+                                    FROM task_instance WHERE dag_id = %s AND state = 'success'""",
+                           (dag_id,))
+        per_task = {}
+        for task, d in durations:
+            per_task.setdefault(task, []).append(float(d))
+        return {"seconds": seconds, "runs": dict(done),
+                "planned_to_last_commit_s": last_commit.total_seconds() if last_commit else None,
+                "task_s": {t: statistics.median(v) for t, v in sorted(per_task.items())}}
+    finally:
+        for proc in procs:
+            try:
+                os.killpg(proc.pid, 15)
+            except OSError:
+                pass
+        for proc in procs:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, 9)

@@ -1,0 +1,276 @@
+"""onceflow against what a user would pick instead, on the same data, in one run.
+
+    .venv/bin/python bench/compare.py --events 10000000 --batches 10
+
+Generates the events once (seeded; reused while --events and --seed stay the same) as JSON
+lines files (one per batch) in a landing folder, computes the ground truth in Python, then
+runs, on that folder, each system asked for (--systems):
+
+- ``raw``: one Spark batch job, COPY out (bench/peers.py; no guarantees: the practical limit);
+- ``streaming``: Spark Structured Streaming, file source, foreachBatch upsert fenced by
+  batchId (bench/peers.py), one file per micro-batch;
+- ``library``: onceflow's phases called in a loop, one local Spark session in this process;
+- ``connect``: the same through a Spark Connect server (the warm Spark of the Airflow path);
+- ``airflow``: onceflow through a real Airflow scheduler (scheduler, triggerer,
+  dag-processor, LocalExecutor, PostgreSQL metadata), the runs triggered at once.
+
+Every system's result is checked against the ground truth. Then the table: wall seconds,
+events/s, each against Structured Streaming, the per-batch fixed cost of the warm Spark, the
+acker on and off (the tweets example's topology, with its per-record Python bolt), and the
+load average (the machine must be quiet for the figures to mean anything).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import peers  # noqa: E402
+
+
+def loadavg() -> str:
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
+def prepare(folder: Path, events: int, batches: int, seed: int) -> tuple[list[Path], dict]:
+    """The landing folder's files and the ground truth (reused when already made)."""
+    from tweets_example.data import generate
+
+    landing, stamp = folder / "landing", folder / "data.json"
+    want = {"events": events, "batches": batches, "seed": seed}
+    if stamp.exists() and json.loads(stamp.read_text()).get("spec") == want:
+        truth = json.loads(stamp.read_text())["truth"]
+        return sorted(landing.glob("part-*.json")), truth
+    shutil.rmtree(folder, ignore_errors=True)
+    print(f"generating {events} events in {batches} files ...", flush=True)
+    payloads = list(generate(events, seed=seed, malformed_share=0.02, poison_share=0.0,
+                             flaky_share=0.0))
+    files = peers.write_json_lines(landing, payloads, batches)
+    past = time.time() - 60
+    for f in files:
+        os.utime(f, (past, past))
+    print("computing the ground truth ...", flush=True)
+    urls, domains = peers.ground_truth(payloads)
+    truth = {"urls": dict(urls), "domains": dict(domains)}
+    stamp.write_text(json.dumps({"spec": want, "truth": truth}))
+    return files, truth
+
+
+def fresh_database(server: str, name: str) -> str:
+    import psycopg2
+    from psycopg2 import sql
+
+    from onceflow.core import db
+
+    admin = psycopg2.connect(db.with_database(server, "postgres"))
+    admin.autocommit = True
+    with admin.cursor() as cur:
+        cur.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
+            sql.Identifier(name)))
+        cur.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    admin.close()
+    dsn = db.with_database(server, name)
+    with db.connection(dsn) as conn:
+        db.migrate(conn)
+    return dsn
+
+
+def onceflow_loop(spark, dsn: str, pipeline, batches: int) -> dict:
+    """begin, process, commit until the folder is read: the library path."""
+    from onceflow.core.begin import begin
+    from onceflow.core.commit import commit
+    from onceflow.core.db import connect
+    from onceflow.core.registration import register
+    from spark_tasks.processing import process_batch
+
+    conn = connect(dsn)
+    register(conn, pipeline, create_source=True)
+    process_s, commit_s = [], []
+    started = time.perf_counter()
+    for n in range(batches * 2):
+        batch = begin(conn, pipeline, f"bench-{n}")
+        if batch.records == 0 and batch.replayed == 0:
+            commit(conn, pipeline, batch.attempt)
+            break
+        t0 = time.perf_counter()
+        process_batch(spark, dsn, pipeline, batch.attempt)
+        t1 = time.perf_counter()
+        commit(conn, pipeline, batch.attempt)
+        process_s.append(t1 - t0)
+        commit_s.append(time.perf_counter() - t1)
+    seconds = time.perf_counter() - started
+    conn.close()
+    return {"seconds": seconds, "batches": len(process_s),
+            "process_s": statistics.median(process_s) if process_s else 0.0,
+            "commit_s": statistics.median(commit_s) if commit_s else 0.0}
+
+
+def counts_ok(dsn: str, url_table: str, domain_table: str, truth: dict) -> bool:
+    def positive(counts):
+        return {k: v for k, v in counts.items() if v}
+
+    return (peers.read_table(dsn, url_table) == positive(truth["urls"])
+            and peers.read_table(dsn, domain_table) == positive(truth["domains"]))
+
+
+def fixed_cost(url: str, dsn: str, pipeline) -> float:
+    """What a processing task costs beyond its data: a one-record batch, processed the way the
+    Airflow task does (a new Spark Connect session, the fence, the lease, staging)."""
+    from onceflow.airflow.operators import connect_session
+    from onceflow.core.begin import begin
+    from onceflow.core.commit import commit
+    from onceflow.core.db import connect
+    from onceflow.core.registration import register
+    from spark_tasks.processing import process_batch
+
+    conn = connect(dsn)
+    register(conn, pipeline, create_source=True)
+    costs = []
+    for n in range(3):
+        batch = begin(conn, pipeline, f"fixed-{n}")
+        t0 = time.perf_counter()
+        with connect_session(url, "onceflow-bench-fixed") as spark:
+            process_batch(spark, dsn, pipeline, batch.attempt)
+        costs.append(time.perf_counter() - t0)
+        commit(conn, pipeline, batch.attempt)
+    conn.close()
+    return statistics.median(costs)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--events", type=int, default=10_000_000)
+    parser.add_argument("--batches", type=int, default=10)
+    parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--systems", default="raw,streaming,library,connect,airflow",
+                        help="comma-separated: raw, streaming, library, connect, airflow")
+    parser.add_argument("--acker-events", type=int, default=2_000_000,
+                        help="events for the acker on/off figure (0: skip it)")
+    parser.add_argument("--folder", type=Path, default=Path("/var/tmp/onceflow-bench"))
+    args = parser.parse_args(argv)
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+
+    from onceflow.dev.localpg import ensure_postgres
+
+    server, _ = ensure_postgres(Path.cwd())
+    os.environ["ONCEFLOW_BENCH_FOLDER"] = str(args.folder / "landing")
+    os.environ["ONCEFLOW_PIPELINES"] = "workload:PIPELINES"
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE),
+                                                             os.environ.get("PYTHONPATH")]))
+    files, truth = prepare(args.folder, args.events, args.batches, args.seed)
+    from onceflow.core.registry import get_pipeline
+
+    batch = -(-args.events // args.batches)
+    w = get_pipeline("bench_w", batch_size=batch)
+    results: dict[str, dict] = {}
+    print(f"load average before: {loadavg()}", flush=True)
+    spark = None
+    if {"raw", "streaming", "library"} & set(systems):
+        spark = peers.local_session("onceflow-bench")
+        spark.range(1).count()  # the JVM and session are up before any clock starts
+    if "raw" in systems:
+        dsn = fresh_database(server, "onceflow_bench_raw")
+        r = peers.raw_spark(spark, files, dsn, "raw_")
+        r["ok"] = peers.check(dsn, "raw_", truth["urls"], truth["domains"])
+        results["raw Spark batch"] = r
+    if "streaming" in systems:
+        dsn = fresh_database(server, "onceflow_bench_ss")
+        checkpoint = args.folder / "checkpoint"
+        shutil.rmtree(checkpoint, ignore_errors=True)
+        r = peers.structured_streaming(spark, args.folder / "landing", dsn, "ss_", checkpoint,
+                                       files_per_trigger=max(1, len(files) // args.batches))
+        r["ok"] = peers.check(dsn, "ss_", truth["urls"], truth["domains"])
+        results["Structured Streaming"] = r
+    if "library" in systems:
+        dsn = fresh_database(server, "onceflow_bench_lib")
+        r = onceflow_loop(spark, dsn, w, args.batches)
+        r["ok"] = counts_ok(dsn, "w_url_counts", "w_domain_counts", truth)
+        results["onceflow library (local session)"] = r
+    if spark is not None:
+        spark.stop()
+        spark = None
+        os.environ.pop("SPARK_CONNECT_MODE_ENABLED", None)
+    url = None
+    if {"connect", "airflow"} & set(systems) or args.acker_events:
+        from onceflow.dev import localspark
+
+        status = localspark.start(folder=args.folder / "spark-connect")
+        url = status.url
+    if "connect" in systems:
+        from onceflow.airflow.operators import connect_session
+
+        dsn = fresh_database(server, "onceflow_bench_connect")
+        with connect_session(url, "onceflow-bench") as remote:
+            remote.range(1).count()
+            r = onceflow_loop(remote, dsn, w, args.batches)
+        r["ok"] = counts_ok(dsn, "w_url_counts", "w_domain_counts", truth)
+        results["onceflow library (Spark Connect)"] = r
+        results["onceflow library (Spark Connect)"]["fixed_s"] = fixed_cost(
+            url, fresh_database(server, "onceflow_bench_fixed"), get_pipeline(
+                "bench_w", batch_size=1))
+    if "airflow" in systems:
+        from airflow_run import run_airflow
+
+        dsn = fresh_database(server, "onceflow_bench_airflow")
+        r = run_airflow(dsn, server, url, args.folder, "bench_w", batch, args.batches)
+        r["ok"] = counts_ok(dsn, "w_url_counts", "w_domain_counts", truth)
+        results["onceflow through Airflow"] = r
+    acker = {}
+    if args.acker_events:
+        acker = acker_cost(server, url, args)
+    report(results, acker, args)
+    return 0 if all(r.get("ok") for r in results.values()) else 1
+
+
+def acker_cost(server: str, url: str, args) -> dict:
+    """The tweets topology (a per-record Python bolt) on the first files, acker on and off,
+    through the warm Spark; best of two rounds each."""
+    from onceflow.airflow.operators import connect_session
+    from onceflow.core.registry import get_pipeline
+
+    share = max(1, args.batches * args.acker_events // args.events)
+    out = {}
+    with connect_session(url, "onceflow-bench-acker") as remote:
+        for acker in (False, True, False, True):
+            pipeline = get_pipeline("bench_w_idna", batch_size=args.acker_events // share,
+                                    acker=acker)
+            dsn = fresh_database(server, "onceflow_bench_acker")
+            r = onceflow_loop(remote, dsn, pipeline, share)
+            out.setdefault(acker, []).append(r["seconds"])
+    return {"events": args.acker_events, "off_s": min(out[False]), "on_s": min(out[True])}
+
+
+def report(results: dict, acker: dict, args) -> None:
+    ss = results.get("Structured Streaming", {}).get("seconds")
+    print(f"\n{args.events} events, {args.batches} batches; load average {loadavg()}")
+    print(f"{'system':<36} {'wall s':>8} {'events/s':>10} {'vs SS':>7}  check")
+    for name, r in results.items():
+        rate = args.events / r["seconds"]
+        ratio = f"{ss / r['seconds']:.2f}x" if ss else "-"
+        print(f"{name:<36} {r['seconds']:>8.1f} {rate:>10,.0f} {ratio:>7}  "
+              f"{'OK' if r.get('ok') else 'WRONG'}")
+    for name, r in results.items():
+        if "process_s" in r:
+            print(f"  {name}: per batch: process {r['process_s']:.2f}s, commit "
+                  f"{r['commit_s']:.2f}s" + (f", fixed cost of a warm task {r['fixed_s']:.2f}s"
+                                             if "fixed_s" in r else ""))
+        if "task_s" in r:
+            print(f"  {name}: " + ", ".join(f"{k} {v:.2f}s" for k, v in r["task_s"].items()))
+    if acker:
+        cost = acker["on_s"] / acker["off_s"] - 1
+        print(f"acker (tweets topology, Python bolt, {acker['events']} events): off "
+              f"{acker['off_s']:.1f}s, on {acker['on_s']:.1f}s: costs {cost:.1%}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,15 @@
+"""onceflow in Airflow: transaction DAGs (dags), the begin / process / commit operators
+(operators) and the commit's trigger (triggers). Names load lazily, so the triggerer importing
+the trigger does not load the operators and their providers."""
+
+from typing import Any
+
+__all__ = ["transaction_dag", "transaction_dags"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from onceflow.airflow import dags
+
+        return getattr(dags, name)
+    raise AttributeError(name)

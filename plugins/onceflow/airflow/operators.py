@@ -1,0 +1,495 @@
+"""Airflow operators for the three phases of a transaction: begin, process, commit.
+
+DAG files only wire these together (onceflow.airflow.dags); all logic lives in onceflow.core.
+How onceflow's outcomes show in Airflow:
+
+- a fenced attempt (a duplicate run, a zombie that woke up late) and a run past max_pending
+  end as **skipped**, with the reason in the log: nothing is wrong, another attempt carries on;
+- a permanent error (a bad setting, an unknown txid or pipeline, an unreachable database)
+  fails the task at once, without retries (``AirflowFailException``);
+- anything else is retried, and after the last retry marks the transaction failed, so that
+  the next run adopts it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import time
+from collections.abc import Iterable, Mapping
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
+from airflow.sdk import BaseOperator
+from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
+
+from onceflow.core.connections import DEFAULT_CONN_ID, resolve_dsn
+
+# The spark-submit application: the installed spark_tasks package's entry point file.
+PROCESS_ENTRY_POINT = str(
+    Path(importlib.util.find_spec("spark_tasks").origin).parent / "process_batch.py"
+)
+
+# Small batches on a few cores: Spark's 200 shuffle partitions and INFO logging only cost time.
+SPARK_DEFAULTS = {
+    "spark.sql.shuffle.partitions": os.environ.get("ONCEFLOW_SHUFFLE_PARTITIONS", "4"),
+    "spark.ui.enabled": "false",
+    "spark.log.level": "WARN",
+}
+
+
+@contextmanager
+def airflow_outcomes():
+    """onceflow's errors as Airflow outcomes (see the module docstring)."""
+    from onceflow.core.errors import (
+        BlockedByEarlierTxid,
+        Fenced,
+        MaxPendingReached,
+        Permanent,
+        StagingIncomplete,
+    )
+
+    try:
+        yield
+    except Fenced as fenced:
+        raise AirflowSkipException(f"superseded, nothing to do: {fenced}") from fenced
+    except MaxPendingReached as full:
+        raise AirflowSkipException(str(full)) from full
+    except (Permanent, BlockedByEarlierTxid, StagingIncomplete) as error:
+        raise AirflowFailException(f"{type(error).__name__}: {error}") from error
+
+
+def run_note(context, make) -> None:
+    """Run notes (onceflow.airflow.ui.notes): say what this task's run did, ``make(notes)``
+    giving the note. Never fails the task."""
+    if not context or "ti" not in context:
+        return
+    try:
+        from onceflow.airflow.ui import notes
+
+        notes.push(context, make(notes))
+    except Exception as error:
+        import logging
+
+        logging.getLogger(__name__).warning("no run note: %s", error)
+
+
+@contextmanager
+def noting_skips(context, pipeline: str, ta=None):
+    """A task skipped because its attempt was fenced says so in the run's note."""
+    try:
+        yield
+    except AirflowSkipException as skip:
+        why = str(skip).removeprefix("superseded, nothing to do: ")
+        run_note(context, lambda notes: notes.superseded(pipeline, why, *(
+            (ta.txid, ta.attempt) if ta is not None else ())))
+        raise
+
+
+def load_pipeline(name: str, refs: Iterable[str] = (), **settings: Any):
+    """The pipeline ``name`` (registry lookup), with trigger-form settings applied."""
+    from onceflow.core.registry import get_pipeline
+
+    overrides = {k: int(v) for k, v in settings.items() if v not in (None, "")}
+    return get_pipeline(name, tuple(refs), **overrides)
+
+
+def attempt_of(batch: Mapping[str, Any] | list):
+    """The attempt of begin's result: one group's entry, or the list of all of them."""
+    from onceflow.core.txlog import TransactionAttempt
+
+    if isinstance(batch, list):
+        batch = batch[0]
+    return TransactionAttempt(int(batch["txid"]), int(batch["attempt"]))
+
+
+def _batch_of(context) -> Mapping[str, Any] | None:
+    batch = getattr(context.get("task"), "batch", None)
+    if not isinstance(batch, Mapping | list):
+        batch = context["ti"].xcom_pull(task_ids="begin")
+    if isinstance(batch, list):
+        batch = batch[0] if batch else None
+    return batch
+
+
+def mark_transaction_failed(context) -> None:
+    """on_failure_callback of process and commit (after their last retry): mark the attempt's
+    transaction failed so the next run adopts it. Fenced: a zombie attempt marks nothing."""
+    from onceflow.core.begin import mark_failed
+    from onceflow.core.db import connection
+
+    task = context["task"]
+    batch = _batch_of(context)
+    if not batch:
+        return
+    error = context.get("exception")
+    reason = f"{task.task_id} failed in run {context['run_id']}: {error!r}"
+    dsn = resolve_dsn(getattr(task, "postgres_conn_id", DEFAULT_CONN_ID))
+    with connection(dsn) as conn:
+        mark_failed(conn, batch["pipeline"], attempt_of(batch), reason)
+
+
+def inject_fault(point: str, txid: int, try_number: int) -> None:
+    """Testing hook: ONCEFLOW_INJECT_FAULTS="POINT:TXID[:TRIES],..." makes ``POINT``
+    (process.before, process.before.groupG, commit.after) raise for ``TXID`` on its first
+    TRIES tries (all by default). Unset in normal operation."""
+    for entry in filter(None, os.environ.get("ONCEFLOW_INJECT_FAULTS", "").split(",")):
+        name, _, rest = entry.partition(":")
+        want_txid, _, tries = rest.partition(":")
+        if name == point and int(want_txid) == txid and (not tries or try_number <= int(tries)):
+            raise RuntimeError(f"injected fault {point} for txid {txid} (try {try_number})")
+
+
+def hold_point(point: str, txid: int, try_number: int) -> None:
+    """Testing hook: ONCEFLOW_HOLD_AT="POINT:TXID:PATH" makes ``POINT`` wait on its first try
+    until the file PATH exists, after creating PATH.reached: a test orders runs by files, not
+    by timing windows. Unset in normal operation."""
+    spec = os.environ.get("ONCEFLOW_HOLD_AT", "")
+    if not spec or try_number != 1:
+        return
+    name, want_txid, path = spec.split(":", 2)
+    if name != point or int(want_txid) != txid:
+        return
+    Path(path + ".reached").touch()
+    deadline = time.time() + 600
+    while not Path(path).exists() and time.time() < deadline:
+        time.sleep(0.2)
+
+
+class _PipelineTask:
+    """What the three operators share: which pipeline, found how, in which database."""
+
+    pipeline: str
+    pipeline_refs: tuple[str, ...]
+    postgres_conn_id: str
+
+    def _pipeline(self, **settings):
+        return load_pipeline(self.pipeline, self.pipeline_refs, **settings)
+
+    def _dsn(self) -> str:
+        return resolve_dsn(self.postgres_conn_id)
+
+
+class BeginBatchOperator(_PipelineTask, BaseOperator):
+    """Give this DAG run its transaction attempt and store the batch's offset ranges.
+
+    :param pipeline: the registered pipeline's name.
+    :param pipeline_refs: ``module:attribute`` references where the pipeline is declared,
+        besides entry points and ``ONCEFLOW_PIPELINES``.
+    :param postgres_conn_id: the coordinator's PostgreSQL connection.
+    :param batch_size: records for a new transaction (default: the pipeline's own).
+    :param groups: processing groups for a new transaction (default: the pipeline's own).
+    :param txid: re-attempt this txid (a manual backfill); empty: the next one.
+
+    The first begin of a pipeline applies onceflow's migrations and registers it. Past the
+    pipeline's ``max_pending`` the task (and run) ends as skipped: nothing planned. Returns
+    one entry per processing group (the process task maps over them).
+    """
+
+    template_fields = ("batch_size", "txid", "groups")
+
+    def __init__(self, *, pipeline: str, pipeline_refs: Iterable[str] = (),
+                 postgres_conn_id: str = DEFAULT_CONN_ID, batch_size: Any = None,
+                 txid: Any = None, groups: Any = None, **kwargs):
+        super().__init__(**kwargs)
+        self.pipeline = pipeline
+        self.pipeline_refs = tuple(pipeline_refs)
+        self.postgres_conn_id = postgres_conn_id
+        self.batch_size = batch_size
+        self.txid = txid
+        self.groups = groups
+
+    def execute(self, context) -> list[dict[str, Any]]:
+        from onceflow.core.begin import begin
+        from onceflow.core.db import connection
+        from onceflow.core.registration import ensure_ready
+
+        try:
+            with airflow_outcomes():
+                pipeline = self._pipeline(batch_size=self.batch_size, groups=self.groups)
+                txid = int(self.txid) if self.txid not in (None, "") else None
+                with connection(self._dsn()) as conn:
+                    ensure_ready(conn, pipeline)
+                    batch = begin(conn, pipeline, context["run_id"], txid=txid)
+        except AirflowSkipException as skip:  # max_pending
+            why = str(skip)
+            run_note(context, lambda notes: notes.nothing_planned(self.pipeline, why))
+            raise
+        except Exception as error:
+            cause = error.__cause__ or error
+            run_note(context, lambda notes: notes.no_txid(self.pipeline, cause))
+            raise
+        ta = batch.attempt
+        run_note(context, lambda notes: notes.no_op(pipeline.name, ta.txid) if batch.committed
+                 else notes.planned(pipeline.name, ta.txid, ta.attempt, batch.records))
+        self.log.info("%s: %s reads %d records in %d range(s)%s", pipeline.name, batch.attempt,
+                      batch.records, len(batch.ranges),
+                      " (committed already: nothing to do)" if batch.committed else "")
+        return [
+            {"pipeline": pipeline.name, "txid": batch.attempt.txid,
+             "attempt": batch.attempt.attempt, "group": group, "groups": batch.groups,
+             "records": sum(r.size for r in batch.ranges_of(group)),
+             "committed": batch.committed}
+            for group in range(batch.groups)
+        ]
+
+
+def module_root(ref: str | None) -> str | None:
+    """The folder from which ``ref``'s module is imported (for PYTHONPATH of a process that
+    must import it too), or None when it cannot be told."""
+    if not ref:
+        return None
+    module = sys.modules.get(ref.partition(":")[0])
+    origin = getattr(module, "__file__", None)
+    if not origin:
+        return None
+    depth = module.__name__.count(".") + (1 if origin.endswith("__init__.py") else 0)
+    return str(Path(origin).resolve().parents[depth])
+
+
+def spark_connect_url(conn_id: str) -> str | None:
+    """The Spark Connect URL of connection ``conn_id`` when its type is ``spark_connect``;
+    None for a ``spark`` connection (spark-submit to its master)."""
+    from airflow.sdk import BaseHook
+
+    conn = BaseHook.get_connection(conn_id)
+    if conn.conn_type != "spark_connect":
+        return None
+    from airflow.providers.apache.spark.hooks.spark_connect import SparkConnectHook
+
+    return SparkConnectHook(conn_id).get_connection_url().rstrip("/")
+
+
+@contextmanager
+def connect_session(url: str, app_name: str):
+    """A Spark Connect session of its own for one task, released at the end (a session left
+    open would stay on the server until it times out). A server that does not answer is a
+    clear error, retried like any failure (a restarted server comes back)."""
+    import socket
+    from urllib.parse import urlparse
+
+    from onceflow.core.errors import OnceflowError
+
+    where = urlparse(url.replace("sc://", "http://", 1))
+    try:
+        socket.create_connection((where.hostname, where.port or 15002), timeout=3).close()
+    except OSError as error:
+        raise OnceflowError(
+            f"the Spark Connect server at {url} does not answer ({error}): start it "
+            "(`onceflow spark start` in local mode) or point the Spark connection at yours"
+        ) from error
+    from pyspark.sql import SparkSession
+
+    spark = SparkSession.builder.remote(url).appName(app_name).create()
+    try:
+        yield spark
+    finally:
+        try:
+            spark.stop()
+        finally:
+            # it would make a later spark-submit from this process look for a Connect URL
+            os.environ.pop("SPARK_CONNECT_MODE_ENABLED", None)
+
+
+class ProcessBatchOperator(_PipelineTask, SparkSubmitOperator):
+    """The processing phase of one (txid, attempt, group): on a warm Spark through Spark
+    Connect, or by spark-submit, as the Spark connection says.
+
+    :param pipeline: the registered pipeline's name.
+    :param batch: one entry of begin's result (txid, attempt, group).
+    :param pipeline_refs: where the pipeline is declared (passed on to the Spark driver).
+    :param postgres_conn_id: the coordinator's PostgreSQL connection.
+
+    ``conn_id`` is the Spark connection. Of type ``spark_connect`` (e.g.
+    ``spark-connect://127.0.0.1:15002``): this task is a Spark Connect client and runs the
+    processing phase here, with no JVM start. Of type ``spark``: ``spark-submit
+    spark_tasks/process_batch.py`` to its master (``local[2]``, ``spark://host:7077``, yarn,
+    k8s), other keyword arguments going to SparkSubmitOperator; the DSN reaches the driver
+    through the environment (never the command line or the template fields) and the
+    pipeline's reference and its module's folder go along. Either way the fence is checked
+    first: a committed txid or a fenced attempt starts no Spark work.
+    """
+
+    template_fields = (*SparkSubmitOperator.template_fields, "batch")
+
+    def __init__(self, *, pipeline: str, batch: Any, pipeline_refs: Iterable[str] = (),
+                 postgres_conn_id: str = DEFAULT_CONN_ID, **kwargs):
+        kwargs.setdefault("application", PROCESS_ENTRY_POINT)
+        kwargs.setdefault("name", f"onceflow-{pipeline}")
+        kwargs.setdefault("on_failure_callback", mark_transaction_failed)
+        kwargs["conf"] = {**SPARK_DEFAULTS, **(kwargs.get("conf") or {})}
+        venv_submit = Path(sys.executable).with_name("spark-submit")
+        if venv_submit.exists():
+            kwargs.setdefault("spark_binary", str(venv_submit))
+        super().__init__(**kwargs)
+        self.pipeline = pipeline
+        self.pipeline_refs = tuple(pipeline_refs)
+        self.batch = batch  # one entry of begin's result
+        self.postgres_conn_id = postgres_conn_id
+
+    def execute(self, context) -> None:
+        ta = attempt_of(self.batch)
+        group = int(self.batch.get("group", 0))
+        with noting_skips(context, self.pipeline, ta):
+            self._process(context, ta, group)
+
+    def _process(self, context, ta, group: int) -> None:
+        from onceflow.core import txlog
+        from onceflow.core.db import connection, transaction
+        from onceflow.core.errors import Fenced
+
+        with airflow_outcomes():
+            pipeline = self._pipeline()
+            dsn = self._dsn()
+            with connection(dsn) as conn, transaction(conn) as cur:
+                state = txlog.fence(cur, pipeline.name, ta)
+            if state is txlog.TxState.COMMITTED:
+                self.log.info("%s of %s is committed already: nothing to process", ta,
+                              pipeline.name)
+                return
+            if state is not txlog.TxState.PLANNED:
+                raise Fenced(f"{ta} of {pipeline.name} is {state}: not processed")
+        hold_point("process.before", ta.txid, context["ti"].try_number)
+        inject_fault("process.before", ta.txid, context["ti"].try_number)
+        inject_fault(f"process.before.group{group}", ta.txid, context["ti"].try_number)
+        url = spark_connect_url(self._conn_id)
+        if url is not None:
+            self._process_here(url, pipeline, dsn, ta, group)
+            return
+        from onceflow.core.registry import reference_of
+
+        ref = reference_of(pipeline)
+        refs = [*self.pipeline_refs, *([ref] if ref and ref not in self.pipeline_refs else [])]
+        self.application_args = [
+            "--pipeline", pipeline.name, "--txid", str(ta.txid),
+            "--attempt", str(ta.attempt), "--group", str(group),
+            *[arg for r in refs for arg in ("--pipelines", r)],
+        ]
+        path = [p for p in (module_root(r) for r in refs) if p]
+        self.env_vars = {
+            **(self.env_vars or {}),
+            "ONCEFLOW_PG_DSN": dsn,
+            "PYSPARK_PYTHON": os.environ.get("PYSPARK_PYTHON", sys.executable),
+            "PYSPARK_DRIVER_PYTHON": os.environ.get("PYSPARK_DRIVER_PYTHON", sys.executable),
+            **({"PYTHONPATH": os.pathsep.join(
+                [*path, *filter(None, [os.environ.get("PYTHONPATH")])])} if path else {}),
+        }
+        self.log.info("processing %s of %s, group %d (spark-submit)", ta, pipeline.name, group)
+        super().execute(context)
+
+    def _process_here(self, url: str, pipeline, dsn: str, ta, group: int) -> None:
+        from spark_tasks.processing import process_batch
+
+        started = time.monotonic()
+        with airflow_outcomes(), connect_session(url, f"onceflow-{pipeline.name}") as spark:
+            self.log.info("processing %s of %s, group %d on %s (session in %.2fs)", ta,
+                          pipeline.name, group, url, time.monotonic() - started)
+            process_batch(spark, dsn, pipeline, ta, group)
+
+
+class CommitBatchOperator(_PipelineTask, BaseOperator):
+    """Commit the batch when its turn comes (txid - 1 committed), in one PostgreSQL transaction.
+
+    :param pipeline: the registered pipeline's name.
+    :param batch: begin's result.
+    :param pipeline_refs: where the pipeline is declared, besides the registry.
+    :param postgres_conn_id: the coordinator's PostgreSQL connection.
+    :param commit_timeout: how long to wait for the turn (default: the pipeline's
+        ``commit_timeout_s``).
+    :param poll_interval: seconds between looks at the commit log while waiting.
+
+    While an earlier txid is uncommitted the task defers (no worker slot is held) to
+    CommitTurnTrigger, which keeps this attempt's lease alive. When the earlier txid failed
+    or its run died, it fails at once, naming the txid to backfill. Committing an already
+    committed txid is a logged no-op; a fenced attempt ends as skipped.
+    """
+
+    template_fields = ("batch",)
+
+    def __init__(self, *, pipeline: str, batch: Any, pipeline_refs: Iterable[str] = (),
+                 postgres_conn_id: str = DEFAULT_CONN_ID,
+                 commit_timeout: timedelta | None = None, poll_interval: float = 2.0,
+                 **kwargs):
+        kwargs.setdefault("on_failure_callback", mark_transaction_failed)
+        super().__init__(**kwargs)
+        self.pipeline = pipeline
+        self.pipeline_refs = tuple(pipeline_refs)
+        self.batch = batch
+        self.postgres_conn_id = postgres_conn_id
+        self.commit_timeout = commit_timeout
+        self.poll_interval = poll_interval
+
+    def execute(self, context) -> dict[str, Any]:
+        timeout = (self.commit_timeout.total_seconds() if self.commit_timeout
+                   else self._pipeline().commit_timeout_s)
+        return self._try_commit(time.time() + timeout, context)
+
+    def execute_complete(self, context, event: dict[str, Any] | None = None) -> dict[str, Any]:
+        return self._try_commit(float((event or {}).get("deadline", 0)) or time.time(), context)
+
+    def _try_commit(self, deadline: float, context=None) -> dict[str, Any]:
+        with noting_skips(context, self.pipeline, attempt_of(self.batch)):
+            out = self._commit_turn(deadline, context)
+        run_note(context, lambda notes: self._note(notes, out))
+        return out
+
+    def _note(self, notes, out: dict[str, Any]) -> dict[str, Any]:
+        batch = self.batch if isinstance(self.batch, list) else [self.batch]
+        records = sum(int(b.get("records", 0)) for b in batch)
+        if out["status"] != "already_committed":
+            return notes.committed(self.pipeline, out["txid"], out["attempt"], records=records,
+                                   failed=out["failed"], dead=out["dead"],
+                                   waited_s=out["waited_s"])
+        if any(b.get("committed") for b in batch):  # begin found it committed
+            return notes.no_op(self.pipeline, out["txid"])
+        # this attempt committed it, on an earlier try of this task
+        return notes.committed(self.pipeline, out["txid"], out["attempt"], records=records,
+                               earlier_try=True)
+
+    def _commit_turn(self, deadline: float, context=None) -> dict[str, Any]:
+        from onceflow.airflow.triggers import CommitTurnTrigger
+        from onceflow.core.commit import commit
+        from onceflow.core.db import connection
+        from onceflow.core.errors import BlockedByEarlierTxid
+        from onceflow.core.registration import external_dsns
+
+        ta = attempt_of(self.batch)
+        with airflow_outcomes():
+            pipeline = self._pipeline()
+            dsn = self._dsn()
+            with connection(dsn) as conn:
+                result = commit(conn, pipeline, ta, state_dsns=external_dsns(pipeline),
+                                coordinator_dsn=dsn)
+            if result.status == "waiting":
+                blocker = result.blocker
+                if blocker.hopeless:
+                    raise BlockedByEarlierTxid(
+                        f"{ta} of {pipeline.name} cannot commit: {blocker.describe()}. "
+                        f"Backfill txid {blocker.txid}: trigger this DAG with "
+                        f'{{"txid": {blocker.txid}}} or run `onceflow backfill --pipeline '
+                        f"{pipeline.name}`; this txid is re-run after it")
+                if time.time() >= deadline:
+                    raise BlockedByEarlierTxid(
+                        f"{ta} of {pipeline.name} waited for its turn until the commit timeout: "
+                        f"{blocker.describe()}")
+        if result.status == "waiting":
+            self.log.info("%s waits for %s", ta, result.blocker.describe())
+            self.defer(
+                trigger=CommitTurnTrigger(pipeline.name, ta.txid, ta.attempt,
+                                          self.postgres_conn_id, self.poll_interval, deadline),
+                method_name="execute_complete",
+            )
+        if result.status == "committed" and context and "outlet_events" in context:
+            from onceflow.airflow.assets import emit
+
+            emit(context, pipeline, txid=ta.txid, rows=result.rows_applied,
+                 ranges=result.ranges)
+        if context and "ti" in context:
+            inject_fault("commit.after", ta.txid, context["ti"].try_number)
+        return {"txid": ta.txid, "attempt": ta.attempt, "status": result.status,
+                "rows_applied": result.rows_applied, "waited_s": result.waited_s,
+                "failed": result.failed, "dead": result.dead}

@@ -1,0 +1,68 @@
+"""Deferrable waiting for a commit's turn, run by Airflow's triggerer.
+
+This module is part of the installed onceflow package (not the DAGs folder), so the triggerer
+can import it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from airflow.triggers.base import BaseTrigger, TriggerEvent
+
+
+def _look(dsn: str, pipeline: str, txid: int, attempt: int) -> tuple[int, bool]:
+    """(last committed txid, whether the blocking txid cannot commit without a new run),
+    reporting the waiting attempt alive on the way."""
+    from onceflow.core import txlog
+    from onceflow.core.db import connect, transaction
+
+    conn = connect(dsn, application_name="onceflow-trigger")
+    try:
+        with transaction(conn) as cur:
+            txlog.heartbeat(cur, pipeline, txlog.TransactionAttempt(txid, attempt))
+            last = txlog.last_committed(cur, pipeline)
+            hopeless = last < txid - 1 and txlog.blocker(cur, pipeline, last + 1).hopeless
+        return last, hopeless
+    finally:
+        conn.close()
+
+
+class CommitTurnTrigger(BaseTrigger):
+    """Fires once ``pipeline``'s last committed txid reaches ``txid - 1`` (the commit's turn),
+    once the txid it waits for cannot commit without a new run (failed, or its run died), or
+    at ``deadline`` (epoch seconds). The operator decides what the event means.
+    """
+
+    def __init__(self, pipeline: str, txid: int, attempt: int, postgres_conn_id: str,
+                 poll_interval: float = 2.0, deadline: float = 0.0):
+        super().__init__()
+        self.pipeline = pipeline
+        self.txid = txid
+        self.attempt = attempt
+        self.postgres_conn_id = postgres_conn_id
+        self.poll_interval = poll_interval
+        self.deadline = deadline
+
+    def serialize(self) -> tuple[str, dict[str, Any]]:
+        # Only ids go to the metadata database: the DSN is looked up again where this runs.
+        return (
+            "onceflow.airflow.triggers.CommitTurnTrigger",
+            {"pipeline": self.pipeline, "txid": self.txid, "attempt": self.attempt,
+             "postgres_conn_id": self.postgres_conn_id, "poll_interval": self.poll_interval,
+             "deadline": self.deadline},
+        )
+
+    async def run(self):
+        from onceflow.core.connections import resolve_dsn_async
+
+        dsn = await resolve_dsn_async(self.postgres_conn_id)
+        while True:
+            last, hopeless = await asyncio.to_thread(_look, dsn, self.pipeline, self.txid,
+                                                     self.attempt)
+            if last >= self.txid - 1 or hopeless or time.time() >= self.deadline:
+                yield TriggerEvent({"last_committed_txid": last, "deadline": self.deadline})
+                return
+            await asyncio.sleep(self.poll_interval)

@@ -1,0 +1,313 @@
+"""The onceflow view: a FastAPI app that Airflow's api-server mounts at ``/onceflow``.
+
+Routes (under the mount):
+
+=========================================================  ======================================
+``GET  /``                                                 page: every pipeline at a glance
+``GET  /pipelines/{name}``                                 page: one pipeline (timeline, open
+                                                           txids, lag, backflow, dead letters)
+``GET  /api/pipelines``                                    JSON: the overview
+``GET  /api/pipelines/{name}``                             JSON: one pipeline (``?all_dead=1``:
+                                                           every dead letter)
+``POST /api/pipelines/{name}/dead-letters/replay``         put dead letters back in the backflow
+``POST /api/pipelines/{name}/backfill``                    one DAG run per open txid
+=========================================================  ======================================
+
+Authentication is Airflow's own: the JWT of the UI's session cookie (or an
+``Authorization: Bearer`` token from ``POST /auth/token``), checked by Airflow's
+``get_user``; an anonymous request gets 401 (a page redirects to the login). Authorisation is
+the auth manager's, on the pipeline's DAG (``onceflow_<name>``) as for its runs: reading
+needs ``GET`` on its DAG runs, the actions ``POST`` on them (what triggering a run needs).
+A user without it sees no buttons, and the endpoints refuse (403).
+
+Both actions take two steps: a POST with ``"confirm": false`` says what would happen (the
+page shows it in a confirmation dialog), the same POST with ``"confirm": true`` does it. They
+need the header ``X-Requested-By`` (a cross-site form cannot send it) and a JSON body.
+"""
+
+from __future__ import annotations
+
+import logging
+from importlib.resources import files
+from typing import Annotated, Any
+
+from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import BaseModel, Field
+
+from onceflow.airflow.ui import data
+
+log = logging.getLogger(__name__)
+
+MOUNT = "/onceflow"
+_bearer = HTTPBearer(auto_error=False)
+_SECURITY_HEADERS = {
+    "X-Frame-Options": "SAMEORIGIN",
+    "Content-Security-Policy": "frame-ancestors 'self'",
+    "Cache-Control": "no-store",
+}
+
+
+# -- authentication and authorisation (Airflow's own) ---------------------------------------------
+async def _user_or_none(
+        request: Request,
+        bearer: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]):
+    from airflow.api_fastapi.core_api.security import get_user
+
+    try:
+        return await get_user(request, None, bearer)
+    except HTTPException:
+        return None
+
+
+MaybeUser = Annotated[Any, Depends(_user_or_none)]
+
+
+async def _user(user: MaybeUser):
+    if user is None:
+        raise HTTPException(401, "Not authenticated: log in to Airflow (or send a bearer token "
+                                 "from POST /auth/token)")
+    return user
+
+
+User = Annotated[Any, Depends(_user)]
+
+
+def allowed(user, pipeline: str, method: str) -> bool:
+    """Whether ``user`` may ``GET`` (read) or ``POST`` (act on) the runs of ``pipeline``'s
+    DAG, by Airflow's auth manager."""
+    from airflow.api_fastapi.app import get_auth_manager
+    from airflow.api_fastapi.auth.managers.models.resource_details import (
+        DagAccessEntity,
+        DagDetails,
+    )
+    from airflow.models.dag import DagModel
+
+    dag_id = data.dag_id_of(pipeline)
+    try:
+        team = DagModel.get_team_name(dag_id)
+    except Exception:  # no team tables to ask: no team
+        team = None
+    return get_auth_manager().is_authorized_dag(
+        method=method, access_entity=DagAccessEntity.RUN,
+        details=DagDetails(id=dag_id, team_name=team), user=user)
+
+
+def _pipeline(name: str, user, method: str = "GET"):
+    known = _registered()
+    if name not in known or not allowed(user, name, "GET"):
+        raise HTTPException(404, f"no pipeline {name!r} here")
+    if method != "GET" and not allowed(user, name, method):
+        raise HTTPException(403, f"{user.get_name()} may not operate pipeline {name!r}: it "
+                                 f"takes the permission to trigger runs of DAG "
+                                 f"{data.dag_id_of(name)}")
+    return known[name]
+
+
+def _registered() -> dict[str, Any]:
+    from onceflow.core.errors import ConfigError
+
+    try:
+        return data.registered()
+    except ConfigError as error:
+        raise HTTPException(500, f"onceflow cannot load its pipelines: {error}") from error
+
+
+def _visible(user) -> list:
+    return [p for name, p in _registered().items() if allowed(user, name, "GET")]
+
+
+def _guard_post(request: Request) -> None:
+    """Actions come from onceflow's page (or a script that says so), never a cross-site form."""
+    if not request.headers.get("x-requested-by"):
+        raise HTTPException(400, "send the header X-Requested-By (any value) with actions")
+
+
+def _failure(error: Exception) -> HTTPException:
+    from onceflow.core.errors import ConfigError, Unreachable
+
+    if isinstance(error, Unreachable | ConfigError):
+        return HTTPException(503, str(error))
+    return HTTPException(500, f"{type(error).__name__}: {error}")
+
+
+# -- pages ----------------------------------------------------------------------------------------
+def _templates():
+    from jinja2 import Environment, FileSystemLoader, select_autoescape
+
+    folder = files("onceflow.airflow.ui") / "templates"
+    env = Environment(loader=FileSystemLoader(str(folder)), autoescape=select_autoescape(),
+                      trim_blocks=True, lstrip_blocks=True)
+    env.filters["num"] = lambda v: "-" if v is None else f"{v:,}"
+    env.filters["secs"] = lambda v: "-" if v is None else f"{v:.1f}s"
+    env.filters["when"] = lambda v: (v or "-").replace("T", " ").replace("+00:00", "Z")
+    return env
+
+
+_env = None
+
+
+def _page(request: Request, template: str, **values) -> HTMLResponse:
+    global _env
+    if _env is None:
+        _env = _templates()
+    root = request.scope.get("root_path", "").removesuffix(MOUNT)
+    html = _env.get_template(template).render(
+        base=f"{root}{MOUNT}", airflow=root or "", **values)
+    return HTMLResponse(html, headers=_SECURITY_HEADERS)
+
+
+def _login(request: Request) -> RedirectResponse:
+    from airflow.api_fastapi.app import get_auth_manager
+
+    return RedirectResponse(get_auth_manager().get_url_login(next_url=str(request.url)),
+                            status_code=307)
+
+
+def create_app() -> FastAPI:
+    app = FastAPI(title="onceflow", description=__doc__, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+
+    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
+    def index(request: Request, user: MaybeUser):
+        if user is None:
+            return _login(request)
+        try:
+            rows = [data.summary(p) for p in _visible(user)]
+        except HTTPException as error:
+            return _page(request, "error.html", user=user, error=error.detail)
+        except Exception as error:
+            return _page(request, "error.html", user=user, error=_failure(error).detail)
+        return _page(request, "index.html", user=user, pipelines=rows)
+
+    @app.get("/pipelines/{name}", response_class=HTMLResponse, include_in_schema=False)
+    def pipeline_page(name: str, request: Request, user: MaybeUser, all_dead: bool = False):
+        if user is None:
+            return _login(request)
+        try:
+            pipeline = _pipeline(name, user)
+            view = data.pipeline_view(pipeline, all_dead=all_dead)
+        except HTTPException as error:
+            return _page(request, "error.html", user=user, error=error.detail)
+        except Exception as error:
+            return _page(request, "error.html", user=user, error=_failure(error).detail)
+        return _page(request, "pipeline.html", user=user, p=view,
+                     can_operate=allowed(user, name, "POST"))
+
+    @app.get("/api/pipelines")
+    def api_pipelines(user: User) -> list[dict[str, Any]]:
+        try:
+            return [data.summary(p) for p in _visible(user)]
+        except HTTPException:
+            raise
+        except Exception as error:
+            raise _failure(error) from error
+
+    @app.get("/api/pipelines/{name}")
+    def api_pipeline(name: str, user: User, all_dead: bool = False) -> dict[str, Any]:
+        pipeline = _pipeline(name, user)
+        try:
+            view = data.pipeline_view(pipeline, all_dead=all_dead)
+        except Exception as error:
+            raise _failure(error) from error
+        return {**view, "can_operate": allowed(user, name, "POST")}
+
+    @app.post("/api/pipelines/{name}/dead-letters/replay")
+    def api_replay(name: str, body: ReplayBody, request: Request,
+                   user: User) -> dict[str, Any]:
+        _guard_post(request)
+        pipeline = _pipeline(name, user, "POST")
+        choice = body.choice()
+        try:
+            count = data.replay_dead_letters(pipeline.name, choice, apply=body.confirm)
+        except Exception as error:
+            raise _failure(error) from error
+        if not body.confirm:
+            return {"confirm": False, "count": count, "message": (
+                f"Put {count} dead letter(s) of {pipeline.name} ({choice.describe()}) back in "
+                "the backflow from-queue? The next transactions replay them, "
+                f"{pipeline.max_replays} more time(s) at most.")}
+        log.warning("REPLAY by %s in the onceflow view: %d dead letter(s) of %s (%s)",
+                    user.get_name(), count, pipeline.name, choice.describe())
+        return {"confirm": True, "count": count, "message": (
+            f"{count} dead letter(s) of {pipeline.name} put back in the backflow from-queue: "
+            "the next transactions replay them.")}
+
+    @app.post("/api/pipelines/{name}/backfill")
+    def api_backfill(name: str, body: BackfillBody, request: Request,
+                     user: User) -> dict[str, Any]:
+        _guard_post(request)
+        pipeline = _pipeline(name, user, "POST")
+        try:
+            todo = data.open_transactions(pipeline.name)
+        except Exception as error:
+            raise _failure(error) from error
+        if body.txids is not None:
+            todo = [t for t in todo if t["txid"] in set(body.txids)]
+        txids = [t["txid"] for t in todo]
+        dag_id = data.dag_id_of(pipeline.name)
+        paused = data.dag_paused(dag_id)
+        if paused is None:
+            raise HTTPException(404, f"Airflow has no DAG {dag_id}: its DAG file must load "
+                                     "before its transactions can be backfilled")
+        note = (f" The DAG {dag_id} is paused: unpause it for the runs to start."
+                if paused else "")
+        if not body.confirm:
+            listing = "; ".join(f"txid {t['txid']} ({t['state']}, attempt {t['attempt']}: "
+                                f"{t['reason'] or '-'})" for t in todo)
+            return {"confirm": False, "txids": txids, "message": (
+                f"Trigger {len(txids)} run(s) of {dag_id}, one per txid, in txid order: "
+                f"{listing}?{note}" if txids else
+                f"{pipeline.name} has no failed, superseded or abandoned transaction.")}
+        if not txids:
+            return {"confirm": True, "txids": [], "runs": [], "message":
+                    f"{pipeline.name} has no failed, superseded or abandoned transaction."}
+        try:
+            runs = data.trigger_backfill(pipeline.name, txids, user.get_name())
+        except Exception as error:
+            raise _failure(error) from error
+        log.warning("BACKFILL by %s in the onceflow view: %s txids %s", user.get_name(),
+                    pipeline.name, txids)
+        return {"confirm": True, "txids": txids, "runs": runs, "message": (
+            f"Triggered {len(runs)} run(s) of {dag_id}: " + ", ".join(
+                f"txid {r['txid']} ({r['run_id']})" for r in runs) + "." + note)}
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, error: HTTPException):
+        return JSONResponse({"detail": error.detail}, status_code=error.status_code,
+                            headers={**_SECURITY_HEADERS, **(error.headers or {})})
+
+    return app
+
+
+class ReplayBody(BaseModel):
+    """Which dead letters: ``records`` ("PARTITION:OFFSET"), ``error_contains``, or ``all``."""
+
+    records: list[str] | None = None
+    error_contains: str | None = Field(None, min_length=1, max_length=2000)
+    all: bool = False
+    confirm: bool = False
+
+    def choice(self) -> data.Choice:
+        positions = None
+        if self.records is not None:
+            positions = []
+            for item in self.records:
+                partition, _, offset = item.partition(":")
+                if not (partition.isdigit() and offset.isdigit()):
+                    raise HTTPException(400, f"record {item!r} is not PARTITION:OFFSET")
+                positions.append((int(partition), int(offset)))
+            positions = tuple(positions)
+        if positions is None and self.error_contains is None and not self.all:
+            raise HTTPException(400, "choose the dead letters: records, error_contains or all")
+        if self.all and (positions is not None or self.error_contains is not None):
+            raise HTTPException(400, "all excludes records and error_contains")
+        return data.Choice(positions, self.error_contains, self.all)
+
+
+class BackfillBody(BaseModel):
+    """``txids``: only these of the open transactions (default: every one)."""
+
+    txids: list[int] | None = None
+    confirm: bool = False

@@ -1,0 +1,163 @@
+"""The coordinator's begin: which txid and attempt a run works on, and which records that
+attempt reads.
+
+PostgreSQL is the source of truth; begin runs under a lock on the pipeline's coordinator row,
+so plans never overlap. The offset log (batch_ranges) is written before any processing.
+
+What begin gives a run (first rule that applies):
+
+1. ``txid=N`` asked for (a manual backfill): a new attempt of N; nothing to do if committed;
+2. the run already has a txid (a Clear or a retry of begin): a new attempt of that txid;
+3. the lowest txid to adopt (onceflow.core.txlog.adoptable): failed, superseded, or planned
+   by an attempt that stopped reporting (its run died): a new attempt (automatic backfill);
+4. else a new txid with a new batch, unless ``max_pending`` transactions are uncommitted
+   (then MaxPendingReached and the run plans nothing).
+
+A new attempt fences every older one: staging and commit check that their attempt is current.
+In transactional mode a txid's batch never changes (unless retention took part of it, which
+it may do only after the batch committed). In opaque mode a new attempt re-plans from where
+txid - 1 ends; when that changes the batch, every later uncommitted txid is superseded, to be
+adopted (rule 3) and re-planned from the new end in txid order, so nothing is skipped or read
+twice. Worked example (seed 001): A = txid 1 reads 1-50, B = txid 2 reads 51-100, A fails;
+A's new attempt reads 1-40, so B is superseded; B's next attempt reads 41-...
+"""
+
+from __future__ import annotations
+
+import logging
+
+from onceflow.core import backflow, offsets, txlog
+from onceflow.core.db import transaction
+from onceflow.core.errors import MaxPendingReached, UnknownTransaction
+from onceflow.core.pipeline import Pipeline
+from onceflow.core.planner import PartitionRange, plan_ranges
+from onceflow.core.staging import delete_staging
+from onceflow.core.txlog import Batch, TransactionAttempt, TxState
+
+log = logging.getLogger(__name__)
+
+
+def begin(conn, pipeline: Pipeline, run_id: str, *, txid: int | None = None) -> Batch:
+    """Give ``run_id`` its transaction attempt and batch (the rules in the module docstring)."""
+    with transaction(conn) as cur:
+        coordinator = txlog.lock_pipeline(cur, pipeline.name)
+        target, why = txid, "requested"
+        if target is None:
+            target, why = txlog.run_txid(cur, pipeline.name, run_id), "the run's own txid"
+        if target is None:
+            target, why = txlog.adoptable(cur, pipeline.name) or (None, "")
+        if target is None:
+            return _begin_new(cur, pipeline, run_id, coordinator)
+        if not 1 <= target < coordinator.next_txid:
+            raise UnknownTransaction(
+                f"txid={target} does not exist in pipeline {pipeline.name!r} (txids 1.."
+                f"{coordinator.next_txid - 1}): omit txid to plan a new transaction")
+        return _reattempt(cur, pipeline, run_id, target, coordinator, why)
+
+
+def _plan(cur, pipeline: Pipeline, coordinator: txlog.Coordinator, groups: int, txid: int,
+          before_txid: int | None, old: list[tuple[PartitionRange, int]] = (), *,
+          size: int) -> list[tuple[PartitionRange, int]]:
+    """Plan txid's batch; ``old`` is its previous plan (a re-plan): where the new plan starts
+    later than the old one did, the records between were skipped (gone) and are recorded."""
+    positions = pipeline.source.positions(cur)
+    starts = offsets.resolve_starts(cur, pipeline, coordinator, positions, before_txid)
+    gapped = {p for p, _, _ in starts.gaps}
+    for r, _ in old:
+        new_start = starts.offsets.get(r.partition)
+        if new_start is not None and r.start < new_start and r.partition not in gapped:
+            starts.gaps.append((r.partition, r.start, new_start))
+    offsets.record_gaps(cur, pipeline, txid, starts)
+    return plan_ranges(starts.offsets, starts.heads, size, groups,
+                       max_per_partition=pipeline.max_per_partition, keep=starts.keep())
+
+
+def _describe(ranges) -> str:
+    return " ".join(f"p{r.partition}:[{r.start},{r.end})" for r, _ in ranges) or "(nothing new)"
+
+
+def _begin_new(cur, pipeline: Pipeline, run_id: str, coordinator: txlog.Coordinator) -> Batch:
+    pending = txlog.uncommitted(cur, pipeline.name)
+    if len(pending) >= pipeline.max_pending:
+        raise MaxPendingReached(
+            f"max_pending={pipeline.max_pending} reached for {pipeline.name}: txids "
+            f"{', '.join(map(str, pending))} are uncommitted; no new transaction is planned "
+            "until one commits")
+    txid = coordinator.next_txid
+    # Backflow first: the to-queue (swapped in if it ran dry), up to replay_cap, then eden.
+    backflow.maybe_swap(cur, pipeline.name)
+    replayed = backflow.claim(cur, pipeline.name, txid, pipeline.replays_per_batch,
+                              pipeline.groups)
+    ranges = _plan(cur, pipeline, coordinator, pipeline.groups, txid, None,
+                   size=pipeline.batch_size - replayed)
+    ta = txlog.insert(cur, pipeline.name, txid, run_id, groups=pipeline.groups,
+                      records=sum(r.size for r, _ in ranges), replayed=replayed,
+                      lease_s=pipeline.attempt_lease_s)
+    txlog.store_ranges(cur, pipeline.name, txid, pipeline.topic, ranges)
+    batch = Batch(pipeline.name, ta, tuple(ranges), pipeline.groups, replayed=replayed)
+    log.info("BEGIN pipeline=%s txid=%d attempt=1 run=%s records=%d replayed=%d ranges=%s",
+             pipeline.name, txid, run_id, batch.records, replayed, _describe(ranges))
+    return batch
+
+
+def _reattempt(cur, pipeline: Pipeline, run_id: str, txid: int,
+               coordinator: txlog.Coordinator, why: str) -> Batch:
+    current = txlog.load_batch(cur, pipeline.name, txid)
+    if current.committed:
+        txlog.map_run(cur, pipeline.name, run_id, txid)
+        log.info("BEGIN pipeline=%s txid=%d is committed already (%s): run %s has nothing to do",
+                 pipeline.name, txid, why, run_id)
+        return current
+    ta, old_state = txlog.new_attempt(cur, pipeline.name, txid, run_id,
+                                      lease_s=pipeline.attempt_lease_s)
+    delete_staging(cur, pipeline.name, txid)  # older attempts' staging can never commit
+    # A transactional batch never changes, unless retention deleted part of it: then the
+    # out_of_range policy re-plans it like an opaque one (and records the gap).
+    replanned = ((pipeline.mode == "opaque" or _lost_to_retention(cur, pipeline, current))
+                 and _replan(cur, pipeline, txid, coordinator, current))
+    batch = txlog.load_batch(cur, pipeline.name, txid)
+    log.info("BEGIN pipeline=%s txid=%d attempt=%d run=%s (%s, was %s%s) records=%d ranges=%s",
+             pipeline.name, txid, ta.attempt, run_id, why, old_state,
+             ", re-planned" if replanned else "", batch.records, _describe(batch.ranges))
+    return batch
+
+
+def _lost_to_retention(cur, pipeline: Pipeline, batch: Batch) -> bool:
+    positions = pipeline.source.positions(cur)
+    return any(r.size and r.start < positions[r.partition].log_start
+               for r, _ in batch.ranges if r.partition in positions)
+
+
+def _replan(cur, pipeline: Pipeline, txid: int, coordinator: txlog.Coordinator,
+            current: Batch) -> bool:
+    """Plan ``txid`` again from where txid - 1 ends. Returns True if it changed; then every
+    later uncommitted txid is superseded and its backflow claims released."""
+    old = list(current.ranges)
+    new = _plan(cur, pipeline, coordinator, current.groups, txid, txid, old,
+                size=pipeline.batch_size - current.replayed)
+    if new == old:
+        return False
+    txlog.store_ranges(cur, pipeline.name, txid, pipeline.topic, new)
+    txlog.count_replan(cur, pipeline.name, txid)
+    superseded = txlog.supersede_after(cur, pipeline.name, txid, f"txid {txid} was re-planned")
+    for ta in superseded:
+        delete_staging(cur, pipeline.name, ta.txid)
+    backflow.release_claims(cur, pipeline.name, [ta.txid for ta in superseded])
+    log.warning("REPLAN pipeline=%s txid=%d: %s -> %s; superseded txids %s", pipeline.name,
+                txid, _describe(old), _describe(new),
+                ", ".join(str(ta.txid) for ta in superseded) or "none")
+    return True
+
+
+def mark_failed(conn, pipeline: str, ta: TransactionAttempt, reason: str) -> bool:
+    """Mark ``ta``'s transaction failed, so the next run adopts it. Fenced: only the current,
+    uncommitted attempt can be marked. Returns whether it was."""
+    with transaction(conn) as cur:
+        marked = txlog.mark_failed(cur, pipeline, ta, reason)
+    if marked:
+        log.warning("FAILED pipeline=%s %s: %s", pipeline, ta, reason)
+    return marked
+
+
+__all__ = ["Batch", "MaxPendingReached", "TransactionAttempt", "TxState", "begin",
+           "mark_failed"]

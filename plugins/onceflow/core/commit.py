@@ -1,0 +1,169 @@
+"""The commit phase: apply one transaction attempt's staged result, strictly in txid order.
+
+ONE PostgreSQL transaction under the coordinator row's lock: fence the attempt, prove the
+staging whole (every group staged, every staged row still there), apply every state's deltas
+(set-based upserts), keep the rejected records, settle the backflow (failed records queued for
+replay or dead-lettered), advance the partition offsets, drop the staging, and last write the
+commit record. A crash anywhere before the final COMMIT leaves nothing; committing a committed
+txid again is a logged no-op. Staging found incomplete (PostgreSQL lost its unlogged tables in
+a crash) fails the attempt: the next run processes the batch again.
+
+A state kept in another database (StateSpec.conn_id) is written first, in that database's own
+transaction, and cannot be atomic with the coordinator: a crash after its write and before the
+coordinator's COMMIT leaves it at ``txid`` while the coordinator still says txid - 1. The
+replay (the same batch, or in opaque mode a re-planned one) then finds the stored txid equal to
+its own and recomputes from prev_value (onceflow.core.opaque), so the state ends exactly right.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+from collections.abc import Callable, Mapping
+from contextlib import ExitStack
+from dataclasses import dataclass
+
+from onceflow.core import backflow, offsets, rejects, staging, txlog
+from onceflow.core import state_tables as state_tables
+from onceflow.core import stateful as stateful_steps
+from onceflow.core.db import connection, transaction
+from onceflow.core.errors import Fenced, OnceflowError, StagingIncomplete
+from onceflow.core.pipeline import Pipeline
+from onceflow.core.registration import external_dsn
+from onceflow.core.txlog import Blocker, TransactionAttempt, TxState
+
+log = logging.getLogger(__name__)
+
+Step = Callable[[str], None]
+
+
+def _no_step(_: str) -> None:
+    pass
+
+
+@dataclass(frozen=True)
+class CommitResult:
+    status: str  # "committed" | "already_committed" | "waiting"
+    attempt: TransactionAttempt
+    rows_applied: int = 0
+    waited_s: float = 0.0
+    failed: int = 0  # records handed to the backflow or the dead letters
+    dead: int = 0
+    blocker: Blocker | None = None
+    ranges: tuple[str, ...] = ()  # what the txid read, "p0:[0,500)"
+
+
+class MissingStaging(OnceflowError):
+    """Commit was asked for while some processing group of the attempt has not staged."""
+
+
+def _apply_external(cur, spec, dsn: str, keys: dict) -> int:
+    """Copy this attempt's deltas for ``spec`` out of the coordinator and apply them in the
+    state's own database (its own transaction)."""
+    buf = io.StringIO()
+    cur.copy_expert(
+        cur.mogrify(
+            """COPY (SELECT key, sum(delta)::bigint FROM staged_deltas
+                     WHERE pipeline = %(pipeline)s AND txid = %(txid)s AND attempt = %(attempt)s
+                       AND state_name = %(state)s GROUP BY key) TO STDOUT (FORMAT csv)""",
+            {**keys, "state": spec.source_name},
+        ).decode(),
+        buf,
+    )
+    buf.seek(0)
+    with connection(dsn, application_name="onceflow-commit-external") as external, \
+            transaction(external) as ext:
+        return state_tables.apply_csv(ext, spec, keys["txid"], buf)
+
+
+def commit(conn, pipeline: Pipeline, ta: TransactionAttempt, *, on_step: Step = _no_step,
+           state_dsns: Mapping[str, str] | None = None, coordinator_dsn: str | None = None
+           ) -> CommitResult:
+    """Commit ``ta`` if it is its turn; else return status "waiting" and change nothing.
+
+    ``on_step(name)`` is called after each statement group (fault injection in tests);
+    ``state_dsns`` gives the database of each state with a conn_id (default: from its
+    connection); ``coordinator_dsn`` (default ONCEFLOW_PG_DSN) lets stateful bolts' state
+    provider find the coordinator's database.
+    """
+    with transaction(conn) as cur:
+        txlog.request_commit(cur, pipeline.name, ta)
+    try:
+        with ExitStack() as cleanup:
+            return _commit(conn, pipeline, ta, on_step, state_dsns,
+                           coordinator_dsn or os.environ.get("ONCEFLOW_PG_DSN", ""), cleanup)
+    except StagingIncomplete as incomplete:
+        with transaction(conn) as cur:
+            if txlog.mark_failed(cur, pipeline.name, ta, str(incomplete)):
+                log.error("COMMIT pipeline=%s %s refused, attempt failed: %s", pipeline.name,
+                          ta, incomplete)
+        raise
+
+
+def _commit(conn, pipeline: Pipeline, ta: TransactionAttempt, on_step: Step,
+            state_dsns: Mapping[str, str] | None, coordinator_dsn: str, cleanup: ExitStack
+            ) -> CommitResult:
+    with transaction(conn) as cur:
+        coordinator = txlog.lock_pipeline(cur, pipeline.name)
+        state = txlog.fence(cur, pipeline.name, ta, lock="update")
+        if state is TxState.COMMITTED:
+            log.info("COMMIT pipeline=%s %s: already committed, nothing to do", pipeline.name, ta)
+            return CommitResult("already_committed", ta)
+        if state is not TxState.PLANNED:
+            raise Fenced(f"{ta} of {pipeline.name} is {state}: it may not commit")
+        if coordinator.last_committed != ta.txid - 1:
+            return CommitResult("waiting", ta, blocker=txlog.blocker(
+                cur, pipeline.name, coordinator.last_committed + 1))
+        batch = txlog.load_batch(cur, pipeline.name, ta.txid)
+        groups = batch.groups
+        proof = staging.proof(cur, pipeline.name, ta, groups)
+        if proof.missing_groups:
+            raise MissingStaging(
+                f"{ta} of {pipeline.name}: processing group(s) {proof.missing_groups} of "
+                f"{groups} have not staged; run (or retry) their process task before commit")
+        if not proof.whole:
+            raise StagingIncomplete(
+                f"{ta} of {pipeline.name}: staging is not whole (deltas, rejects, failures "
+                f"recorded {proof.expected}, found {proof.found}; PostgreSQL may have crashed "
+                "and emptied its unlogged staging tables): the batch is processed again")
+        on_step("locked")
+        keys = {"pipeline": pipeline.name, "txid": ta.txid, "attempt": ta.attempt}
+        rows = 0
+        for spec in pipeline.external_states():
+            rows += _apply_external(cur, spec, external_dsn(spec, state_dsns), keys)
+            on_step(f"external:{spec.name}")
+        if proof.stateful:
+            bolts = stateful_steps.stateful_bolts(pipeline, proof.stateful)
+            provider = stateful_steps.open_state_provider(pipeline, coordinator_dsn)
+            cleanup.callback(provider.close)
+            stateful_steps.recover(conn, provider, pipeline, bolts, cur)
+            rows += stateful_steps.commit_states(cur, provider, pipeline, bolts, ta)
+            on_step("kv_state")
+        for spec in pipeline.states:
+            if spec.conn_id is None:
+                rows += state_tables.apply_source(
+                    cur, spec, ta.txid, state_tables.staged_source(),
+                    {**keys, "state": spec.source_name},
+                )
+                on_step(f"state:{spec.name}")
+        rejects.keep(cur, pipeline.name, ta.txid, ta.attempt)
+        on_step("rejects")
+        settled = backflow.settle(cur, pipeline, ta, batch.replayed)
+        on_step("backflow")
+        offsets.advance(cur, pipeline.name, coordinator.instance_id, ta.txid)
+        on_step("offsets")
+        staging.delete_staging(cur, pipeline.name, ta.txid)
+        on_step("staging")
+        waited = txlog.mark_committed(cur, pipeline.name, ta, rows=rows, failed=settled.failed)
+        on_step("commit_record")
+    log.info(
+        "COMMIT pipeline=%s txid=%d attempt=%d prev_txid=%d rows=%d replayed_ok=%d "
+        "failed=%d (queued %d, dead %d) waited=%.2fs", pipeline.name, ta.txid, ta.attempt,
+        ta.txid - 1, rows, settled.replayed_ok, settled.failed, settled.queued, settled.dead,
+        waited,
+    )
+    return CommitResult("committed", ta, rows_applied=rows, waited_s=waited,
+                        failed=settled.failed, dead=settled.dead,
+                        ranges=tuple(f"p{r.partition}:[{r.start},{r.end})"
+                                     for r, _ in batch.ranges))

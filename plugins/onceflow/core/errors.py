@@ -1,0 +1,63 @@
+"""What can go wrong, by what a user (or Airflow) should do about it.
+
+``Permanent`` errors cannot be fixed by trying again: a bad setting, an unknown txid or
+pipeline, a database that cannot be reached with the given settings. Airflow tasks fail them
+at once (no retries) and the CLI exits 2. Everything else is a failure of the work itself
+(exit 1, retried by Airflow).
+"""
+
+from __future__ import annotations
+
+
+class OnceflowError(Exception):
+    """Base of onceflow's own errors."""
+
+
+class Permanent(OnceflowError):
+    """Retrying cannot help: the message says what to change."""
+
+
+class ConfigError(Permanent, ValueError):
+    """Bad configuration: the message names the field, the value and the fix."""
+
+
+class Unreachable(Permanent, ConnectionError):
+    """A database, Redis or Spark that the settings name does not answer."""
+
+
+class UnknownTransaction(Permanent, LookupError):
+    """A txid that the pipeline never planned."""
+
+
+class NotInitialised(Permanent, LookupError):
+    """The pipeline has no coordinator row: `onceflow init` (or the first begin) makes it."""
+
+
+class Fenced(OnceflowError):
+    """This attempt is no longer its transaction's current one (a zombie or a duplicate run):
+    it may not write. Nothing is wrong with the data; the current attempt carries on."""
+
+
+class MaxPendingReached(OnceflowError):
+    """``max_pending`` transactions are planned and uncommitted: no new txid is planned."""
+
+
+class StaleBatch(OnceflowError):
+    """A batch older than what a state already holds: never applied."""
+
+
+class StagingIncomplete(OnceflowError):
+    """The commit found less staged data than processing recorded (e.g. PostgreSQL crashed
+    and emptied the unlogged staging tables): the attempt is failed and processed again."""
+
+
+class SourceShortfall(OnceflowError):
+    """A planned range could not be read whole (records deleted under a batch)."""
+
+
+class OffsetOutOfRange(OnceflowError):
+    """A resume point was deleted by retention and the policy is "fail"."""
+
+
+class BlockedByEarlierTxid(OnceflowError):
+    """A commit cannot take its turn: an earlier txid failed or its run is gone."""

@@ -1,0 +1,266 @@
+"""A pipeline's declaration: where its records come from, what its topology does with them,
+which state tables hold the result, and how its transactions run.
+
+A declaration is plain data, importable without Spark or Airflow: the topology (and the
+optional recount for verify) may be given as a ``"module:function"`` reference, imported only
+where it is used, so the begin and commit tasks never load pyspark. Users declare pipelines in
+their own package and register them (onceflow.core.registry).
+
+    from onceflow import Pipeline, PostgresLog, StateSpec
+
+    PAGE_VIEWS = Pipeline(
+        name="page_views",
+        source=PostgresLog(topic="page_views", partitions=4),
+        topology="my_company.pipelines.page_views:topology",
+        states=(StateSpec("views_per_country"),),
+        batch_size=50_000,
+    )
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from onceflow.core.errors import ConfigError
+from onceflow.sources.base import Source
+
+MODES = ("transactional", "opaque")
+START_POLICIES = ("earliest", "latest")  # or "timestamp:<ISO 8601>"
+OUT_OF_RANGE_POLICIES = ("earliest", "latest", "fail")
+STATE_KINDS = ("opaque", "transactional")
+_IDENT = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+
+
+def check(ok: bool, field_name: str, value: Any, fix: str) -> None:
+    """Refuse a setting: ConfigError naming the field, the value and the fix."""
+    if not ok:
+        raise ConfigError(f"{field_name}={value!r} is invalid: {fix}")
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """One state table, updated by the commit with the deltas of the count sink ``source``.
+
+    ``conn_id``: the Airflow connection of another PostgreSQL database that holds this state
+    (None: the coordinator's own database, atomic with the commit).
+    """
+
+    name: str
+    kind: str = "opaque"
+    source: str | None = None  # which count sink of the topology feeds it (default: name)
+    conn_id: str | None = None
+
+    @property
+    def table(self) -> str:
+        return self.name
+
+    @property
+    def source_name(self) -> str:
+        return self.source or self.name
+
+    def validate(self) -> None:
+        check(bool(_IDENT.match(str(self.name))), "state.name", self.name,
+              "use lower-case letters, digits and _ (a PostgreSQL table name)")
+        check(self.kind in STATE_KINDS, f"state[{self.name}].kind", self.kind,
+              f"choose one of {', '.join(STATE_KINDS)}")
+        # Outside the coordinator's database a replay may meet a write of its own txid from a
+        # batch that changed meanwhile (opaque re-plan, retention): only prev_value can undo it.
+        check(self.conn_id is None or self.kind == "opaque", f"state[{self.name}].kind",
+              self.kind, "a state in another database (conn_id set) must be kind='opaque'")
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    name: str
+    source: Source
+    # (Pipeline) -> onceflow.Topology, or its "module:function" reference (imported lazily).
+    topology: str | Callable
+    states: tuple[StateSpec, ...] = ()
+    mode: str = "transactional"
+    batch_size: int = 20_000  # records per transaction, across all partitions
+    groups: int = 1  # processing groups per batch (parallel Spark tasks)
+    max_pending: int = 3  # planned and uncommitted transactions at most (Storm's max pending)
+    max_per_partition: int | None = None  # records per partition per transaction (None: no cap)
+    # Where a partition with no committed offset starts: earliest, latest or timestamp:<ISO>.
+    start_policy: str = "earliest"
+    # A resume point below the log start (retention deleted it): earliest, latest or fail.
+    out_of_range: str = "earliest"
+    # The acker: a record counts only if its whole tuple tree completed; failed records go to
+    # the backflow queues. False: nothing is tracked (Storm's unreliable mode; benchmarks).
+    acker: bool = True
+    tuple_timeout_ms: int = 30_000  # a per-record bolt call taking longer fails its tuple
+    max_replays: int = 3  # a record failing more often than 1 + max_replays goes to dead letters
+    # Replayed records per transaction, read from the to-queue before the source (None: a
+    # tenth of batch_size, at least 1). Below batch_size, so the source always moves on.
+    replay_cap: int | None = None
+    # Where stateful bolts keep their key-value state (onceflow.kvstate): postgres (default:
+    # the coordinator's database, or config {"dsn": ...} / {"conn_id": ...}), redis (config:
+    # host, port, timeout, database, password, key/value serializers, require_persistence),
+    # memory (tests of one process only). Config: a JSON object (text).
+    state_provider: str = "postgres"
+    state_provider_config: str | None = None
+    # A state key longer than this (UTF-8 bytes) fails its record: a btree index entry must fit
+    # in a third of a PostgreSQL page (2,704 bytes with the row's other columns).
+    max_key_bytes: int = 2000
+    # Optional independent recount for verify and retention: (payloads, pipeline) -> Recount
+    # (counts per state and key, rejected, failing). Without it verify re-runs the topology.
+    recompute: str | Callable | None = None
+    retries: int = 2  # Airflow task retries (process, commit)
+    # An attempt whose tasks have not reported for this long is taken as dead: the next run
+    # adopts its txid. Tasks report every lease / 4 while they run; a run waiting in Airflow's
+    # queue longer than this loses its txid to the next run (it is fenced, nothing is lost).
+    attempt_lease_s: int = 600
+    commit_timeout_s: int = 3600  # how long a commit waits for its turn at most
+    description: str = ""
+    # Where this declaration was loaded from ("module:attr"): travels with every task.
+    ref: str | None = field(default=None, compare=False)
+
+    @property
+    def topic(self) -> str:
+        return self.source.topic
+
+    def with_settings(self, **overrides: Any) -> Pipeline:
+        """This pipeline with some fields changed (e.g. batch_size from a trigger form)."""
+        unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(self)})
+        if unknown:
+            raise ConfigError(f"unknown pipeline setting(s) {unknown} for {self.name!r}: "
+                              f"known are {sorted(f.name for f in dataclasses.fields(self))}")
+        return dataclasses.replace(self, **overrides).validate()
+
+    def validate(self) -> Pipeline:
+        check(isinstance(self.name, str) and bool(_IDENT.match(self.name)), "pipeline.name",
+              self.name, "use lower-case letters, digits and _")
+        check(isinstance(self.source, Source), f"pipeline[{self.name}].source", self.source,
+              "give a source object, e.g. onceflow.PostgresLog(topic='events')")
+        self.source.validate()
+        check(isinstance(self.topology, str | Callable), f"pipeline[{self.name}].topology",
+              self.topology, "give a function (pipeline) -> Topology, or its 'module:function'")
+        check(self.mode in MODES, "pipeline.mode", self.mode, f"choose one of {', '.join(MODES)}")
+        check(_positive(self.batch_size), "pipeline.batch_size", self.batch_size,
+              "give a positive number of records per transaction")
+        check(_positive(self.groups), "pipeline.groups", self.groups,
+              "give a positive number of processing groups")
+        check(_positive(self.max_pending), "pipeline.max_pending", self.max_pending,
+              "give a positive number of transactions that may be in flight")
+        check(self.max_per_partition is None or _positive(self.max_per_partition),
+              "pipeline.max_per_partition", self.max_per_partition,
+              "give a positive number of records, or None for no per-partition cap")
+        check(self.start_policy in START_POLICIES or _is_timestamp_policy(self.start_policy),
+              "pipeline.start_policy", self.start_policy,
+              "choose earliest, latest or timestamp:<ISO 8601>, e.g. timestamp:2026-11-01T00:00Z")
+        check(self.out_of_range in OUT_OF_RANGE_POLICIES, "pipeline.out_of_range",
+              self.out_of_range, f"choose one of {', '.join(OUT_OF_RANGE_POLICIES)}")
+        check(isinstance(self.acker, bool), "pipeline.acker", self.acker, "give True or False")
+        check(_positive(self.tuple_timeout_ms), "pipeline.tuple_timeout_ms",
+              self.tuple_timeout_ms, "give a positive number of milliseconds per record and bolt")
+        check(isinstance(self.max_replays, int) and self.max_replays >= 0,
+              "pipeline.max_replays", self.max_replays,
+              "give 0 or more replays before a record goes to the dead letters")
+        check(self.replay_cap is None or (_positive(self.replay_cap)
+                                          and self.replay_cap < self.batch_size),
+              "pipeline.replay_cap", self.replay_cap,
+              f"give a number of records from 1 to batch_size - 1 ({self.batch_size - 1}), "
+              "or None for a tenth of batch_size")
+        check(_positive(self.max_key_bytes) and self.max_key_bytes <= 2600,
+              "pipeline.max_key_bytes", self.max_key_bytes,
+              "give 1 to 2600 bytes (a btree entry must fit in a third of a page)")
+        check(isinstance(self.retries, int) and self.retries >= 0, "pipeline.retries",
+              self.retries, "give 0 or more task retries")
+        check(_positive(self.attempt_lease_s), "pipeline.attempt_lease_s",
+              self.attempt_lease_s, "give a positive number of seconds")
+        check(_positive(self.commit_timeout_s), "pipeline.commit_timeout_s",
+              self.commit_timeout_s, "give a positive number of seconds")
+        check(isinstance(self.states, tuple) and len(self.states) > 0, "pipeline.states",
+              self.states, "declare at least one state, as a tuple of StateSpec")
+        names = [s.name for s in self.states]
+        check(len(set(names)) == len(names), "pipeline.states", names,
+              "give each state table its own name")
+        for state in self.states:
+            check(isinstance(state, StateSpec), "pipeline.states", state, "use StateSpec(...)")
+            state.validate()
+        return self
+
+    @property
+    def replays_per_batch(self) -> int:
+        """How many replayed records a transaction takes at most (replay_cap)."""
+        if self.replay_cap is not None:
+            return self.replay_cap
+        return max(1, self.batch_size // 10) if self.batch_size > 1 else 0
+
+    @property
+    def attempt_heartbeat_s(self) -> float:
+        return max(1.0, self.attempt_lease_s / 4)
+
+    def external_states(self) -> list[StateSpec]:
+        return [spec for spec in self.states if spec.conn_id is not None]
+
+    def state(self, name: str) -> StateSpec:
+        for spec in self.states:
+            if spec.name == name:
+                return spec
+        raise KeyError(name)
+
+    def build_topology(self):
+        """The pipeline's Topology (imports the topology's module: pyspark may come with it)."""
+        build = resolve(self.topology, f"pipeline[{self.name}].topology")
+        topology = build(self)
+        from spark_tasks.topology import Topology
+
+        check(isinstance(topology, Topology), f"pipeline[{self.name}].topology", self.topology,
+              f"the function returned {type(topology).__name__}; return a onceflow.Topology")
+        return topology.validate()
+
+    def recount(self):
+        """The optional independent recount function, or None."""
+        if self.recompute is None:
+            return None
+        return resolve(self.recompute, f"pipeline[{self.name}].recompute")
+
+
+def _is_timestamp_policy(policy: object) -> bool:
+    if not isinstance(policy, str) or not policy.startswith("timestamp:"):
+        return False
+    try:
+        start_timestamp(policy)
+    except ValueError:
+        return False
+    return True
+
+
+def start_timestamp(policy: str) -> datetime:
+    """The time of a "timestamp:<ISO 8601>" start policy (UTC when no zone is given)."""
+    stamp = datetime.fromisoformat(policy.removeprefix("timestamp:").replace("Z", "+00:00"))
+    return stamp if stamp.tzinfo else stamp.replace(tzinfo=UTC)
+
+
+def resolve(ref: str | Callable, what: str) -> Callable:
+    """A callable, or the object a "package.module:attribute" reference names."""
+    if not isinstance(ref, str):
+        return ref
+    module_name, _, attr = ref.partition(":")
+    if not module_name or not attr:
+        raise ConfigError(f"{what}={ref!r} is not a 'package.module:attribute' reference")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ConfigError(f"{what}={ref!r}: module {module_name!r} cannot be imported "
+                          f"({error}); install the package that holds it, or put its folder "
+                          "on PYTHONPATH") from error
+    target = module
+    for part in attr.split("."):
+        try:
+            target = getattr(target, part)
+        except AttributeError as error:
+            raise ConfigError(f"{what}={ref!r}: {module_name} has no attribute {attr!r}"
+                              ) from error
+    return target

@@ -1,0 +1,136 @@
+"""Where pipelines are found: the same answer in every process that needs one.
+
+Two ways, both working in Airflow (DAG parsing and tasks), in the Spark driver (spark-submit,
+a Spark Connect client, in-process) and in the CLI:
+
+1. an installed distribution's entry point in the group ``onceflow.pipelines``::
+
+       [project.entry-points."onceflow.pipelines"]
+       page_views = "my_company.pipelines:PIPELINES"
+
+2. an explicit reference ``package.module:attribute``, given to ``transaction_dag(...)``, to
+   the CLI (``--pipelines``) or in the environment variable ``ONCEFLOW_PIPELINES`` (several,
+   separated by commas).
+
+A reference names a Pipeline, a list / tuple / dict of them, or a function without arguments
+returning one of those. Every pipeline remembers its reference (``Pipeline.ref``), which the
+processing task hands to Spark, so the Spark driver finds it the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Iterable, Mapping
+from importlib.metadata import entry_points
+
+from onceflow.core.errors import ConfigError
+from onceflow.core.pipeline import Pipeline, resolve
+
+log = logging.getLogger(__name__)
+
+GROUP = "onceflow.pipelines"
+ENV = "ONCEFLOW_PIPELINES"
+
+_cache: dict[tuple[str, ...], dict[str, Pipeline]] = {}
+
+
+def _as_pipelines(value, where: str) -> list[Pipeline]:
+    if callable(value) and not isinstance(value, Pipeline):
+        value = value()
+    if isinstance(value, Pipeline):
+        value = [value]
+    elif isinstance(value, Mapping):
+        value = list(value.values())
+    if not isinstance(value, list | tuple) or not all(isinstance(p, Pipeline) for p in value):
+        raise ConfigError(f"{where} names {type(value).__name__}: it must name a Pipeline, a "
+                          "list, tuple or dict of them, or a function returning one of those")
+    return list(value)
+
+
+def env_refs() -> list[str]:
+    return [r.strip() for r in os.environ.get(ENV, "").split(",") if r.strip()]
+
+
+def load_ref(ref: str) -> list[Pipeline]:
+    """The pipelines a ``module:attribute`` reference names, each remembering ``ref``."""
+    value = resolve(ref, "pipeline reference")
+    return [p if p.ref else _with_ref(p, ref) for p in _as_pipelines(value, repr(ref))]
+
+
+def _with_ref(pipeline: Pipeline, ref: str) -> Pipeline:
+    import dataclasses
+
+    return dataclasses.replace(pipeline, ref=ref)
+
+
+def _add(found: dict[str, Pipeline], pipeline: Pipeline, where: str) -> None:
+    old = found.get(pipeline.name)
+    if old is not None and old != pipeline:
+        raise ConfigError(f"pipeline {pipeline.name!r} is declared twice, differently: by "
+                          f"{old.ref} and by {where}; give one of them another name")
+    if old is None:
+        found[pipeline.name] = pipeline.validate()
+
+
+def pipelines(refs: Iterable[str] = ()) -> dict[str, Pipeline]:
+    """Every pipeline this process can see: entry points, then ``ONCEFLOW_PIPELINES``, then
+    ``refs``. Cached per set of references."""
+    key = tuple(env_refs()) + tuple(refs)
+    if key in _cache:
+        return _cache[key]
+    found: dict[str, Pipeline] = {}
+    for ep in entry_points(group=GROUP):
+        try:
+            value = ep.load()
+        except Exception as error:
+            raise ConfigError(f"entry point {ep.name} = {ep.value!r} (group {GROUP}) cannot be "
+                              f"loaded: {type(error).__name__}: {error}") from error
+        for pipeline in _as_pipelines(value, f"entry point {ep.name} = {ep.value!r}"):
+            _add(found, pipeline if pipeline.ref else _with_ref(pipeline, ep.value),
+                 f"entry point {ep.value}")
+    for ref in key:
+        for pipeline in load_ref(ref):
+            _add(found, pipeline, ref)
+    _cache[key] = found
+    return found
+
+
+def get_pipeline(name: str, refs: Iterable[str] = (), **overrides) -> Pipeline:
+    """The pipeline ``name``, with optional setting overrides (e.g. batch_size)."""
+    known = pipelines(refs)
+    if name not in known:
+        listing = ", ".join(sorted(known)) or "none"
+        raise ConfigError(
+            f"pipeline={name!r} is not registered: known pipelines are {listing}. Register "
+            f"yours with an entry point in the group {GROUP!r}, or name its module in "
+            f"{ENV}=package.module:attribute (or --pipelines)")
+    pipeline = known[name]
+    return pipeline.with_settings(**overrides) if overrides else pipeline
+
+
+def reference_of(pipeline: Pipeline) -> str | None:
+    """Where ``pipeline`` can be loaded from in another process (its ``ref``, or the entry
+    point / environment reference that declares a pipeline of that name)."""
+    if pipeline.ref:
+        return pipeline.ref
+    try:
+        registered = pipelines().get(pipeline.name)
+    except ConfigError:
+        registered = None
+    if registered is not None and registered.ref:
+        return registered.ref
+    # Declared at the top level of an importable module (not a DAG file, which Airflow loads
+    # under a name no other process can import).
+    for name, module in list(sys.modules.items()):
+        if module is None or name == "__main__" or name.startswith("unusual_prefix_"):
+            continue
+        for attr, value in list(getattr(module, "__dict__", {}).items()):
+            if value is pipeline:
+                return f"{name}:{attr}"
+    return None
+
+
+def clear_cache() -> None:
+    _cache.clear()

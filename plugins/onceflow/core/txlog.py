@@ -1,0 +1,510 @@
+"""The transaction log: the only module that reads or writes ``transactions``,
+``transaction_attempts``, ``transaction_runs`` and ``batch_ranges``.
+
+Two logs behind one small interface, as Spark's OffsetSeqLog and CommitLog:
+
+- the **offset log** (``batch_ranges``): what txid N reads, written by begin before any
+  processing;
+- the **commit log** (``transactions.state = committed``): txid N is done, written last by the
+  commit, in the same PostgreSQL transaction as its state updates and offsets.
+
+A transaction is in one ``TxState``; its current attempt (``transactions.attempt``) is the only
+one that may stage or commit: every write checks it (``fence``). Each attempt's story is a row
+of ``transaction_attempts`` with an ``Outcome`` once it ends.
+
+Recovery rules (what the next begin does with what a crash left):
+
+    planned, its attempt reported within the lease   -> in flight: leave it alone
+    planned, no report for attempt_lease_s           -> abandoned: adopt with a new attempt
+    failed or superseded                             -> adopt with a new attempt, lowest first
+    committed                                        -> done; a run asking for it is a no-op
+
+A run that already holds a txid (a retry, a Clear) re-attempts that txid, and a new attempt
+fences every older one. Only the lowest uncommitted txid may commit (``last_committed + 1``).
+"""
+
+from __future__ import annotations
+
+import enum
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+
+import psycopg2.extras
+from psycopg2 import sql
+
+from onceflow.core.errors import Fenced, NotInitialised, UnknownTransaction
+from onceflow.core.planner import PartitionRange
+
+
+class TxState(enum.StrEnum):
+    PLANNED = "planned"  # begun; processing and commit pending
+    COMMITTED = "committed"  # in the commit log
+    FAILED = "failed"  # an attempt failed after its last retry: the next run adopts it
+    SUPERSEDED = "superseded"  # an earlier txid was re-planned (opaque): planned again later
+
+
+class Outcome(enum.StrEnum):
+    COMMITTED = "committed"
+    FAILED = "failed"
+    SUPERSEDED = "superseded"
+    FENCED = "fenced"  # a newer attempt of the same txid started
+    ABANDONED = "abandoned"  # its tasks stopped reporting (the run died): adopted by another
+
+
+ADOPTABLE = (TxState.FAILED, TxState.SUPERSEDED)
+
+
+@dataclass(frozen=True, order=True)
+class TransactionAttempt:
+    txid: int
+    attempt: int
+
+    def __str__(self) -> str:
+        return f"txid {self.txid} attempt {self.attempt}"
+
+
+@dataclass(frozen=True)
+class Coordinator:
+    """A pipeline's coordinator row, read under its lock."""
+
+    next_txid: int
+    last_committed: int
+    instance_id: uuid.UUID
+    topic: str
+    reset_after_txid: int
+
+
+@dataclass(frozen=True)
+class Batch:
+    pipeline: str
+    attempt: TransactionAttempt
+    ranges: tuple[tuple[PartitionRange, int], ...]  # (range, group)
+    groups: int
+    state: TxState = TxState.PLANNED
+    replayed: int = 0  # backflow items the batch holds besides its source ranges
+
+    @property
+    def committed(self) -> bool:
+        return self.state is TxState.COMMITTED
+
+    @property
+    def records(self) -> int:
+        return sum(r.size for r, _ in self.ranges)
+
+    def ranges_of(self, group: int) -> list[PartitionRange]:
+        return [r for r, g in self.ranges if g == group]
+
+
+@dataclass(frozen=True)
+class Blocker:
+    """The transaction a commit waits for (txid = last committed + 1)."""
+
+    txid: int
+    state: TxState | None  # None: not planned yet
+    attempt: int | None = None
+    run_id: str | None = None
+    reason: str | None = None
+    silent_s: float | None = None  # seconds since its attempt last reported
+    lease_s: int | None = None
+
+    @property
+    def abandoned(self) -> bool:
+        return (self.state is TxState.PLANNED and self.silent_s is not None
+                and self.lease_s is not None and self.silent_s > self.lease_s)
+
+    @property
+    def hopeless(self) -> bool:
+        """It cannot commit without someone starting a run for it."""
+        return self.state in ADOPTABLE or self.abandoned
+
+    def describe(self) -> str:
+        if self.state is None:
+            return f"txid {self.txid} is not planned yet (trigger a run)"
+        text = f"txid {self.txid} is {self.state}"
+        if self.abandoned:
+            text += (f" but its run {self.run_id} has not reported for {self.silent_s:.0f}s "
+                     f"(lease {self.lease_s}s): it is abandoned")
+        elif self.run_id:
+            text += f" (run {self.run_id})"
+        if self.reason:
+            text += f": {self.reason}"
+        return text
+
+
+_ROW_LOCKS = {"": sql.SQL(""), "share": sql.SQL("FOR SHARE"), "update": sql.SQL("FOR UPDATE")}
+
+
+# -- the coordinator row --------------------------------------------------------------------------
+def lock_pipeline(cur, name: str) -> Coordinator:
+    """The coordinator row of ``name``, locked until the transaction ends."""
+    cur.execute(
+        """SELECT next_txid, last_committed_txid, instance_id, topic, reset_after_txid
+           FROM pipelines WHERE name = %s FOR UPDATE""",
+        (name,),
+    )
+    row = cur.fetchone()
+    if row is None:
+        raise NotInitialised(f"pipeline {name!r} is not initialised: run `onceflow init` "
+                             "(or trigger its DAG: begin registers it)")
+    return Coordinator(row[0], row[1], uuid.UUID(str(row[2])), row[3], row[4])
+
+
+def last_committed(cur, name: str) -> int:
+    cur.execute("SELECT last_committed_txid FROM pipelines WHERE name = %s", (name,))
+    row = cur.fetchone()
+    return row[0] if row else 0
+
+
+# -- fencing --------------------------------------------------------------------------------------
+def fence(cur, pipeline: str, ta: TransactionAttempt, *, lock: str = "") -> TxState:
+    """The state of ``ta``'s transaction; raises Fenced unless ``ta`` is its current attempt.
+
+    ``lock``: "" (none), "share" (staging: excludes a concurrent commit) or "update" (commit).
+    """
+    cur.execute(
+        sql.SQL("SELECT attempt, state FROM transactions WHERE pipeline = %s AND txid = %s {}")
+        .format(_ROW_LOCKS[lock]),
+        (pipeline, ta.txid),
+    )
+    row = cur.fetchone()
+    if row is None:
+        raise UnknownTransaction(f"pipeline {pipeline!r} has no txid {ta.txid}")
+    attempt, state = row
+    if attempt != ta.attempt:
+        raise Fenced(f"{ta} of {pipeline} is fenced: attempt {attempt} is current")
+    return TxState(state)
+
+
+def heartbeat(cur, pipeline: str, ta: TransactionAttempt) -> bool:
+    """The attempt's tasks are alive. False when ``ta`` is no longer current."""
+    cur.execute(
+        """UPDATE transactions SET heartbeat_at = now()
+           WHERE pipeline = %s AND txid = %s AND attempt = %s AND state = 'planned'""",
+        (pipeline, ta.txid, ta.attempt),
+    )
+    return cur.rowcount == 1
+
+
+# -- runs -----------------------------------------------------------------------------------------
+def run_txid(cur, pipeline: str, run_id: str) -> int | None:
+    cur.execute("SELECT txid FROM transaction_runs WHERE pipeline = %s AND run_id = %s",
+                (pipeline, run_id))
+    row = cur.fetchone()
+    return row[0] if row else None
+
+
+def map_run(cur, pipeline: str, run_id: str, txid: int) -> None:
+    cur.execute(
+        """INSERT INTO transaction_runs (pipeline, run_id, txid) VALUES (%s, %s, %s)
+           ON CONFLICT (pipeline, run_id) DO UPDATE SET txid = EXCLUDED.txid""",
+        (pipeline, run_id, txid),
+    )
+
+
+# -- reading --------------------------------------------------------------------------------------
+def uncommitted(cur, pipeline: str) -> list[int]:
+    cur.execute(
+        """SELECT coalesce(array_agg(txid ORDER BY txid), '{}') FROM transactions
+           WHERE pipeline = %s AND state <> 'committed'""",
+        (pipeline,),
+    )
+    return list(cur.fetchone()[0])
+
+
+def adoptable(cur, pipeline: str) -> tuple[int, str] | None:
+    """The lowest txid the next run should adopt, and why: failed, superseded, or planned by
+    an attempt silent for longer than its lease (its run died)."""
+    cur.execute(
+        """SELECT txid, state, (state = 'planned') AS abandoned FROM transactions
+           WHERE pipeline = %s AND (state IN ('failed', 'superseded')
+                 OR (state = 'planned' AND heartbeat_at < now() - make_interval(secs => lease_s)))
+           ORDER BY txid LIMIT 1""",
+        (pipeline,),
+    )
+    row = cur.fetchone()
+    if row is None:
+        return None
+    txid, state, abandoned = row
+    return txid, ("adopting an abandoned txid (its run stopped reporting)" if abandoned
+                  else f"adopting the lowest {state} txid")
+
+
+def load_batch(cur, pipeline: str, txid: int) -> Batch:
+    cur.execute(
+        """SELECT attempt, groups, state, replayed FROM transactions
+           WHERE pipeline = %s AND txid = %s""",
+        (pipeline, txid),
+    )
+    row = cur.fetchone()
+    if row is None:
+        raise UnknownTransaction(f"pipeline {pipeline!r} has no txid {txid}")
+    attempt, groups, state, replayed = row
+    return Batch(pipeline, TransactionAttempt(txid, attempt), tuple(read_ranges(cur, pipeline,
+                                                                                txid)),
+                 groups, TxState(state), replayed)
+
+
+def read_ranges(cur, pipeline: str, txid: int) -> list[tuple[PartitionRange, int]]:
+    cur.execute(
+        """SELECT partition, start_offset, end_offset, grp FROM batch_ranges
+           WHERE pipeline = %s AND txid = %s ORDER BY partition""",
+        (pipeline, txid),
+    )
+    return [(PartitionRange(p, s, e), g) for p, s, e, g in cur.fetchall()]
+
+
+def blocker(cur, pipeline: str, txid: int) -> Blocker:
+    cur.execute(
+        """SELECT t.state, t.attempt, t.run_id, a.reason,
+                  EXTRACT(EPOCH FROM now() - t.heartbeat_at), t.lease_s
+           FROM transactions t LEFT JOIN transaction_attempts a
+             ON a.pipeline = t.pipeline AND a.txid = t.txid AND a.attempt = t.attempt
+           WHERE t.pipeline = %s AND t.txid = %s""",
+        (pipeline, txid),
+    )
+    row = cur.fetchone()
+    if row is None:
+        return Blocker(txid, None)
+    state, attempt, run_id, reason, silent, lease = row
+    return Blocker(txid, TxState(state), attempt, run_id, reason,
+                   float(silent) if silent is not None else None, lease)
+
+
+@dataclass(frozen=True)
+class TxRow:
+    """One transaction as ``status`` and ``backfill`` show it."""
+
+    txid: int
+    attempt: int
+    state: TxState
+    run_id: str | None
+    records: int
+    replayed: int
+    failed: int | None
+    rows_applied: int | None
+    committed_at: datetime | None
+    commit_wait_s: float | None
+    reason: str | None
+    ranges: str | None
+    silent_s: float | None
+    lease_s: int | None
+
+    @property
+    def abandoned(self) -> bool:
+        return (self.state is TxState.PLANNED and self.silent_s is not None
+                and self.lease_s is not None and self.silent_s > self.lease_s)
+
+
+_HISTORY = """
+    SELECT t.txid, t.attempt, t.state, t.run_id, t.records, t.replayed, t.failed,
+           t.rows_applied, t.committed_at, t.commit_wait_s,
+           (SELECT a.reason FROM transaction_attempts a WHERE a.pipeline = t.pipeline
+            AND a.txid = t.txid AND a.attempt = t.attempt),
+           (SELECT string_agg(format('p%%s:[%%s,%%s)', partition, start_offset, end_offset),
+                              ' ' ORDER BY partition)
+            FROM batch_ranges b WHERE b.pipeline = t.pipeline AND b.txid = t.txid),
+           EXTRACT(EPOCH FROM now() - t.heartbeat_at), t.lease_s
+    FROM transactions t WHERE t.pipeline = %(pipeline)s {where}
+    ORDER BY t.txid DESC LIMIT %(limit)s"""
+
+
+def history(cur, pipeline: str, limit: int = 50, *, open_only: bool = False) -> list[TxRow]:
+    """The last ``limit`` transactions in txid (= commit) order; ``open_only``: uncommitted."""
+    where = "AND t.state <> 'committed'" if open_only else ""
+    cur.execute(_HISTORY.format(where=where), {"pipeline": pipeline, "limit": limit})
+    rows = [TxRow(*row[:2], TxState(row[2]), *row[3:12],
+                  float(row[12]) if row[12] is not None else None, row[13])
+            for row in cur.fetchall()]
+    return sorted(rows, key=lambda r: r.txid)
+
+
+# -- writing --------------------------------------------------------------------------------------
+def insert(cur, pipeline: str, txid: int, run_id: str, *, groups: int, records: int,
+           replayed: int, lease_s: int) -> TransactionAttempt:
+    """A new transaction (attempt 1) and its run mapping."""
+    cur.execute(
+        """INSERT INTO transactions (pipeline, txid, attempt, run_id, groups, records, replayed,
+                                     heartbeat_at, lease_s)
+           VALUES (%s, %s, 1, %s, %s, %s, %s, now(), %s)""",
+        (pipeline, txid, run_id, groups, records, replayed, lease_s),
+    )
+    cur.execute(
+        "INSERT INTO transaction_attempts (pipeline, txid, attempt, run_id) VALUES (%s, %s, 1, %s)",
+        (pipeline, txid, run_id),
+    )
+    map_run(cur, pipeline, run_id, txid)
+    cur.execute("UPDATE pipelines SET next_txid = %s WHERE name = %s", (txid + 1, pipeline))
+    return TransactionAttempt(txid, 1)
+
+
+def store_ranges(cur, pipeline: str, txid: int, topic: str,
+                 ranges: Sequence[tuple[PartitionRange, int]]) -> None:
+    """The offset log's entry for ``txid`` (replacing a re-planned one)."""
+    cur.execute("DELETE FROM batch_ranges WHERE pipeline = %s AND txid = %s", (pipeline, txid))
+    psycopg2.extras.execute_values(
+        cur,
+        """INSERT INTO batch_ranges
+           (pipeline, txid, topic, partition, grp, start_offset, end_offset) VALUES %s""",
+        [(pipeline, txid, topic, r.partition, g, r.start, r.end) for r, g in ranges],
+    )
+    cur.execute(
+        """UPDATE transactions SET records = %s WHERE pipeline = %s AND txid = %s""",
+        (sum(r.size for r, _ in ranges), pipeline, txid),
+    )
+
+
+def new_attempt(cur, pipeline: str, txid: int, run_id: str, *, lease_s: int
+                ) -> tuple[TransactionAttempt, TxState]:
+    """A new attempt of an uncommitted ``txid`` for ``run_id``, fencing the old one. Returns
+    the new attempt and the state the transaction was in."""
+    cur.execute(
+        """SELECT attempt, state, (state = 'planned' AND heartbeat_at <
+                                   now() - make_interval(secs => lease_s))
+           FROM transactions WHERE pipeline = %s AND txid = %s FOR UPDATE""",
+        (pipeline, txid),
+    )
+    old_attempt, old_state, abandoned = cur.fetchone()
+    attempt = TransactionAttempt(txid, old_attempt + 1)
+    end_attempt(cur, pipeline, TransactionAttempt(txid, old_attempt),
+                Outcome.ABANDONED if abandoned else Outcome.FENCED,
+                f"attempt {attempt.attempt} started by run {run_id}")
+    cur.execute(
+        """UPDATE transactions SET attempt = %s, state = 'planned', run_id = %s,
+                  commit_requested_at = NULL, heartbeat_at = now(), lease_s = %s
+           WHERE pipeline = %s AND txid = %s""",
+        (attempt.attempt, run_id, lease_s, pipeline, txid),
+    )
+    cur.execute(
+        """INSERT INTO transaction_attempts (pipeline, txid, attempt, run_id)
+           VALUES (%s, %s, %s, %s)""",
+        (pipeline, txid, attempt.attempt, run_id),
+    )
+    map_run(cur, pipeline, run_id, txid)
+    return attempt, TxState(old_state)
+
+
+def count_replan(cur, pipeline: str, txid: int) -> None:
+    cur.execute("UPDATE transactions SET replans = replans + 1 WHERE pipeline = %s AND txid = %s",
+                (pipeline, txid))
+
+
+def supersede_after(cur, pipeline: str, txid: int, reason: str) -> list[TransactionAttempt]:
+    """Every uncommitted transaction above ``txid`` is superseded (to be planned again)."""
+    cur.execute(
+        """UPDATE transactions SET state = 'superseded'
+           WHERE pipeline = %s AND txid > %s AND state <> 'committed'
+           RETURNING txid, attempt""",
+        (pipeline, txid),
+    )
+    superseded = sorted(TransactionAttempt(t, a) for t, a in cur.fetchall())
+    for ta in superseded:
+        end_attempt(cur, pipeline, ta, Outcome.SUPERSEDED, reason)
+    return superseded
+
+
+def end_attempt(cur, pipeline: str, ta: TransactionAttempt, outcome: Outcome, reason: str
+                ) -> None:
+    cur.execute(
+        """UPDATE transaction_attempts SET outcome = %s, reason = %s, ended_at = now()
+           WHERE pipeline = %s AND txid = %s AND attempt = %s AND outcome IS NULL""",
+        (str(outcome), reason[:2000], pipeline, ta.txid, ta.attempt),
+    )
+
+
+def mark_failed(cur, pipeline: str, ta: TransactionAttempt, reason: str) -> bool:
+    """Mark ``ta``'s transaction failed, so the next run adopts it. Fenced: only the current,
+    uncommitted attempt can be marked. Returns whether it was."""
+    cur.execute(
+        """UPDATE transactions SET state = 'failed'
+           WHERE pipeline = %s AND txid = %s AND attempt = %s AND state = 'planned'""",
+        (pipeline, ta.txid, ta.attempt),
+    )
+    marked = cur.rowcount == 1
+    if marked:
+        end_attempt(cur, pipeline, ta, Outcome.FAILED, reason)
+    return marked
+
+
+def request_commit(cur, pipeline: str, ta: TransactionAttempt) -> None:
+    """The commit of ``ta`` was asked for: its wait is measured from here."""
+    cur.execute(
+        """UPDATE transactions SET commit_requested_at = now(), heartbeat_at = now()
+           WHERE pipeline = %s AND txid = %s AND attempt = %s
+             AND commit_requested_at IS NULL""",
+        (pipeline, ta.txid, ta.attempt),
+    )
+
+
+def mark_committed(cur, pipeline: str, ta: TransactionAttempt, *, rows: int, failed: int
+                   ) -> float:
+    """The commit log's entry: last write of the commit transaction. Returns the wait (s)."""
+    cur.execute(
+        """UPDATE transactions
+           SET state = 'committed', committed_at = now(), rows_applied = %(rows)s,
+               commit_wait_s = EXTRACT(EPOCH FROM now() - commit_requested_at),
+               failed = %(failed)s
+           WHERE pipeline = %(pipeline)s AND txid = %(txid)s
+           RETURNING commit_wait_s""",
+        {"pipeline": pipeline, "txid": ta.txid, "rows": rows, "failed": failed},
+    )
+    waited = cur.fetchone()[0] or 0.0
+    end_attempt(cur, pipeline, ta, Outcome.COMMITTED, "")
+    cur.execute("UPDATE pipelines SET last_committed_txid = %s WHERE name = %s",
+                (ta.txid, pipeline))
+    return float(waited)
+
+
+# -- the offset log's queries ---------------------------------------------------------------------
+def planned_ends(cur, pipeline: str, reset_after_txid: int, before_txid: int | None
+                 ) -> dict[int, int]:
+    """Per partition, the end of the last planned (not superseded) range after the last
+    reset, of txids below ``before_txid`` (all when None)."""
+    cur.execute(
+        """SELECT br.partition, max(br.end_offset) FROM batch_ranges br
+           JOIN transactions t ON t.pipeline = br.pipeline AND t.txid = br.txid
+           WHERE br.pipeline = %(pipeline)s AND t.state <> 'superseded'
+             AND br.txid > %(reset)s AND (%(before)s::bigint IS NULL OR br.txid < %(before)s)
+           GROUP BY br.partition""",
+        {"pipeline": pipeline, "reset": reset_after_txid, "before": before_txid},
+    )
+    return dict(cur.fetchall())
+
+
+def lowest_open_starts(cur, topic: str) -> dict[int, int]:
+    """Per partition of ``topic``, the lowest offset any uncommitted transaction of any
+    pipeline has planned: retention may not delete from there on."""
+    cur.execute(
+        """SELECT br.partition, min(br.start_offset) FROM batch_ranges br
+           JOIN transactions t ON t.pipeline = br.pipeline AND t.txid = br.txid
+           WHERE br.topic = %s AND t.state <> 'committed' AND br.end_offset > br.start_offset
+           GROUP BY br.partition""",
+        (topic,),
+    )
+    return dict(cur.fetchall())
+
+
+def committed_ranges(cur, pipeline: str) -> list[tuple[int, PartitionRange]]:
+    """(txid, range) of every committed transaction after the last reset, in txid order."""
+    cur.execute(
+        """SELECT br.txid, br.partition, br.start_offset, br.end_offset FROM batch_ranges br
+           JOIN transactions t ON t.pipeline = br.pipeline AND t.txid = br.txid
+           JOIN pipelines p ON p.name = br.pipeline
+           WHERE br.pipeline = %s AND t.state = 'committed' AND br.txid > p.reset_after_txid
+             AND br.end_offset > br.start_offset
+           ORDER BY br.txid, br.partition""",
+        (pipeline,),
+    )
+    return [(txid, PartitionRange(p, s, e)) for txid, p, s, e in cur.fetchall()]
+
+
+def committed_txids(cur, pipeline: str) -> list[int]:
+    """Every committed txid after the last reset, in order."""
+    cur.execute(
+        """SELECT t.txid FROM transactions t JOIN pipelines p ON p.name = t.pipeline
+           WHERE t.pipeline = %s AND t.state = 'committed' AND t.txid > p.reset_after_txid
+           ORDER BY t.txid""",
+        (pipeline,),
+    )
+    return [t for (t,) in cur.fetchall()]

@@ -1,0 +1,72 @@
+"""Running transaction DAGs locally, for demos, backfills by hand and tests: find a DAG in a
+DAGs folder, run N runs of it with dag.test() (Spark through spark-submit, as in Airflow),
+with Airflow's and Spark's own output sent to a log file.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import time
+from collections.abc import Mapping
+from contextlib import contextmanager
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+from onceflow.core.errors import ConfigError
+
+
+def load_dag(dags_folder: Path, dag_id: str):
+    """The DAG ``dag_id`` from the DAG files of ``dags_folder``."""
+    from airflow.sdk import DAG
+
+    found = []
+    for path in sorted(Path(dags_folder).glob("*.py")):
+        spec = importlib.util.spec_from_file_location(f"onceflow_dagfile_{path.stem}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        dags = {d.dag_id: d for d in vars(module).values() if isinstance(d, DAG)}
+        dags.update({d.dag_id: d for d in vars(module).get("DAGS", {}).values()})
+        if dag_id in dags:
+            return dags[dag_id]
+        found += dags
+    raise ConfigError(f"dag_id={dag_id!r} is not in {dags_folder} (DAGs there: "
+                      f"{', '.join(sorted(found)) or 'none'})")
+
+
+@contextmanager
+def output_to(path: Path):
+    """Send this process's stdout and stderr (file descriptors too: spark-submit's output,
+    Airflow's task logs) to ``path`` for the duration."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    with open(path, "ab") as log:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            os.close(saved[0])
+            os.close(saved[1])
+
+
+def run_transactions(dag, count: int, conf: Mapping[str, Any], log_file: Path
+                     ) -> list[tuple[str, str, float]]:
+    """Run ``count`` DAG runs one after the other: (run_id, state, seconds) for each."""
+    results = []
+    base = datetime.now(UTC).replace(microsecond=0)
+    for i in range(count):
+        started = time.monotonic()
+        with output_to(log_file):
+            dr = dag.test(logical_date=base + timedelta(seconds=i), run_conf=dict(conf))
+        results.append((dr.run_id, str(dr.state), time.monotonic() - started))
+        print(f"  run {dr.run_id}: {dr.state} in {results[-1][2]:.1f}s", flush=True)
+    return results

@@ -1,0 +1,108 @@
+"""The embedded defaults: one place that sets up Airflow, Spark and PostgreSQL for a project
+folder (the demo, the UI, the tests). Values already in the environment win.
+
+The project folder is ``ONCEFLOW_HOME`` (run.sh sets it to the checkout), else the current
+directory: ``.airflow/``, ``.pgdata/`` and ``.run/`` live there, and its ``dags/`` is the
+DAGs folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from psycopg2.extensions import parse_dsn
+
+
+def project_dir() -> Path:
+    return Path(os.environ.get("ONCEFLOW_HOME") or Path.cwd())
+
+
+def airflow_connection_json(dsn: str) -> str:
+    """An Airflow connection (JSON form: no URI escaping of passwords) for a libpq DSN."""
+    p = parse_dsn(dsn)
+    conn = {
+        "conn_type": "postgres",
+        "host": p.get("host", "127.0.0.1"),
+        "port": int(p.get("port", 5432)),
+        "login": p.get("user"),
+        "password": p.get("password"),
+        "schema": p.get("dbname", "onceflow"),
+    }
+    return json.dumps({k: v for k, v in conn.items() if v is not None})
+
+
+def spark_connection(connect_port: int | None) -> str:
+    """The Airflow connection ``spark_default``: a local Spark Connect server's (the warm
+    Spark), or spark-submit in local mode when ``connect_port`` is None."""
+    if connect_port:
+        return json.dumps({"conn_type": "spark_connect", "host": "127.0.0.1",
+                           "port": connect_port})
+    return json.dumps({"conn_type": "spark", "host": "local[2]"})
+
+
+def airflow_env(root: Path, dsn: str, connect_port: int | None = None) -> dict[str, str]:
+    home = root / ".airflow"
+    return {
+        "AIRFLOW_HOME": str(home),
+        "AIRFLOW__CORE__DAGS_FOLDER": str(root / "dags"),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
+        "AIRFLOW__CORE__PARALLELISM": "4",
+        "AIRFLOW__API__HOST": "127.0.0.1",
+        "AIRFLOW__LOGGING__LOGGING_LEVEL": "INFO",
+        "AIRFLOW_CONN_ONCEFLOW_PG": airflow_connection_json(dsn),
+        "AIRFLOW_CONN_SPARK_DEFAULT": spark_connection(connect_port),
+        "ONCEFLOW_PG_DSN": dsn,
+        "PYSPARK_PYTHON": sys.executable,
+        "PYSPARK_DRIVER_PYTHON": sys.executable,
+        "SPARK_LOG_DIR": str(root / ".run" / "spark-logs"),
+        "ONCEFLOW_HOME": str(root),
+    }
+
+
+def apply_env(env: dict[str, str]) -> None:
+    for key, value in env.items():
+        os.environ.setdefault(key, value)
+    # spark-submit must be found next to this interpreter.
+    bindir = str(Path(sys.executable).parent)
+    if bindir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
+
+
+def airflow_db_ready(root: Path) -> None:
+    """`airflow db migrate` once per Airflow version (a stamp file remembers)."""
+    from importlib.metadata import version
+
+    stamp = Path(os.environ["AIRFLOW_HOME"]) / f".migrated-{version('apache-airflow')}"
+    if stamp.exists():
+        return
+    stamp.parent.mkdir(parents=True, exist_ok=True)
+    print("onceflow: initialising the Airflow metadata database (once)", file=sys.stderr)
+    subprocess.run([sys.executable, "-m", "airflow", "db", "migrate"], check=True,
+                   stdout=subprocess.DEVNULL)
+    stamp.touch()
+
+
+def embedded_env(*, warm_spark: bool = True) -> str:
+    """Find or start PostgreSQL (and, with ``warm_spark``, the local Spark Connect server),
+    and set up the Airflow environment of the project folder (idempotent). Returns the DSN.
+    ONCEFLOW_SPARK=submit chooses spark-submit instead of the warm Spark."""
+    from onceflow.dev.localpg import ensure_postgres
+
+    root = project_dir()
+    dsn, how = ensure_postgres(root)
+    print(f"onceflow: PostgreSQL: using {how}", file=sys.stderr)
+    port = None
+    if warm_spark and os.environ.get("ONCEFLOW_SPARK", "connect") == "connect":
+        from onceflow.dev import localspark
+
+        server = localspark.start()
+        port = server.port
+        print(f"onceflow: Spark: {server.line()}", file=sys.stderr)
+    apply_env(airflow_env(root, dsn, port))
+    airflow_db_ready(root)
+    return os.environ["ONCEFLOW_PG_DSN"]

@@ -1,0 +1,153 @@
+"""A local Spark Connect server: the warm Spark that processing tasks use in local mode.
+
+A JVM and a SparkSession cost 5-6 s to start, a spark-submit of a batch about 12 s; a Spark
+Connect client costs half a second. So in local mode onceflow starts one long-lived Connect
+server (``onceflow spark start``, idempotent; ``status``, ``stop``) and the processing tasks
+are its clients, through an Airflow connection of type ``spark_connect``
+(``spark-connect://127.0.0.1:15002``). A cluster user points that connection at their own
+Connect server, or keeps a ``spark`` connection to submit to a master.
+
+The server runs this interpreter as its Python workers, so every package installed here
+(onceflow, the user's pipelines) is importable there; a pipeline reached only by reference is
+shipped by value with the functions Spark sends (spark_tasks.session.ship_code). Its pid and
+log live in ``$ONCEFLOW_HOME/.run/spark-connect/``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from onceflow.core.errors import ConfigError, Unreachable
+
+DEFAULT_PORT = int(os.environ.get("ONCEFLOW_SPARK_CONNECT_PORT", "15002"))
+SERVER_CLASS = "org.apache.spark.sql.connect.service.SparkConnectServer"
+
+
+@dataclass(frozen=True)
+class ServerStatus:
+    running: bool
+    pid: int | None
+    port: int
+    log: Path
+
+    @property
+    def url(self) -> str:
+        return f"sc://127.0.0.1:{self.port}"
+
+    def line(self) -> str:
+        if self.running:
+            return f"Spark Connect server running at {self.url} (pid {self.pid}, log {self.log})"
+        return f"Spark Connect server not running (would listen at {self.url}; log {self.log})"
+
+
+def _dir(folder: Path | None = None) -> Path:
+    if folder is not None:
+        return Path(folder)
+    from onceflow.dev.localenv import project_dir
+
+    return project_dir() / ".run" / "spark-connect"
+
+
+def _answers(port: int, timeout: float = 0.5) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def _alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    return True
+
+
+def status(port: int = DEFAULT_PORT, *, folder: Path | None = None) -> ServerStatus:
+    folder = _dir(folder)
+    pid_file = folder / f"server-{port}.pid"
+    pid = int(pid_file.read_text()) if pid_file.exists() else None
+    running = _alive(pid) and _answers(port)
+    return ServerStatus(running, pid if _alive(pid) else None, port, folder / f"server-{port}.log")
+
+
+def start(port: int = DEFAULT_PORT, *, master: str | None = None, wait_s: float = 90,
+          driver_memory: str | None = None, folder: Path | None = None) -> ServerStatus:
+    """Start the server unless it runs; wait until it answers. Idempotent. ``folder``: where
+    its pid and log go (default $ONCEFLOW_HOME/.run/spark-connect)."""
+    current = status(port, folder=folder)
+    if current.running:
+        return current
+    if _answers(port):
+        raise ConfigError(f"port {port} is taken by another program: set "
+                          "ONCEFLOW_SPARK_CONNECT_PORT to a free port")
+    from spark_tasks.session import require_java
+
+    require_java()
+    folder = _dir(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    submit = Path(sys.executable).with_name("spark-submit")
+    conf = {
+        "spark.connect.grpc.binding.address": "127.0.0.1",
+        "spark.connect.grpc.binding.port": str(port),
+        "spark.sql.shuffle.partitions": os.environ.get("ONCEFLOW_SHUFFLE_PARTITIONS", "4"),
+        "spark.ui.enabled": "false",
+        "spark.driver.memory": driver_memory or os.environ.get("ONCEFLOW_DRIVER_MEMORY", "2g"),
+        # a long-lived driver: small memory pages and a regular GC free finished batches'
+        # broadcasts (see spark_tasks.session), and forgotten client sessions expire
+        "spark.buffer.pageSize": "4m",
+        "spark.cleaner.periodicGC.interval": "1min",
+        "spark.connect.session.manager.defaultSessionTimeout": "15min",
+    }
+    cmd = [str(submit) if submit.exists() else "spark-submit", "--class", SERVER_CLASS,
+           "--name", "onceflow-spark-connect",
+           "--master", master or os.environ.get("ONCEFLOW_SPARK_MASTER", "local[2]"),
+           *[arg for k, v in conf.items() for arg in ("--conf", f"{k}={v}")]]
+    env = {**os.environ, "PYSPARK_PYTHON": os.environ.get("PYSPARK_PYTHON", sys.executable),
+           "SPARK_LOG_DIR": str(folder)}
+    env.pop("SPARK_CONNECT_MODE_ENABLED", None)
+    env.pop("SPARK_REMOTE", None)
+    log = folder / f"server-{port}.log"
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True, stdin=subprocess.DEVNULL)
+    (folder / f"server-{port}.pid").write_text(str(proc.pid))
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        if _answers(port):
+            return status(port, folder=folder)
+        if proc.poll() is not None:
+            break
+        time.sleep(0.3)
+    tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+    proc.kill()
+    raise Unreachable(f"the Spark Connect server did not start on port {port} within "
+                      f"{wait_s:.0f}s; its log ({log}) ends:\n{tail}")
+
+
+def stop(port: int = DEFAULT_PORT, wait_s: float = 30, *, folder: Path | None = None) -> bool:
+    """Stop the server (SIGTERM, then SIGKILL). Returns whether one was running."""
+    current = status(port, folder=folder)
+    if current.pid is None:
+        return False
+    try:
+        os.killpg(current.pid, signal.SIGTERM)
+    except OSError:
+        os.kill(current.pid, signal.SIGTERM)
+    deadline = time.monotonic() + wait_s
+    while _alive(current.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if _alive(current.pid):
+        os.killpg(current.pid, signal.SIGKILL)
+    (_dir(folder) / f"server-{port}.pid").unlink(missing_ok=True)
+    return True

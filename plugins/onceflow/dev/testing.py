@@ -1,0 +1,180 @@
+"""A pytest plugin for testing pipelines against the real services: a real PostgreSQL (one
+fresh database per test, cloned from a migrated template), one local SparkSession for the
+whole run, and an Airflow home of the run's own. Use it with ``-p onceflow.dev.testing`` (or
+``pytest_plugins = ["onceflow.dev.testing"]`` in a conftest.py).
+
+Fixtures: ``dsn`` (a fresh migrated database; also ONCEFLOW_PG_DSN and the Airflow connection
+onceflow_pg for the test), ``conn`` (a connection to it), ``second_dsn`` (an empty second
+database), ``spark`` (the shared session), ``airflow_db`` (Airflow's metadata database,
+migrated once), ``server_dsn`` (the server's DSN).
+
+The PostgreSQL is found as everywhere (onceflow.dev.localpg): ONCEFLOW_PG_DSN, the server on
+127.0.0.1:5432, or a private cluster started for the project folder.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import tempfile
+from contextlib import contextmanager
+
+import psycopg2
+import pytest
+from psycopg2 import sql
+
+from onceflow.core import db
+
+_state: dict = {}
+_counter = itertools.count()
+
+
+def pytest_configure(config) -> None:
+    """Before anything imports Airflow: PostgreSQL found, an Airflow home of this run's own."""
+    from onceflow.dev.localenv import airflow_env, apply_env, project_dir
+    from onceflow.dev.localpg import ensure_postgres
+
+    root = project_dir()
+    server, how = ensure_postgres(root)
+    home = tempfile.mkdtemp(prefix="onceflow-airflow-")
+    os.environ["AIRFLOW_HOME"] = home
+    apply_env(airflow_env(root, server))
+    # One template per run: runs may overlap on one server.
+    _state.update(server=server, how=how, home=home, root=root,
+                  template=f"onceflow_test_template_{os.getpid()}")
+    # py4j logs "Closing down clientserver connection" from __del__ after pytest closed its
+    # streams.
+    logging.getLogger("py4j").setLevel(logging.WARNING)
+
+
+def pytest_report_header(config):
+    return f"onceflow: PostgreSQL from {_state['how']}; AIRFLOW_HOME={_state['home']}"
+
+
+def _admin():
+    conn = psycopg2.connect(db.with_database(_state["server"], "postgres"))
+    conn.autocommit = True
+    return conn
+
+
+def _exec(admin, statement: str, *names: str) -> None:
+    with admin.cursor() as cur:
+        cur.execute(sql.SQL(statement).format(*map(sql.Identifier, names)))
+
+
+@pytest.fixture(scope="session")
+def server_dsn() -> str:
+    return _state["server"]
+
+
+@pytest.fixture(scope="session")
+def template_db():
+    """A database with every migration applied; each test's database is a copy of it."""
+    template = _state["template"]
+    admin = _admin()
+    _exec(admin, "DROP DATABASE IF EXISTS {} WITH (FORCE)", template)
+    _exec(admin, "CREATE DATABASE {}", template)
+    conn = db.connect(db.with_database(_state["server"], template))
+    db.migrate(conn)
+    conn.close()
+    yield template
+    _exec(admin, "DROP DATABASE IF EXISTS {} WITH (FORCE)", template)
+    admin.close()
+
+
+@contextmanager
+def fresh_database(prefix: str, template: str | None = None):
+    """A new database (a copy of ``template`` if given), dropped afterwards. Yields its DSN."""
+    name = f"{prefix}{os.getpid()}_{next(_counter)}"
+    admin = _admin()
+    _exec(admin, "DROP DATABASE IF EXISTS {} WITH (FORCE)", name)
+    if template:
+        _exec(admin, "CREATE DATABASE {} TEMPLATE {}", name, template)
+    else:
+        _exec(admin, "CREATE DATABASE {}", name)
+    try:
+        yield db.with_database(_state["server"], name)
+    finally:
+        _exec(admin, "DROP DATABASE IF EXISTS {} WITH (FORCE)", name)
+        admin.close()
+
+
+@pytest.fixture
+def dsn(template_db, monkeypatch):
+    """A fresh, migrated database for this test; also what the Airflow connection points at."""
+    from onceflow.dev.localenv import airflow_connection_json
+
+    with fresh_database("onceflow_t", template_db) as test_dsn:
+        monkeypatch.setenv("ONCEFLOW_PG_DSN", test_dsn)
+        monkeypatch.setenv("AIRFLOW_CONN_ONCEFLOW_PG", airflow_connection_json(test_dsn))
+        yield test_dsn
+
+
+@pytest.fixture
+def second_dsn(template_db):
+    """An empty second database: a state kept outside the coordinator's database."""
+    with fresh_database("onceflow_s") as second:
+        yield second
+
+
+@pytest.fixture
+def conn(dsn):
+    c = db.connect(dsn)
+    yield c
+    c.close()
+
+
+@pytest.fixture(scope="session")
+def spark():
+    """One local SparkSession for every test that calls the processing phase directly."""
+    from spark_tasks.session import get_spark
+
+    session = get_spark("onceflow-tests", master="local[2]")
+    session.sparkContext.setLogLevel("WARN")
+    yield session
+    session.stop()
+
+
+@pytest.fixture(scope="session")
+def airflow_db():
+    """Airflow's metadata database (SQLite in the run's AIRFLOW_HOME), migrated once."""
+    from onceflow.dev.localenv import airflow_db_ready
+
+    airflow_db_ready(_state["root"])
+    return _state["home"]
+
+
+@pytest.fixture(scope="session")
+def spark_connect_server(tmp_path_factory):
+    """A Spark Connect server of this run's own (local mode, a free port): the warm Spark
+    that processing tasks reach through a ``spark_connect`` connection. Yields its port."""
+    import socket
+
+    from onceflow.dev import localspark
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    folder = tmp_path_factory.mktemp("spark-connect")
+    localspark.start(port, driver_memory="1g", folder=folder)
+    yield port
+    localspark.stop(port, folder=folder)
+
+
+@pytest.fixture
+def warm_spark(spark_connect_server, monkeypatch):
+    """Processing tasks of this test run on the warm Spark (the Airflow connection
+    spark_default becomes the Connect server's)."""
+    from onceflow.dev.localenv import spark_connection
+
+    monkeypatch.setenv("AIRFLOW_CONN_SPARK_DEFAULT", spark_connection(spark_connect_server))
+    return spark_connect_server
+
+
+@pytest.fixture
+def spark_submit(monkeypatch):
+    """Processing tasks of this test run by spark-submit in local mode."""
+    from onceflow.dev.localenv import spark_connection
+
+    monkeypatch.setenv("AIRFLOW_CONN_SPARK_DEFAULT", spark_connection(None))

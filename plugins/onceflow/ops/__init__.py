@@ -1,0 +1,2 @@
+"""Operations: the `onceflow` command and what it runs (status, verify, backfill, retention,
+repair)."""

@@ -1,0 +1,441 @@
+"""The `onceflow` command.
+
+Exit codes: 0 done; 1 a failure (verify found a mismatch, a run failed); 2 a usage or
+configuration error (a bad argument, an unknown pipeline, a database that does not answer),
+always with one line saying what to change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+
+from onceflow.core import db
+from onceflow.core.errors import OnceflowError, Permanent
+
+EPILOG = """\
+Pipelines are found by entry point (group onceflow.pipelines) and by module:attribute
+references in ONCEFLOW_PIPELINES or --pipelines.
+PostgreSQL: ONCEFLOW_PG_DSN (default postgresql://postgres@127.0.0.1:5432/onceflow);
+`onceflow pg` finds or starts a local one. `onceflow COMMAND --help` explains each command.
+"""
+
+
+class Progress:
+    """Progress of long work: a live line on a terminal, plain lines otherwise."""
+
+    def __init__(self, what: str) -> None:
+        self.what, self.started = what, time.monotonic()
+        self.tty = sys.stderr.isatty()
+
+    def __call__(self, text: str) -> None:
+        elapsed = time.monotonic() - self.started
+        line = f"{self.what}: {text} ({elapsed:.1f}s)"
+        if self.tty:
+            print("\r\033[K" + line, end="", file=sys.stderr, flush=True)
+        else:
+            print(line, file=sys.stderr, flush=True)
+
+    def done(self) -> None:
+        if self.tty:
+            print(file=sys.stderr)
+
+
+# -- arguments ------------------------------------------------------------------------------------
+def _refs(args) -> tuple[str, ...]:
+    return tuple(getattr(args, "pipelines", None) or ())
+
+
+def _known(args) -> dict:
+    from onceflow.core.registry import pipelines
+
+    return pipelines(_refs(args))
+
+
+def _pipeline(args):
+    """The pipeline --pipeline names; without it, the only registered one."""
+    from onceflow.core.errors import ConfigError
+    from onceflow.core.registry import get_pipeline
+
+    name = getattr(args, "pipeline", None)
+    if name is None:
+        known = _known(args)
+        if len(known) != 1:
+            raise ConfigError(
+                "--pipeline is needed: " + (f"choose one of {', '.join(sorted(known))}" if known
+                                            else "no pipeline is registered (entry point "
+                                                 "onceflow.pipelines, ONCEFLOW_PIPELINES or "
+                                                 "--pipelines MODULE:ATTR)"))
+        return next(iter(known.values()))
+    return get_pipeline(name, _refs(args))
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative: give 0 or more")
+    return value
+
+
+def _positive(text: str) -> int:
+    value = _non_negative(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("0: give 1 or more")
+    return value
+
+
+# -- commands -------------------------------------------------------------------------------------
+def cmd_pg(args) -> int:
+    from onceflow.dev.localenv import project_dir
+    from onceflow.dev.localpg import ensure_postgres, private_data_dir, stop_private
+
+    if args.stop:
+        stop_private(private_data_dir(project_dir()))
+        return 0
+    dsn, how = ensure_postgres(project_dir())
+    print(f"onceflow: using {how}", file=sys.stderr)
+    print(dsn)
+    return 0
+
+
+def cmd_init(args) -> int:
+    from onceflow.core.registration import external_dsns, register
+    from onceflow.core.stateful import check_state_config
+
+    dsn = db.dsn_from_env()
+    if db.ensure_database(dsn):
+        print(f"created database {db.database_name(dsn)}")
+    chosen = [_pipeline(args)] if args.pipeline else list(_known(args).values())
+    with db.connection(dsn) as conn:
+        applied = db.migrate(conn)
+        print(f"migrations applied: {', '.join(applied) if applied else 'none (up to date)'}")
+        for pipeline in chosen:
+            instance = register(conn, pipeline, external_dsns(pipeline), create_source=True)
+            check_state_config(pipeline, dsn)
+            print(f"pipeline {pipeline.name} ready ({pipeline.source.describe()}, instance "
+                  f"{instance})")
+    if not chosen:
+        print("no pipeline is registered yet: see `onceflow pipelines`")
+    return 0
+
+
+def cmd_pipelines(args) -> int:
+    known = _known(args)
+    if not known:
+        print("no pipeline is registered: add an entry point in the group onceflow.pipelines, "
+              "or set ONCEFLOW_PIPELINES=package.module:attribute (or --pipelines)")
+    for name, p in sorted(known.items()):
+        states = ", ".join(s.table for s in p.states)
+        print(f"{name}: {p.source.describe()} -> {states} ({p.mode}, batch {p.batch_size}; "
+              f"from {p.ref})")
+    return 0
+
+
+def _lines(path: str):
+    stream = sys.stdin if path == "-" else open(path, encoding="utf-8")  # noqa: SIM115
+    try:
+        for line in stream:
+            yield line.rstrip("\n")
+    finally:
+        if stream is not sys.stdin:
+            stream.close()
+
+
+def cmd_produce(args) -> int:
+    pipeline = _pipeline(args)
+    if args.file != "-" and not os.path.isfile(args.file):
+        from onceflow.core.errors import ConfigError
+
+        raise ConfigError(f"--file={args.file!r} does not exist: give a file with one payload "
+                          "per line, or - for standard input")
+    progress = Progress(f"produce {pipeline.topic}")
+    with db.connection() as conn:
+        started = time.monotonic()
+        n = pipeline.source.append(conn, _lines(args.file),
+                                   progress=lambda total: progress(f"{total} records"))
+    progress.done()
+    print(f"produced {n} records to {pipeline.source.describe()} in "
+          f"{time.monotonic() - started:.1f}s")
+    return 0
+
+
+def cmd_status(args) -> int:
+    from onceflow.ops.status import pipeline_status, render
+
+    pipeline = _pipeline(args)
+    with db.connection() as conn, conn.cursor() as cur:
+        status = pipeline_status(cur, pipeline.source, pipeline.name, args.limit,
+                                 all_dead=args.all)
+    if args.json:
+        print(status.as_json())
+    else:
+        print("\n".join(render(status)))
+    return 0
+
+
+def cmd_verify(args) -> int:
+    from onceflow.core.registration import external_dsns
+    from onceflow.ops import verify
+
+    pipeline = _pipeline(args)
+    dsn = db.dsn_from_env()
+    with db.connection(dsn) as conn:
+        if args.recount:
+            report = verify.recount(conn, pipeline, external_dsns(pipeline))
+        else:
+            from spark_tasks.session import get_spark
+
+            progress = Progress(f"verify {pipeline.name}")
+            progress("starting Spark")
+            spark = get_spark("onceflow-verify")
+            report = verify.rerun(conn, dsn, pipeline, spark,
+                                  state_dsns=external_dsns(pipeline), progress=progress)
+            progress.done()
+    for mismatch in report.mismatches:
+        print("  " + mismatch)
+    print(report.line())
+    return 0 if report.ok else 1
+
+
+def cmd_reset(args) -> int:
+    from onceflow.core.registration import reset_offsets
+
+    pipeline = _pipeline(args)
+    if not args.force_from_start:
+        print("onceflow reset: nothing done: pass --force-from-start to forget the committed "
+              "offsets (records are read again and counted again)", file=sys.stderr)
+        return 2
+    with db.connection() as conn:
+        instance = reset_offsets(conn, pipeline)
+    print(f"pipeline {pipeline.name}: offsets forgotten, new instance {instance}")
+    return 0
+
+
+def _source_of_topic(args, topic: str):
+    from onceflow.core.errors import ConfigError
+    from onceflow.sources import catalog
+    from onceflow.sources.pglog import PostgresLog
+
+    for p in _known(args).values():
+        if p.topic == topic:
+            return p.source
+    with db.connection() as conn, conn.cursor() as cur:
+        topics = catalog.topics(cur)
+    if topic not in topics:
+        raise ConfigError(f"--topic={topic!r} is unknown: known topics are "
+                          f"{', '.join(topics) or 'none'}")
+    return PostgresLog(topic=topic)
+
+
+def cmd_retention(args) -> int:
+    from onceflow.ops import retention
+
+    source = _source_of_topic(args, args.topic)
+    by_name = {p.name: p for p in _known(args).values()}
+    with db.connection() as conn:
+        plan = retention.apply(conn, source, args.before, partition=args.partition,
+                               force=args.force, dry_run=args.dry_run, pipelines=by_name)
+    print("\n".join(plan.lines()))
+    if args.dry_run:
+        print(f"dry run: nothing deleted ({plan.deletes} records would go)")
+    else:
+        print(f"deleted {plan.deletes} records of topic {source.topic}")
+    return 0
+
+
+def cmd_backfill(args) -> int:
+    from onceflow.ops.backfill import backfill
+
+    pipeline = _pipeline(args)
+    dag_id = args.dag_id or f"onceflow_{pipeline.name}"
+    load = None
+    if args.via == "local" and not args.dry_run:
+        from onceflow.dev.demo import load_dag
+        from onceflow.dev.localenv import embedded_env, project_dir
+
+        embedded_env()
+
+        def load():
+            return load_dag(project_dir() / "dags", dag_id)
+    with db.connection() as conn:
+        done = backfill(conn, pipeline.name, dag_id, args.via, args.dry_run, load)
+    return 0 if all(state in ("success", "queued") for _, _, state in done) else 1
+
+
+def cmd_replay_dead_letters(args) -> int:
+    from onceflow.core import txlog
+    from onceflow.core.backflow import replay_dead_letters
+    from onceflow.core.db import transaction
+    from onceflow.core.errors import ConfigError
+
+    pipeline = _pipeline(args)
+    positions = None
+    if args.record:
+        positions = []
+        for item in args.record:
+            partition, _, offset = item.partition(":")
+            if not (partition.isdigit() and offset.isdigit()):
+                raise ConfigError(f"--record={item!r} is invalid: give PARTITION:OFFSET, "
+                                  "e.g. --record 2:1041 (see `onceflow status`)")
+            positions.append((int(partition), int(offset)))
+    if positions is None and args.error_contains is None and not args.all:
+        raise ConfigError("nothing chosen: pass --record P:O (repeatable), --error-contains "
+                          "TEXT, or --all")
+    with db.connection() as conn, transaction(conn) as cur:
+        txlog.lock_pipeline(cur, pipeline.name)
+        n = replay_dead_letters(cur, pipeline.name, positions=positions,
+                                error_contains=args.error_contains)
+    print(f"put {n} dead letter(s) of {pipeline.name} back in the backflow from-queue: the "
+          "next transactions replay them")
+    return 0
+
+
+def cmd_repair(args) -> int:
+    from onceflow.ops.repair import repair
+
+    pipeline = _pipeline(args)
+    with db.connection() as conn:
+        report = repair(conn, pipeline, apply=args.yes)
+    print("\n".join(report.lines()))
+    return 0
+
+
+def cmd_spark(args) -> int:
+    from onceflow.dev import localspark
+
+    args.port = args.port or localspark.DEFAULT_PORT
+    if args.action == "start":
+        print(f"starting a Spark Connect server on 127.0.0.1:{args.port}...", file=sys.stderr)
+        print(localspark.start(args.port).line())
+    elif args.action == "stop":
+        stopped = localspark.stop(args.port)
+        print("stopped" if stopped else "not running")
+    else:
+        current = localspark.status(args.port)
+        print(current.line())
+        return 0 if current.running else 1
+    return 0
+
+
+def cmd_ui(args) -> int:
+    from onceflow.dev.localenv import embedded_env, project_dir
+
+    embedded_env()
+    cmd_init(argparse.Namespace(pipeline=None, pipelines=_refs(args)))
+    home = os.environ["AIRFLOW_HOME"]
+    print(f"Airflow UI: http://127.0.0.1:8080  user admin, password in "
+          f"{home}/simple_auth_manager_passwords.json.generated")
+    print(f"DAGs folder {project_dir() / 'dags'}; stop with Ctrl-C")
+    sys.stdout.flush()
+    os.execvp("airflow", ["airflow", "standalone"])
+    return 0  # not reached
+
+
+# -- the parser -----------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="onceflow",
+        description="Exactly-once batch transactions on Airflow, Spark and PostgreSQL.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
+    parser.add_argument("--pipelines", action="append", metavar="MODULE:ATTR",
+                        help="also load pipelines from this reference (repeatable)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add(name, func, help_text, pipeline: bool = True):
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(func=func)
+        if pipeline:
+            p.add_argument("--pipeline", metavar="NAME",
+                           help="the pipeline (default: the only registered one)")
+        return p
+
+    p = add("pg", cmd_pg, "find or start PostgreSQL and print its DSN", pipeline=False)
+    p.add_argument("--stop", action="store_true", help="stop the private cluster in .pgdata/")
+    add("init", cmd_init, "create the database, apply migrations, register pipelines and "
+        "create their sources (default: every registered pipeline)")
+    add("pipelines", cmd_pipelines, "list the registered pipelines and where they come from",
+        pipeline=False)
+    p = add("produce", cmd_produce, "append records (one payload per line) to a pipeline's "
+            "source, when onceflow keeps it (PostgreSQL log, file segments)")
+    p.add_argument("--file", default="-", metavar="FILE",
+                   help="read payloads from FILE, one per line (default: standard input)")
+    p = add("status", cmd_status, "transactions in commit order, what holds up open ones, "
+            "partition offsets and lag, gaps, backflow queues, dead letters")
+    p.add_argument("--limit", type=_positive, default=20, help="last N transactions (20)")
+    p.add_argument("--json", action="store_true", help="print it as JSON")
+    p.add_argument("--all", action="store_true", help="list every dead letter")
+    p = add("verify", cmd_verify, "check the committed state: re-run the topology over every "
+            "committed batch and compare (exit 1 on a mismatch)")
+    p.add_argument("--recount", action="store_true",
+                   help="compare with the pipeline's own recount function instead")
+    p = add("reset", cmd_reset,
+            "forget a pipeline's committed offsets: partitions start again by start_policy")
+    p.add_argument("--force-from-start", action="store_true", help="yes, really")
+    p = add("retention", cmd_retention, "delete a topic's records below an offset, only what "
+            "every pipeline has committed unless --force", pipeline=False)
+    p.add_argument("--topic", required=True, help="the topic")
+    p.add_argument("--before", type=_non_negative, required=True,
+                   help="first offset to keep")
+    p.add_argument("--partition", type=_non_negative, help="only this partition (default: all)")
+    p.add_argument("--force", action="store_true",
+                   help="also delete records a pipeline has not read (recorded as gaps)")
+    p.add_argument("--dry-run", action="store_true", help="only say what would go")
+    p = add("backfill", cmd_backfill, "re-run failed, superseded and abandoned transactions "
+            "in txid order (DAG runs with conf txid)")
+    p.add_argument("--dag-id", help="the pipeline's DAG (default onceflow_<pipeline>)")
+    p.add_argument("--via", choices=("airflow", "local"), default="airflow",
+                   help="airflow: queue runs for the scheduler (airflow dags trigger); "
+                        "local: run them here one by one with dag.test() (default airflow)")
+    p.add_argument("--dry-run", action="store_true", help="only list what would be re-run")
+    p = add("replay-dead-letters", cmd_replay_dead_letters,
+            "put chosen dead letters back in the backflow queue (after fixing their cause)")
+    p.add_argument("--record", action="append", metavar="P:O",
+                   help="the dead letter at partition P, offset O (repeatable)")
+    p.add_argument("--error-contains", metavar="TEXT",
+                   help="the dead letters with TEXT in any of their errors")
+    p.add_argument("--all", action="store_true", help="every dead letter of the pipeline")
+    p = add("repair", cmd_repair, "find what a crash left inconsistent and say what would fix "
+            "it; --yes fixes it")
+    p.add_argument("--yes", action="store_true", help="do the repairs")
+    p = add("spark", cmd_spark, "start, stop or check the local Spark Connect server (the warm "
+            "Spark processing tasks use in local mode)", pipeline=False)
+    p.add_argument("action", choices=("start", "stop", "status"))
+    p.add_argument("--port", type=_positive, default=None,
+                   help="its port (default ONCEFLOW_SPARK_CONNECT_PORT or 15002)")
+    add("ui", cmd_ui, "start the Airflow UI (airflow standalone on 127.0.0.1:8080) with the "
+        "embedded defaults", pipeline=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.pipelines:
+        os.environ["ONCEFLOW_PIPELINES"] = ",".join(
+            filter(None, [os.environ.get("ONCEFLOW_PIPELINES"), *args.pipelines]))
+        args.pipelines = ()
+    try:
+        return args.func(args)
+    except Permanent as error:
+        print(f"onceflow {args.command}: error: {error}", file=sys.stderr)
+        return 2
+    except OnceflowError as error:
+        print(f"onceflow {args.command}: failed: {type(error).__name__}: {error}",
+              file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"onceflow {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,151 @@
+"""`onceflow repair`: find what a crash (or a hand in the database) left inconsistent, say what
+would fix it, and fix it when asked (``--yes``). Everything is also fixed by the normal path
+(the next run adopts abandoned and failed txids; commits clean their staging): repair is for
+doing it now, and for the coordinator row, which nothing else rewrites.
+
+Checks, under the coordinator row's lock, in one PostgreSQL transaction:
+
+- the coordinator row is missing (removed by hand): made again from the transaction log
+  (next txid after the highest one, last committed = the highest txid below which every
+  txid committed, the instance id of the committed offsets);
+- ``last_committed_txid`` or ``next_txid`` disagree with the transaction log (tampering):
+  set from it;
+- planned transactions whose run stopped reporting (abandoned): marked failed, so that
+  `onceflow backfill` (or the next run) re-runs them;
+- staging left by attempts that can never commit (committed, failed, superseded or fenced):
+  deleted;
+- backflow claims held by transactions that are not planned any more: released.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass, field
+
+from onceflow.core import backflow, staging, txlog
+from onceflow.core.db import transaction
+from onceflow.core.pipeline import Pipeline
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Finding:
+    problem: str
+    action: str
+
+
+@dataclass
+class RepairReport:
+    pipeline: str
+    applied: bool
+    findings: list[Finding] = field(default_factory=list)
+
+    def lines(self) -> list[str]:
+        if not self.findings:
+            return [f"repair {self.pipeline}: nothing to repair"]
+        head = "repaired" if self.applied else "would repair (pass --yes to do it)"
+        out = [f"repair {self.pipeline}: {head}:"]
+        for f in self.findings:
+            out += [f"  - {f.problem}", f"    {'did' if self.applied else 'will'}: {f.action}"]
+        return out
+
+
+def _contiguous_committed(cur, pipeline: str) -> int:
+    cur.execute(
+        """SELECT coalesce(min(txid) - 1, (SELECT coalesce(max(txid), 0) FROM transactions
+                                           WHERE pipeline = %(p)s))
+           FROM transactions WHERE pipeline = %(p)s AND state <> 'committed'""",
+        {"p": pipeline},
+    )
+    return cur.fetchone()[0]
+
+
+def repair(conn, pipeline: Pipeline, *, apply: bool = False) -> RepairReport:
+    report = RepairReport(pipeline.name, apply)
+    name = pipeline.name
+    with transaction(conn) as cur:
+        cur.execute("SELECT coalesce(max(txid), 0) FROM transactions WHERE pipeline = %s",
+                    (name,))
+        highest = cur.fetchone()[0]
+        contiguous = _contiguous_committed(cur, name)
+        cur.execute("SELECT next_txid, last_committed_txid FROM pipelines WHERE name = %s "
+                    "FOR UPDATE", (name,))
+        row = cur.fetchone()
+        if row is None:
+            cur.execute("""SELECT instance_id FROM partition_offsets WHERE pipeline = %s
+                           ORDER BY updated_at DESC LIMIT 1""", (name,))
+            found = cur.fetchone()
+            instance = str(found[0]) if found else str(uuid.uuid4())
+            report.findings.append(Finding(
+                "the coordinator row is missing",
+                f"make it again: next txid {highest + 1}, last committed {contiguous}, "
+                f"instance {instance}"))
+            if apply:
+                cur.execute(
+                    """INSERT INTO pipelines (name, instance_id, topic, mode, next_txid,
+                                              last_committed_txid)
+                       VALUES (%s, %s, %s, %s, %s, %s)""",
+                    (name, instance, pipeline.topic, pipeline.mode, highest + 1, contiguous))
+                backflow.ensure_pointers(cur, name)
+        else:
+            next_txid, last = row
+            if next_txid <= highest:
+                report.findings.append(Finding(
+                    f"next_txid is {next_txid} but txid {highest} exists",
+                    f"set next_txid to {highest + 1}"))
+                if apply:
+                    cur.execute("UPDATE pipelines SET next_txid = %s WHERE name = %s",
+                                (highest + 1, name))
+            if last != contiguous:
+                report.findings.append(Finding(
+                    f"last_committed_txid is {last} but the transaction log says {contiguous}",
+                    f"set last_committed_txid to {contiguous}"))
+                if apply:
+                    cur.execute("UPDATE pipelines SET last_committed_txid = %s WHERE name = %s",
+                                (contiguous, name))
+        for tx in txlog.history(cur, name, 10_000, open_only=True):
+            if tx.abandoned:
+                report.findings.append(Finding(
+                    f"txid {tx.txid} attempt {tx.attempt} is planned but its run {tx.run_id} "
+                    f"has not reported for {tx.silent_s:.0f}s (lease {tx.lease_s}s)",
+                    f"mark it failed: `onceflow backfill --pipeline {name}` or the next run "
+                    "re-runs it"))
+                if apply:
+                    txlog.mark_failed(cur, name, txlog.TransactionAttempt(tx.txid, tx.attempt),
+                                      "abandoned: marked failed by onceflow repair")
+        cur.execute(
+            """SELECT DISTINCT g.txid, g.attempt FROM staged_groups g
+               LEFT JOIN transactions t ON t.pipeline = g.pipeline AND t.txid = g.txid
+               WHERE g.pipeline = %s AND (t.txid IS NULL OR t.state <> 'planned'
+                                          OR t.attempt <> g.attempt)
+               ORDER BY 1, 2""",
+            (name,),
+        )
+        for txid, attempt in cur.fetchall():
+            report.findings.append(Finding(
+                f"staging of txid {txid} attempt {attempt} can never commit",
+                "delete it"))
+            if apply:
+                staging.delete_staging(cur, name, txid, attempt=attempt)
+        cur.execute(
+            """SELECT DISTINCT b.claimed_txid FROM backflow_items b
+               LEFT JOIN transactions t ON t.pipeline = b.pipeline AND t.txid = b.claimed_txid
+               WHERE b.pipeline = %s AND b.claimed_txid IS NOT NULL
+                 AND (t.txid IS NULL OR t.state IN ('committed', 'superseded'))""",
+            (name,),
+        )
+        stale = [t for (t,) in cur.fetchall()]
+        if stale:
+            report.findings.append(Finding(
+                f"backflow items are claimed by txids {stale}, which will never read them",
+                "release the claims (the items are replayed by a later txid)"))
+            if apply:
+                backflow.release_claims(cur, name, stale)
+        if not apply:
+            conn.rollback()
+    for f in report.findings:
+        log.warning("REPAIR pipeline=%s %s: %s -> %s", name,
+                    "done" if apply else "found", f.problem, f.action)
+    return report

@@ -1,0 +1,111 @@
+"""The Source interface: all the engine asks of a source.
+
+A source is a partitioned, offset-addressed, replayable log (Storm's opaque partitioned
+spout, Spark's ``Source``). The planner, the partition offsets, the commit and verify work on
+``(partition, [start, end))`` ranges only; what a source is made of stays behind this class:
+
+- ``positions(cur)``: per partition ``(log_start, head)``. Offsets below ``head`` are final:
+  nothing can appear below it later (a PostgreSQL log hands out offsets under a lock; a table
+  source chooses a bound no open writer can fall under). Below ``log_start`` retention deleted.
+- ``read(spark, dsn, ranges)``: the records of the ranges as a DataFrame with columns
+  ``partition``, ``offset`` and the source's record columns (``record_ddl``). Repeatable: the
+  same ranges give the same records, so a replay of a txid reads exactly its batch. A range
+  that cannot be read whole raises SourceShortfall; nothing is silently short.
+- ``payloads(conn, ranges)``: the same records in Python, ``(partition, offset, payload)``
+  (the verify oracle and retention use it).
+- ``first_at(cur, partition, when)``: where a ``timestamp:`` start policy starts.
+- ``ensure(conn, create=)``: the source exists (``create``: make it, e.g. a topic's partitions).
+- ``retain(cur, below)``: delete what lies below per-partition offsets (retention), optional;
+  ``append(conn, payloads)``: add records, for logs onceflow itself keeps, optional.
+
+Adding a source is one new module implementing this class; no engine module changes.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from typing import TYPE_CHECKING, ClassVar
+
+from onceflow.core.errors import ConfigError
+from onceflow.core.planner import PartitionRange
+
+if TYPE_CHECKING:  # pyspark is imported only where a batch is read
+    from pyspark.sql import DataFrame, SparkSession
+
+RECORD_KEYS = "partition int, offset long"
+MAX_RECORD_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True)
+class Position:
+    log_start: int  # the first offset still held (retention deleted below it)
+    head: int  # one past the last final offset
+
+    @property
+    def available(self) -> int:
+        return self.head - self.log_start
+
+
+@dataclass(frozen=True, kw_only=True)
+class Source(ABC):
+    """A partitioned, offset-addressed, replayable source (see the module docstring).
+
+    Every source has a ``topic`` (a field or a property): the name the coordinator stores for
+    it, so that a pipeline never silently switches to another source.
+    """
+
+    kind: ClassVar[str]
+    # The record's columns besides partition and offset, as Spark DDL.
+    record_ddl: ClassVar[str] = "payload string"
+    topic: str
+
+    max_record_bytes: int = MAX_RECORD_BYTES
+
+    def validate(self) -> None:
+        if not isinstance(self.max_record_bytes, int) or self.max_record_bytes <= 0:
+            raise ConfigError(f"source.max_record_bytes={self.max_record_bytes!r} is invalid: "
+                              "give a positive number of bytes")
+
+    @abstractmethod
+    def ensure(self, conn, *, create: bool = False) -> None:
+        """Check the source exists; ``create``: make it if it does not."""
+
+    @abstractmethod
+    def positions(self, cur) -> dict[int, Position]:
+        """``partition -> Position`` for every partition, in one query where possible."""
+
+    def first_at(self, cur, partition: int, when: datetime, position: Position) -> int:
+        raise ConfigError(f"start_policy='timestamp:...' is not supported by a {self.kind} "
+                          "source: use earliest or latest")
+
+    @abstractmethod
+    def read(self, spark: SparkSession, dsn: str, ranges: Iterable[PartitionRange]
+             ) -> DataFrame:
+        """The records of ``ranges`` (partition, offset, record columns)."""
+
+    @abstractmethod
+    def payloads(self, conn, ranges: Iterable[PartitionRange]
+                 ) -> Iterator[tuple[int, int, str]]:
+        """``(partition, offset, payload)`` of every record in ``ranges``, in Python, inside
+        the caller's transaction on ``conn`` (never committed here)."""
+
+    def payloads_at(self, cur, positions: Iterable[tuple[int, int]]
+                    ) -> dict[tuple[int, int], str]:
+        """The payloads at some (partition, offset) positions: the batch's failed records,
+        for the backflow. Few: this default reads them one offset at a time."""
+        ranges = [PartitionRange(p, o, o + 1) for p, o in sorted(set(positions))]
+        return {(p, o): payload for p, o, payload in self.payloads(cur.connection, ranges)}
+
+    def retain(self, cur, below: Mapping[int, int]) -> int:
+        raise ConfigError(f"retention is not supported by a {self.kind} source "
+                          f"(topic {self.topic!r})")
+
+    def append(self, conn, payloads: Iterable[str]) -> int:
+        raise ConfigError(f"a {self.kind} source (topic {self.topic!r}) is not written by "
+                          "onceflow: add records where the source lives")
+
+    def describe(self) -> str:
+        return f"{self.kind} source {self.topic!r}"

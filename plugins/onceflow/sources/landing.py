@@ -1,0 +1,362 @@
+"""A landing folder: files dropped into a directory are the source, in arrival order.
+
+JSON-lines or CSV files (a record per line, the payload is the line) and Parquet files (a
+record per row, the payload is the row as JSON) in a folder: a local path, or any URI
+pyarrow's file systems read (``s3://``, ``hdfs://``, ``file://``).
+
+**The manifest.** Each begin looks at the folder first: a new file is indexed in arrival order
+(modification time, then name) into ``landing_files`` (path, size, modification time, SHA-256,
+record count) and ``landing_chunks`` (the file cut at newlines about every ``chunk_bytes``:
+where each piece starts, in records and in bytes), and its records get the next offsets of
+its partition (files go to partitions in turn), in the same PostgreSQL transaction that
+advances the heads
+(``source_partitions``, as for the other logs). So every offset below a head is a record of an
+indexed file, and a batch is a range over the manifest.
+
+**Rules, loudly kept.**
+
+- Half-written files are never read: names starting with ``.`` or ``_``, or ending in
+  ``.tmp``, ``.part`` or ``._COPYING_``, are skipped, and so is a file modified less than
+  ``settle_s`` seconds ago. Write a file under a temporary name and rename it into place.
+- A file changed after it was indexed (another size or modification time) is refused: the
+  next begin fails naming it, and so does a read. Landed files never change; a new version
+  lands under a new name.
+- A file removed before every batch that reads it committed fails that batch's read
+  (SourceShortfall, naming it).
+- Parquet: a file whose schema is not the declared ``schema`` is set aside
+  (``on_mismatch="skip"``: recorded with its reason, indexed with no records, shown by
+  status) or stops the pipeline (``on_mismatch="stop"``: begin fails naming the file).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import json
+import logging
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import ClassVar
+
+from onceflow.core.errors import ConfigError, SourceShortfall
+from onceflow.core.planner import PartitionRange
+from onceflow.sources import catalog
+from onceflow.sources.base import Position, Source
+
+log = logging.getLogger(__name__)
+
+FORMATS = ("jsonl", "csv", "parquet")
+HIDDEN_SUFFIXES = (".tmp", ".part", "._COPYING_")
+_BLOCK = 8 << 20
+
+
+def _filesystem(path: str):
+    from pyarrow import fs
+
+    if "://" in path:
+        return fs.FileSystem.from_uri(path)
+    return fs.LocalFileSystem(), path
+
+
+def _fingerprint(filesystem, path: str, chunk_bytes: int, fmt: str, header: bool):
+    """(sha256, records, chunks [(first_record, byte_start, byte_end, records)]) of a file,
+    in one pass. Text files are cut at newlines about every ``chunk_bytes``; a Parquet file
+    by row group (the byte fields then hold the row group's number)."""
+    digest = hashlib.sha256()
+    if fmt == "parquet":
+        import pyarrow.parquet as pq
+
+        with filesystem.open_input_file(path) as f:
+            while block := f.read(_BLOCK):
+                digest.update(block)
+        with filesystem.open_input_file(path) as f:
+            meta = pq.ParquetFile(f).metadata
+        chunks, first = [], 0
+        for g in range(meta.num_row_groups):
+            rows = meta.row_group(g).num_rows
+            chunks.append((first, g, g + 1, rows))
+            first += rows
+        return digest.hexdigest(), first, chunks
+    chunks: list[tuple[int, int, int, int]] = []
+    records = 0
+    start = 0  # where the chunk being read starts, in bytes
+    pending = b""
+    skip_header = header
+    with filesystem.open_input_stream(path) as f:
+        while True:
+            block = f.read(chunk_bytes)
+            digest.update(block)
+            data = pending + block
+            cut = data.rfind(b"\n") + 1 if block else len(data)
+            body, pending = data[:cut], data[cut:]
+            if skip_header and body:
+                header_end = body.find(b"\n") + 1 or len(body)
+                start += header_end
+                body = body[header_end:]
+                skip_header = False
+            if body:
+                count = body.count(b"\n") + (0 if body.endswith(b"\n") else 1)
+                chunks.append((records, start, start + len(body), count))
+                records += count
+                start += len(body)
+            if not block:
+                return digest.hexdigest(), records, chunks
+
+
+def _lines(data: bytes) -> list[str]:
+    text = data.decode("utf-8", errors="replace")
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    return [line[:-1] if line.endswith("\r") else line for line in lines]
+
+
+@dataclass(frozen=True, kw_only=True)
+class LandingFolder(Source):
+    """Files dropped into ``path`` (see the module docstring).
+
+    ``format``: jsonl, csv (``csv_header``: skip each file's first line) or parquet;
+    ``pattern``: which names (fnmatch, default every file); ``partitions``: files go to them
+    in turn; ``chunk_bytes``: bytes per Spark read task; ``schema`` (Parquet): the
+    declared columns as Spark DDL, ``on_mismatch``: skip or stop; ``settle_s``: how long a
+    file must stay untouched before it is indexed.
+    """
+
+    kind: ClassVar[str] = "landing-folder"
+    path: str
+    format: str = "jsonl"
+    pattern: str = "*"
+    partitions: int = 1
+    chunk_bytes: int = 32 << 20
+    csv_header: bool = False
+    schema: str | None = None
+    on_mismatch: str = "skip"
+    settle_s: float = 1.0
+
+    def validate(self) -> None:
+        super().validate()
+        if not isinstance(self.topic, str) or not self.topic:
+            raise ConfigError(f"source.topic={self.topic!r} is invalid: name the landing "
+                              "folder's topic (how pipelines and the manifest know it)")
+        if self.format not in FORMATS:
+            raise ConfigError(f"source.format={self.format!r} is invalid: choose one of "
+                              f"{', '.join(FORMATS)}")
+        if self.on_mismatch not in ("skip", "stop"):
+            raise ConfigError(f"source.on_mismatch={self.on_mismatch!r} is invalid: choose "
+                              "skip or stop")
+        for name in ("partitions", "chunk_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"source.{name}={value!r} is invalid: give a positive number")
+
+    # -- the folder ------------------------------------------------------------------------
+    def _listing(self):
+        """(path, size, mtime) of every landed file, oldest first; settling ones left out."""
+        from pyarrow import fs
+
+        filesystem, root = _filesystem(self.path)
+        info = filesystem.get_file_info(root)
+        if info.type != fs.FileType.Directory:
+            raise ConfigError(f"source.path={self.path!r} is not a folder that exists: create "
+                              "it, or point the landing folder's path at it")
+        now = datetime.now(UTC).timestamp()
+        found = []
+        for entry in filesystem.get_file_info(fs.FileSelector(root, recursive=False)):
+            name = entry.base_name
+            if entry.type != fs.FileType.File or name.startswith((".", "_")) \
+                    or name.endswith(HIDDEN_SUFFIXES) or not fnmatch.fnmatch(name, self.pattern):
+                continue
+            mtime = entry.mtime.timestamp() if entry.mtime else 0.0
+            if now - mtime < self.settle_s:
+                continue  # still being written, perhaps: the next begin takes it
+            found.append((entry.path, entry.size, mtime))
+        return filesystem, sorted(found, key=lambda f: (f[2], f[0]))
+
+    def _check_schema(self, filesystem, path: str) -> str | None:
+        """Why a Parquet file does not match the declared schema (None: it does)."""
+        if self.format != "parquet" or not self.schema:
+            return None
+        import pyarrow.parquet as pq
+
+        from spark_tasks.topology import column_types
+
+        with filesystem.open_input_file(path) as f:
+            have = {field.name for field in pq.ParquetFile(f).schema_arrow}
+        missing = sorted(set(column_types(self.schema)) - have)
+        return f"missing column(s) {missing}" if missing else None
+
+    def index(self, cur) -> int:
+        """Index the files landed since the last look (in the caller's transaction, which
+        holds the partitions' locks until it ends). Returns how many."""
+        cur.execute(
+            """SELECT path, size, mtime FROM landing_files WHERE topic = %s""", (self.topic,))
+        known = {p: (s, m) for p, s, m in cur.fetchall()}
+        filesystem, listing = self._listing()
+        for path, size, mtime in listing:
+            if path in known and known[path] != (size, mtime):
+                raise ConfigError(
+                    f"landed file {path!r} changed after it was indexed (size {known[path][0]}"
+                    f" -> {size}, modified {datetime.fromtimestamp(mtime, UTC):%F %T}): landed "
+                    "files must never change. Restore it, or land the new version under a new "
+                    "name")
+        new = [f for f in listing if f[0] not in known]
+        if not new:
+            return 0
+        cur.execute(
+            """SELECT partition, next_offset FROM source_partitions WHERE topic = %s
+               ORDER BY partition FOR UPDATE""", (self.topic,))
+        heads = dict(cur.fetchall())
+        cur.execute("SELECT coalesce(max(file_no), -1) FROM landing_files WHERE topic = %s",
+                    (self.topic,))
+        file_no = cur.fetchone()[0]
+        for path, size, mtime in new:
+            file_no += 1
+            partition = file_no % len(heads)
+            refused = self._check_schema(filesystem, path)
+            if refused and self.on_mismatch == "stop":
+                raise ConfigError(f"landed file {path!r} does not match source.schema "
+                                  f"({refused}); fix or remove it, or set on_mismatch='skip'")
+            checksum, records, chunks = _fingerprint(filesystem, path, self.chunk_bytes,
+                                                     self.format, self.csv_header)
+            if refused:
+                records, chunks = 0, []
+                log.warning("LANDING topic=%s: %s set aside: %s", self.topic, path, refused)
+            base = heads[partition]
+            cur.execute(
+                """INSERT INTO landing_files (topic, file_no, partition, path, size, mtime,
+                                              checksum, records, base_offset, refused)
+                   VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)""",
+                (self.topic, file_no, partition, path, size, mtime, checksum, records, base,
+                 refused))
+            for first, start, end, count in chunks:
+                cur.execute(
+                    """INSERT INTO landing_chunks (topic, file_no, first_offset, byte_start,
+                                                   byte_end, records)
+                       VALUES (%s, %s, %s, %s, %s, %s)""",
+                    (self.topic, file_no, base + first, start, end, count))
+            heads[partition] = base + records
+            cur.execute("UPDATE source_partitions SET next_offset = %s "
+                        "WHERE topic = %s AND partition = %s", (heads[partition], self.topic,
+                                                                partition))
+        log.info("LANDING topic=%s: indexed %d new file(s)", self.topic, len(new))
+        return len(new)
+
+    # -- the Source interface --------------------------------------------------------------
+    def ensure(self, conn, *, create: bool = False) -> None:
+        self._listing()  # the folder must exist
+        catalog.ensure_topic(conn, self.topic, self.partitions, create=create)
+
+    def positions(self, cur) -> dict[int, Position]:
+        self.index(cur)
+        return catalog.positions(cur, self.topic)
+
+    def _chunks(self, cur, ranges: Iterable[PartitionRange]) -> list[tuple]:
+        """(path, size, mtime, first_offset, byte_start, byte_end, records, partition) of
+        every chunk overlapping ``ranges``; SourceShortfall when the manifest does not cover
+        a range whole."""
+        out = []
+        for r in ranges:
+            if r.size <= 0:
+                continue
+            cur.execute(
+                """SELECT f.path, f.size, f.mtime, c.first_offset, c.byte_start, c.byte_end,
+                          c.records, f.partition
+                   FROM landing_chunks c JOIN landing_files f USING (topic, file_no)
+                   WHERE c.topic = %s AND f.partition = %s
+                     AND c.first_offset < %s AND c.first_offset + c.records > %s
+                   ORDER BY c.first_offset""",
+                (self.topic, r.partition, r.end, r.start))
+            rows = cur.fetchall()
+            covered = r.start
+            for row in rows:
+                if row[3] > covered:
+                    break
+                covered = max(covered, row[3] + row[6])
+            if covered < r.end:
+                raise SourceShortfall(
+                    f"landing folder {self.topic!r} partition {r.partition}: no indexed file "
+                    f"holds offsets [{covered}, {r.end}) of the planned range")
+            out += rows
+        return list(dict.fromkeys(out))  # a chunk two ranges share is read once
+
+    def read(self, spark, dsn: str, ranges: Iterable[PartitionRange]):
+        from onceflow.core.db import connection, transaction
+
+        ranges = [r for r in ranges if r.size > 0]
+        with connection(dsn, application_name="onceflow-landing") as conn, \
+                transaction(conn) as cur:
+            chunks = self._chunks(cur, ranges)
+        wanted = [(r.partition, r.start, r.end) for r in ranges]
+        rows = [(*chunk, json.dumps(wanted)) for chunk in chunks]
+        tasks = spark.createDataFrame(
+            rows, "path string, size long, mtime double, first long, byte_start long, "
+                  "byte_end long, records long, partition int, wanted string")
+        return tasks.mapInArrow(_chunk_reader(self.format, self.csv_header, self.path),
+                                "partition int, offset long, payload string")
+
+    def payloads(self, conn, ranges: Iterable[PartitionRange]
+                 ) -> Iterator[tuple[int, int, str]]:
+        ranges = [r for r in ranges if r.size > 0]
+        with conn.cursor() as cur:
+            chunks = self._chunks(cur, ranges)
+        filesystem, _ = _filesystem(self.path)
+        for path, size, mtime, first, start, end, _, partition in chunks:
+            for i, payload in enumerate(_read_chunk(filesystem, self.format, path, size, mtime,
+                                                    start, end)):
+                offset = first + i
+                if any(r.partition == partition and r.start <= offset < r.end
+                       for r in ranges):
+                    yield partition, offset, payload
+
+    def describe(self) -> str:
+        return f"landing folder {self.path!r} ({self.format}, topic {self.topic!r})"
+
+
+def _read_chunk(filesystem, fmt: str, path: str, size: int, mtime: float, start: int,
+                end: int) -> list[str]:
+    """The payloads of one chunk, after checking the file is the one indexed."""
+    from pyarrow import fs
+
+    info = filesystem.get_file_info(path)
+    if info.type != fs.FileType.File:
+        raise RuntimeError(f"SourceShortfall: landed file {path!r} was removed before every "
+                           "batch reading it committed")
+    if info.size != size or (info.mtime and abs(info.mtime.timestamp() - mtime) > 1e-3):
+        raise RuntimeError(f"landed file {path!r} changed after it was indexed: refused")
+    if fmt == "parquet":
+        import pyarrow.parquet as pq
+
+        with filesystem.open_input_file(path) as f:
+            table = pq.ParquetFile(f).read_row_group(start)  # start: the row group
+        return [json.dumps(row, default=str, ensure_ascii=False) for row in table.to_pylist()]
+    with filesystem.open_input_file(path) as f:
+        f.seek(start)
+        data = f.read(end - start)
+    return _lines(data)
+
+
+def _chunk_reader(fmt: str, header: bool, root: str):
+    def read(batches):
+        import pyarrow as pa
+
+        filesystem, _ = _filesystem(root)
+        for batch in batches:
+            for task in batch.to_pylist():
+                wanted = json.loads(task["wanted"])
+                payloads = _read_chunk(filesystem, fmt, task["path"], task["size"],
+                                       task["mtime"], task["byte_start"], task["byte_end"])
+                partition, first = task["partition"], task["first"]
+                keep = [(p, s, e) for p, s, e in wanted if p == partition]
+                offsets, out = [], []
+                for i, payload in enumerate(payloads):
+                    offset = first + i
+                    if any(s <= offset < e for _, s, e in keep):
+                        offsets.append(offset)
+                        out.append(payload)
+                yield pa.RecordBatch.from_pydict(
+                    {"partition": pa.array([partition] * len(out), pa.int32()),
+                     "offset": pa.array(offsets, pa.int64()),
+                     "payload": pa.array(out, pa.string())})
+
+    return read

@@ -1,0 +1,504 @@
+"""Running a topology over a batch in Spark in one pass over the data: the frame.
+
+The topology is compiled into a linear chain over one wide DataFrame, the **frame**. A row is
+a tuple of some stream (``_kind`` "tuple", ``_stream`` its name, the stream's columns set),
+or a note for the end: a failure ("fail": the record's tree cannot complete) or a state
+change of a stateful bolt ("state"). The frame's columns are fixed before anything runs: the
+anchoring columns, the notes' columns, and the union of every stream's declared columns (a
+name has one type in the whole topology).
+
+- A per-record Python bolt is a ``mapInArrow`` over the whole frame: the rows of its input
+  stream are handed to the bolt one by one and replaced by its outputs (and a failure note
+  when it raises or runs out of time); every other row passes through untouched. No row is
+  read twice, nothing is cached.
+- A DataFrame bolt gets its input stream as a DataFrame. When that stream is the only thing in
+  the frame (the usual first bolt, on the spout), the frame simply becomes the bolt's output;
+  otherwise the frame is cached there (a split point) and the rest joins the output again.
+- A stream with several consumers is teed: each tuple becomes one copy per consumer.
+- At the end one projection turns every row into an output: a delta of a count sink (state,
+  key, delta), a rejected record, or a note. With the acker, one aggregation by record
+  (root) decides all or nothing: a record whose tree failed anywhere contributes nothing and
+  becomes a failure (for the backflow); then one aggregation by (state, key) sums the deltas.
+
+Why this is still Storm's acker: every tuple is emitted and acked by onceflow's own code in
+the same pass, so the two XOR halves of each tuple id are formed together and cancel (Storm
+folds a bolt's ack into one message in the same way); the verdict keeps the other half, the
+failures, and the per-record aggregation applies it. The reference acker (spark_tasks.acker)
+states the rule it implements.
+
+Stateful bolts read and write key-value state, so they run on records that completed
+everywhere else: the per-record aggregation is cached, the stateful bolts run on the inputs
+of complete records, and a record that fails there is dropped as a whole.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from pyspark import StorageLevel
+from pyspark.sql import DataFrame
+from pyspark.sql import functions as F
+
+from spark_tasks.ids import origin, root_id
+from spark_tasks.topology import (
+    ANCHORS,
+    SPOUT,
+    SPOUT_COLUMNS,
+    Bolt,
+    StateContext,
+    Topology,
+    TopologyError,
+    column_types,
+    columns,
+)
+
+TUPLE, FAIL, STATE = "tuple", "fail", "state"
+# Notes' and state changes' columns, besides the anchors (_root, _tid, _replays).
+META = {"_kind": "string", "_stream": "string", "_root": "bigint", "_tid": "bigint",
+        "_replays": "int", "_error": "string", "_skey": "string", "_sval": "string",
+        "_seq": "bigint"}
+# What a topology's run yields, one row per output; ``kind``: 0 delta, 1 rejected record,
+# 2 failed record (for the backflow), 3 state change of a stateful bolt.
+DELTA, REJECT, FAILED, CHANGE = 0, 1, 2, 3
+OUTPUT = ("kind int, state_name string, key string, delta long, partition int, offset long, "
+          "replayed boolean, error string, bolt string, namespace string, value string, "
+          "root long")
+
+
+def frame_columns(topology: Topology) -> dict[str, str]:
+    """Every column of the frame and its Spark type (META, then the streams' columns)."""
+    out = dict(META)
+    owner: dict[str, str] = {}
+    for stream, ddl in {SPOUT: SPOUT_COLUMNS, **topology.streams()}.items():
+        for name, kind in column_types(ddl).items():
+            if name in META:
+                raise TopologyError(f"stream {stream!r}: column {name!r} is reserved by "
+                                    "onceflow; give it another name")
+            if out.setdefault(name, kind).lower() != kind.lower():
+                raise TopologyError(
+                    f"column {name!r} is {out[name]} in stream {owner[name]!r} and {kind} in "
+                    f"{stream!r}: one name has one type in a topology (rename one of them)")
+            owner.setdefault(name, stream)
+    return out
+
+
+def _typed(names: Mapping[str, str], present: dict) -> list:
+    """A select list in frame order: what ``present`` gives, typed nulls for the rest."""
+    return [(present[n] if n in present else F.lit(None)).cast(t).alias(n)
+            for n, t in names.items()]
+
+
+@dataclass
+class _Chain:
+    topology: Topology
+    attempt: int
+    acker: bool
+    timeout_ms: int
+    state: StateContext | None
+    cols: dict[str, str] = field(default_factory=dict)
+    cached: list[DataFrame] = field(default_factory=list)
+    frame: DataFrame | None = None
+    live: set[str] = field(default_factory=set)  # streams with tuple rows in the frame
+    notes: bool = False  # the frame holds notes (failures) besides tuples
+
+    def __post_init__(self) -> None:
+        self.cols = frame_columns(self.topology)
+        # consumers of each stream, in declaration order (bolts, then sinks)
+        self.consumers: dict[str, list[str]] = {}
+        for bolt in self.topology.bolts:
+            self.consumers.setdefault(bolt.input, []).append(bolt.name)
+        for i, sink in enumerate(self.topology.sinks):
+            self.consumers.setdefault(sink.stream, []).append(f"$sink{i}")
+
+    def cache(self, df: DataFrame) -> DataFrame:
+        df = df.persist(StorageLevel.MEMORY_AND_DISK)
+        self.cached.append(df)
+        return df
+
+    # -- the stream a consumer reads ---------------------------------------------------------
+    def name_for(self, stream: str, consumer: str) -> str:
+        """A teed stream's copy for ``consumer`` (the stream itself when it has one)."""
+        return stream if len(self.consumers.get(stream, [])) <= 1 else f"{stream}@{consumer}"
+
+    def tee(self, produced: list[str]) -> None:
+        """Each tuple of a stream with several consumers becomes one copy per consumer,
+        whose id hashes in the consumer (Storm's one tuple per subscriber)."""
+        teed = {s: self.consumers[s] for s in produced if len(self.consumers.get(s, [])) > 1}
+        if not teed:
+            return
+        copies = F.lit(None)
+        for stream, consumers in teed.items():
+            copies = F.when((F.col("_kind") == TUPLE) & (F.col("_stream") == stream),
+                            F.array(*[F.lit(c) for c in consumers])).otherwise(copies)
+        frame = self.frame.withColumn("_copy", F.explode_outer(copies))
+        self.frame = frame.withColumn("_stream", F.when(
+            F.col("_copy").isNotNull(), F.concat("_stream", F.lit("@"), "_copy"))
+            .otherwise(F.col("_stream"))).withColumn("_tid", F.when(
+                F.col("_copy").isNotNull(), F.xxhash64("_tid", "_copy"))
+            .otherwise(F.col("_tid"))).drop("_copy")
+        for stream, consumers in teed.items():
+            self.live.discard(stream)
+            self.live |= {f"{stream}@{c}" for c in consumers}
+
+    # -- bolts -----------------------------------------------------------------------------
+    def dataframe_bolt(self, bolt: Bolt) -> None:
+        stream = self.name_for(bolt.input, bolt.name)
+        view_cols = [*ANCHORS, *columns(self.topology.streams()[bolt.input])]
+        alone = self.live == {stream} and not self.notes
+        frame = self.frame if alone else self.cache(self.frame)
+        mine = frame.where((F.col("_kind") == TUPLE) & (F.col("_stream") == stream))
+        result = bolt.fn(mine.select(*view_cols))
+        outputs = self._bolt_outputs(bolt, result)
+        if not alone:
+            rest = frame.where((F.col("_kind") != TUPLE) | (F.col("_stream") != stream))
+            outputs = rest.unionByName(outputs)
+        self.frame = outputs
+        self.live = (self.live - {stream}) | set(bolt.outputs)
+        self.notes = self.notes or self.acker
+        self.tee(list(bolt.outputs))
+
+    def _bolt_outputs(self, bolt: Bolt, result) -> DataFrame:
+        """A DataFrame bolt's result in frame form: tuples with their new ids, and a failure
+        note for every row whose ``_fail`` is set."""
+        if isinstance(result, Mapping):
+            if set(result) != set(bolt.outputs):
+                raise TopologyError(f"bolt {bolt.name!r} must return a DataFrame per declared "
+                                    f"stream {sorted(bolt.outputs)}; it returned "
+                                    f"{sorted(result)}")
+            parts = [df.withColumn("_stream", F.lit(s)) for s, df in result.items()]
+            result = parts[0]
+            for part in parts[1:]:
+                result = result.unionByName(part, allowMissingColumns=True)
+        if not isinstance(result, DataFrame):
+            raise TopologyError(f"bolt {bolt.name!r} returned {type(result).__name__}: return "
+                                "a DataFrame (with a _stream column when it has several "
+                                "output streams) or a dict of DataFrames by stream")
+        have = set(result.columns)  # one schema look-up per bolt
+        if "_stream" not in have:
+            if len(bolt.outputs) > 1:
+                raise TopologyError(
+                    f"bolt {bolt.name!r} returned one DataFrame without a _stream column but "
+                    f"declares streams {sorted(bolt.outputs)}: add _stream, or return a dict "
+                    "of DataFrames by stream")
+            result = result.withColumn("_stream", F.lit(next(iter(bolt.outputs))))
+        data = {c for ddl in bolt.outputs.values() for c in columns(ddl)}
+        missing = [c for c in (*ANCHORS, *sorted(data)) if c not in have]
+        if missing:
+            raise TopologyError(
+                f"bolt {bolt.name!r}: output lacks column(s) {missing}; carry the anchoring "
+                f"columns {list(ANCHORS)} of each input row and the declared columns")
+        pos = F.col("_pos") if "_pos" in have else F.lit(0)
+        fail = F.col("_fail") if "_fail" in have else F.lit(None).cast("string")
+        tid = F.xxhash64("_root", F.lit(bolt.name), "_stream", "_tid", pos,
+                         *[F.col(c) for c in sorted(data)], F.lit(self.attempt))
+        present = {c: F.col(c) for c in data}
+        present.update(
+            _kind=F.when(fail.isNull(), F.lit(TUPLE)).otherwise(F.lit(FAIL)),
+            _stream=F.when(fail.isNull(), F.col("_stream")),
+            _root=F.col("_root"), _tid=F.when(fail.isNull(), tid), _replays=F.col("_replays"),
+            _error=F.when(fail.isNotNull(), F.concat(F.lit(f"bolt {bolt.name}: "), fail)))
+        out = result.select(*_typed(self.cols, present))
+        if not self.acker:  # no failure routing: a failed tuple is simply not emitted
+            out = out.where(F.col("_kind") == TUPLE)
+        return out
+
+    def record_bolt(self, bolt: Bolt) -> None:
+        from spark_tasks.record_bolts import pass_through_runner
+
+        stream = self.name_for(bolt.input, bolt.name)
+        runner = pass_through_runner(bolt, stream, self.attempt, self.timeout_ms,
+                                     columns(self.topology.streams()[bolt.input]),
+                                     self.cols, self.acker)
+        self.frame = self.frame.mapInArrow(runner, ", ".join(
+            f"`{n}` {t}" for n, t in self.cols.items()))
+        self.live = (self.live - {stream}) | set(bolt.outputs)
+        self.notes = self.notes or self.acker
+        self.tee(list(bolt.outputs))
+
+
+def run_topology(topology: Topology, source: DataFrame, *, attempt: int, acker: bool = True,
+                 tuple_timeout_ms: int = 30_000, state: StateContext | None = None,
+                 max_record_bytes: int = 64 * 1024, max_key_bytes: int = 2000,
+                 by_root: bool = False) -> TopologyRun:
+    """Plan ``topology`` over ``source`` (partition, offset, payload, replays, replayed).
+
+    Lazy: ``collect()`` on the result runs it (one Spark job) and returns the outputs.
+    ``by_root``: deltas keep their record's root (verify's re-run).
+    """
+    topology.validate()
+    chain = _Chain(topology, attempt, acker, tuple_timeout_ms, state)
+    root = root_id("partition", "offset", "replayed")
+    size = F.octet_length("payload")
+    problem = (F.when(size > max_record_bytes, F.concat(
+        F.lit("oversized record ("), size.cast("string"),
+        F.lit(f" bytes, over max_record_bytes={max_record_bytes})")))
+        .when(F.instr("payload", "\u0000") > 0,
+              F.lit("payload holds a NUL character, which PostgreSQL text cannot store")))
+    # The spout: read once, cached, because it is read twice (the records for the bolts,
+    # the records the spout refuses).
+    spout = chain.cache(source.select(
+        root.alias("_root"), F.xxhash64(root, F.lit("$spout"), F.lit(attempt)).alias("_tid"),
+        F.col("replays").cast("int").alias("_replays"), "partition", "offset", "payload",
+        problem.alias("_problem")))
+    chain.frame = spout.where(F.col("_problem").isNull()).select(*_typed(chain.cols, {
+        "_kind": F.lit(TUPLE), "_stream": F.lit(SPOUT), "_root": F.col("_root"),
+        "_tid": F.col("_tid"), "_replays": F.col("_replays"), "partition": F.col("partition"),
+        "offset": F.col("offset"), "payload": F.col("payload")}))
+    chain.live = {SPOUT}
+    chain.tee([SPOUT])
+    for bolt in topology.bolts:
+        if bolt.key:
+            continue  # stateful bolts: after the verdict
+        if bolt.per_record:
+            chain.record_bolt(bolt)
+        else:
+            chain.dataframe_bolt(bolt)
+    refused = spout.where(F.col("_problem").isNotNull()).select(
+        F.lit(REJECT).alias("kind"), *origin(), F.lit(False).alias("replayed"),
+        F.col("_problem").alias("error"), F.col("_root").alias("root"))
+    return TopologyRun(chain, refused, max_key_bytes, by_root)
+
+
+@dataclass
+class Collected:
+    """A run's outputs, collected: ``table`` (the OUTPUT rows, Arrow), and as Python values
+    deltas {(state, key): delta} (or {(state, key, root)} by root), rejected {(partition,
+    offset): error}, failed {(partition, offset, replayed): error}, state changes {bolt:
+    [(namespace, key, JSON value or None)]}."""
+
+    table: object
+    deltas: dict
+    rejected: dict
+    failed: dict
+    changes: dict
+    seconds: float = 0.0
+
+
+class TopologyRun:
+    """A planned run: ``output`` (one DataFrame, the OUTPUT columns) and ``collect()``."""
+
+    def __init__(self, chain: _Chain, refused: DataFrame, max_key_bytes: int, by_root: bool):
+        self.chain, self.refused = chain, refused
+        self.max_key_bytes, self.by_root = max_key_bytes, by_root
+        self.output = self._plan()
+
+    def _bad_key(self):
+        key = F.col("key").cast("string")
+        limit = self.max_key_bytes
+        return (F.when(key.isNull(), F.lit("state key is null"))
+                .when(F.instr(key, "\u0000") > 0,
+                      F.lit("state key holds a NUL character, which PostgreSQL text cannot "
+                            "store"))
+                .when(F.octet_length(key) > limit,
+                      F.concat(F.lit("state key of "), F.octet_length(key).cast("string"),
+                               F.lit(f" bytes is over max_key_bytes={limit} (a PostgreSQL "
+                                     "index entry must fit in a third of a page)"))))
+
+    def _rows(self, frame: DataFrame, sinks: list[tuple[str, object]], pending: dict
+              ) -> DataFrame:
+        """Every row of ``frame`` as an output row: a delta of a count sink (a key PostgreSQL
+        cannot store fails its record), a rejected record, a failure note, a state change,
+        or a pending tuple of a stateful bolt's input (``_pending``, with its columns).
+        ``sinks``: (stream, Sink) pairs."""
+        chain = self.chain
+        bad_key = self._bad_key()
+        kind, state, error = F.lit(None).cast("int"), F.lit(None).cast("string"), F.col("_error")
+        for stream, sink in sinks:
+            mine = (F.col("_kind") == TUPLE) & (F.col("_stream") == stream)
+            if sink.state:
+                kind = F.when(mine & bad_key.isNull(), F.lit(DELTA)).when(
+                    mine, F.lit(FAILED if chain.acker else REJECT)).otherwise(kind)
+                state = F.when(mine, F.lit(sink.state)).otherwise(state)
+                error = F.when(mine & bad_key.isNotNull(), F.concat(
+                    F.lit(f"sink {sink.state}: "), bad_key)).otherwise(error)
+            else:
+                kind = F.when(mine, F.lit(REJECT)).otherwise(kind)
+                error = F.when(mine, F.col("error").cast("string")).otherwise(error)
+        kind = (F.when(F.col("_kind") == FAIL, F.lit(FAILED))
+                .when(F.col("_kind") == STATE, F.lit(CHANGE)).otherwise(kind))
+        waiting = F.lit(False)
+        for stream in pending:
+            waiting = waiting | ((F.col("_kind") == TUPLE) & (F.col("_stream") == stream))
+        delta = F.col("delta").cast("long") if "delta" in chain.cols else F.lit(1).cast("long")
+        extra = sorted({c for b in pending.values()
+                        for c in columns(chain.topology.streams()[b.input])})
+        return frame.select(
+            "_root", "_tid", "_replays", "_stream", waiting.alias("_pending"),
+            kind.alias("kind"), state.alias("state_name"),
+            F.when(kind == DELTA, F.col("key").cast("string"))
+            .when(kind == CHANGE, F.col("_skey")).alias("out_key"),
+            F.when(kind == DELTA, F.coalesce(delta, F.lit(1).cast("long"))).alias("delta"),
+            error.alias("error"), "_sval", "_seq",
+            *[F.col(c).alias(f"in_{c}") for c in extra])
+
+    def _plan(self) -> DataFrame:
+        chain = self.chain
+        topology = chain.topology
+        stateful = {chain.name_for(b.input, b.name): b for b in topology.stateful()}
+        fed = {s for b in stateful.values() for s in b.outputs}
+        sinks = [(chain.name_for(s.stream, f"$sink{i}"), s)
+                 for i, s in enumerate(topology.sinks) if s.stream not in fed]
+        rows = self._rows(chain.frame, sinks, stateful)
+        if not chain.acker:
+            return self._finish(rows.where(F.col("kind").isin(DELTA, REJECT)).select(
+                "kind", "state_name", F.col("out_key").alias("key"), "delta",
+                F.when(F.col("kind") == REJECT, F.col("_root")).alias("root"), "error"))
+        # The verdict: one aggregation by record, all or nothing.
+        aggs = [
+            F.bool_or(F.col("kind") == FAILED).alias("failed"),
+            F.min(F.when(F.col("kind") == FAILED, F.col("error"))).alias("why"),
+            F.collect_list(F.when(F.col("kind") == DELTA, F.struct(
+                "state_name", F.col("out_key").alias("key"), "delta"))).alias("deltas"),
+            F.min(F.when(F.col("kind") == REJECT, F.col("error"))).alias("rejected")]
+        if stateful:
+            inputs = [c for c in rows.columns if c.startswith("in_")]
+            aggs.append(F.collect_list(F.when(F.col("_pending"), F.struct(
+                "_tid", "_replays", "_stream", *inputs))).alias("waiting"))
+        per_root = rows.groupBy("_root").agg(*aggs)
+        if not stateful:
+            return self._finish(self._explode(per_root))
+        return self._with_stateful(chain.cache(per_root), stateful)
+
+    def _explode(self, per_root: DataFrame, also_failed=None) -> DataFrame:
+        """One output row per delta of a complete record, per rejected record, per failed
+        record (for the backflow). ``also_failed``: a further failure reason (a stateful
+        bolt's) that fails a record complete so far."""
+        item = "struct<kind:int,state_name:string,key:string,delta:bigint,error:string>"
+        failed, why = F.col("failed"), F.col("why")
+        if also_failed is not None:
+            failed = failed | also_failed.isNotNull()
+            why = F.coalesce(why, also_failed)
+        fail = F.array(F.struct(F.lit(FAILED).alias("kind"), F.lit(None).cast("string"),
+                                F.lit(None).cast("string"), F.lit(0).cast("long"),
+                                F.coalesce(why, F.lit("tuple tree incomplete")))
+                       .cast(item))
+        ok = F.transform("deltas", lambda d: F.struct(
+            F.lit(DELTA), d["state_name"], d["key"], d["delta"],
+            F.lit(None).cast("string")).cast(item))
+        rejected = F.when(F.col("rejected").isNotNull(), F.array(F.struct(
+            F.lit(REJECT), F.lit(None).cast("string"), F.lit(None).cast("string"),
+            F.lit(0).cast("long"), F.col("rejected")).cast(item))).otherwise(
+            F.array().cast(f"array<{item}>"))
+        items = F.when(failed, fail).otherwise(F.concat(ok, rejected))
+        return per_root.select("_root", F.explode(items).alias("o")).select(
+            "o.kind", "o.state_name", "o.key", "o.delta",
+            F.col("_root").alias("root"), "o.error")
+
+    def _with_stateful(self, per_root: DataFrame, stateful: dict) -> DataFrame:
+        """Stateful bolts run on the inputs of records complete everywhere else; a record that
+        fails in one is dropped as a whole; state changes count for complete records only,
+        the last change per key."""
+        from spark_tasks.record_bolts import RECORD_META, record_runner
+
+        chain = self.chain
+        waiting = per_root.where(~F.col("failed")).select(
+            "_root", F.explode("waiting").alias("w")).select("_root", "w.*")
+        outputs = None
+        for stream, bolt in stateful.items():
+            data = columns(chain.topology.streams()[bolt.input])
+            tuples = waiting.where(F.col("_stream") == stream).select(
+                "_root", "_tid", "_replays", *[F.col(f"in_{c}").alias(c) for c in data])
+            out_types = {}
+            for ddl in bolt.outputs.values():
+                out_types.update(column_types(ddl))
+            runner = record_runner(bolt, chain.attempt, chain.timeout_ms, out_types,
+                                   chain.state)
+            ddl = ", ".join(f"`{n}` {t}" for n, t in {**RECORD_META, **out_types}.items())
+            ran = tuples.repartition(bolt.shards, bolt.key).mapInArrow(runner, ddl)
+            # state changes: "bolt|namespace" in _stream, so that each bolt's are found again
+            ran = ran.withColumn("_stream", F.when(
+                F.col("_kind") == STATE, F.concat(F.lit(f"{bolt.name}|"), F.col("_stream")))
+                .otherwise(F.col("_stream")))
+            ran = ran.select(*_typed(chain.cols, {c: F.col(c) for c in ran.columns}))
+            outputs = ran if outputs is None else outputs.unionByName(ran)
+        sinks = [(s.stream, s) for s in chain.topology.sinks
+                 if any(s.stream in b.outputs for b in stateful.values())]
+        rows = chain.cache(self._rows(outputs, sinks, {}))
+        verdict = rows.groupBy("_root").agg(
+            F.min(F.when(F.col("kind") == FAILED, F.col("error"))).alias("stateful_why"))
+        bad = verdict.where(F.col("stateful_why").isNotNull())
+        first = self._explode(per_root.join(bad, "_root", "left"), F.col("stateful_why"))
+        good = rows.join(bad.select("_root"), "_root", "left_anti")
+        more = good.where(F.col("kind") == DELTA).select(
+            "kind", "state_name", F.col("out_key").alias("key"), "delta",
+            F.lit(None).cast("bigint").alias("root"), F.lit(None).cast("string").alias("error"))
+        changes = good.where(F.col("kind") == CHANGE).groupBy("_stream", "out_key").agg(
+            F.max_by("_sval", "_seq").alias("value"), F.first("state_name").alias("s"))
+        bolt_of = F.lit(None).cast("string")
+        for bolt in stateful.values():
+            bolt_of = F.when(F.col("_stream").startswith(f"{bolt.name}|"),
+                             F.lit(bolt.name)).otherwise(bolt_of)
+        change_rows = changes.select(
+            F.lit(CHANGE).alias("kind"), F.lit(None).cast("string").alias("state_name"),
+            F.col("out_key").alias("key"), F.lit(0).cast("long").alias("delta"),
+            F.lit(None).cast("int").alias("partition"), F.lit(None).cast("long").alias("offset"),
+            F.lit(None).cast("boolean").alias("replayed"),
+            F.lit(None).cast("string").alias("error"), bolt_of.alias("bolt"),
+            F.substring_index("_stream", "|", -1).alias("namespace"), "value",
+            F.lit(None).cast("bigint").alias("root"))
+        return self._finish(first.unionByName(more)).unionByName(change_rows)
+
+    def _finish(self, outputs: DataFrame) -> DataFrame:
+        """Sum the deltas by (state, key) (and record, with by_root); rejected and failed
+        records stay one row each; add the records the spout refused."""
+        root = F.when((F.col("kind") != DELTA) | F.lit(self.by_root), F.col("root"))
+        grouped = outputs.withColumn("root", root).groupBy(
+            "kind", "state_name", "key", "root", "error").agg(F.sum("delta").alias("delta"))
+        out = grouped.select(
+            "kind", "state_name", "key", "delta", *origin("root"),
+            (F.shiftright("root", 62).bitwiseAND(F.lit(1)) == 1).alias("replayed"), "error",
+            F.lit(None).cast("string").alias("bolt"),
+            F.lit(None).cast("string").alias("namespace"),
+            F.lit(None).cast("string").alias("value"), "root")
+        refused = self.refused.select(
+            "kind", F.lit(None).cast("string").alias("state_name"),
+            F.lit(None).cast("string").alias("key"), F.lit(0).cast("long").alias("delta"),
+            "partition", "offset", "replayed", "error",
+            F.lit(None).cast("string").alias("bolt"),
+            F.lit(None).cast("string").alias("namespace"),
+            F.lit(None).cast("string").alias("value"), "root")
+        return out.unionByName(refused)
+
+    def collect(self) -> Collected:
+        """Run it (one Spark job) and split the outputs."""
+        started = time.monotonic()
+        try:
+            table = self.output.toArrow()
+        finally:
+            self.unpersist()
+        return split(table, self.by_root, time.monotonic() - started)
+
+    def unpersist(self) -> None:
+        for df in self.chain.cached:
+            df.unpersist()
+        self.chain.cached.clear()
+
+
+def split(table, by_root: bool = False, seconds: float = 0.0) -> Collected:
+    """An OUTPUT table as Python values (see Collected)."""
+    import pyarrow.compute as pc
+
+    out = Collected(table, {}, {}, {}, {}, seconds)
+    small = table.filter(pc.not_equal(table.column("kind"), DELTA))
+    if not by_root:
+        deltas = table.filter(pc.equal(table.column("kind"), DELTA))
+        keys = zip(deltas.column("state_name").to_pylist(), deltas.column("key").to_pylist(),
+                   strict=True)
+        out.deltas = dict(zip(keys, deltas.column("delta").to_pylist(), strict=True))
+    else:
+        small = table
+    for row in small.to_pylist():
+        kind = row["kind"]
+        if kind == DELTA:
+            k = (row["state_name"], row["key"], row["root"])
+            out.deltas[k] = out.deltas.get(k, 0) + row["delta"]
+        elif kind == REJECT:
+            out.rejected[(row["partition"], row["offset"])] = row["error"]
+        elif kind == FAILED:
+            out.failed[(row["partition"], row["offset"], row["replayed"])] = row["error"]
+        elif kind == CHANGE:
+            out.changes.setdefault(row["bolt"], []).append(
+                (row["namespace"], row["key"], row["value"]))
+    return out

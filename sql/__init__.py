@@ -1,0 +1,1 @@
+"""onceflow's numbered PostgreSQL migrations, shipped as package data (onceflow.migrations)."""

@@ -1,0 +1,79 @@
+"""docker-compose.yml, checked without a Docker engine (there is none here): its services,
+images, volumes, commands, health checks and connections against what onceflow needs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from onceflow.dev.localspark import SERVER_CLASS
+
+ROOT = Path(__file__).resolve().parents[1]
+AIRFLOW = ("airflow-api-server", "airflow-scheduler", "airflow-dag-processor",
+           "airflow-triggerer", "airflow-init")
+
+
+@pytest.fixture(scope="module")
+def compose():
+    return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+
+
+def test_every_part_is_there(compose):
+    services = compose["services"]
+    assert set(services) == {"postgres", *AIRFLOW, "spark-master", "spark-worker",
+                             "spark-connect"}
+    assert set(compose["volumes"]) == {"postgres-data", "onceflow-data"}
+
+
+def test_health_checks_gate_what_depends_on_them(compose):
+    services = compose["services"]
+    assert services["postgres"]["healthcheck"]["test"][:2] == ["CMD", "pg_isready"]
+    for name, service in services.items():
+        for needed, how in (service.get("depends_on") or {}).items():
+            assert needed in services, f"{name} depends on unknown {needed}"
+            if isinstance(how, dict) and how.get("condition") == "service_healthy":
+                assert "healthcheck" in services[needed], f"{needed} has no health check"
+
+
+def test_airflow_gets_onceflow_connections_and_the_dag_folder(compose):
+    services = compose["services"]
+    for name in AIRFLOW:
+        env = services[name]["environment"]
+        assert env["AIRFLOW__CORE__DAGS_FOLDER"] == "/opt/onceflow/dags"
+        assert "postgres" in env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"]
+        pg = json.loads(env["AIRFLOW_CONN_ONCEFLOW_PG"])
+        assert pg["conn_type"] == "postgres" and pg["host"] in services
+        spark = json.loads(env["AIRFLOW_CONN_SPARK_DEFAULT"])
+        assert spark == {"conn_type": "spark_connect", "host": "spark-connect", "port": 15002}
+        assert env["ONCEFLOW_PG_DSN"].startswith("postgresql://")
+        assert env["ONCEFLOW_SEGMENTS_DIR"].startswith("/data/")
+    assert (ROOT / "dags" / "onceflow_pipelines.py").exists()
+    assert "onceflow init" in " ".join(services["airflow-init"]["command"])
+
+
+def test_spark_runs_the_cluster_and_the_warm_server_on_it(compose):
+    services = compose["services"]
+    master = " ".join(services["spark-master"]["command"])
+    assert "org.apache.spark.deploy.master.Master" in master and "--port 7077" in master
+    assert "spark://spark-master:7077" in " ".join(services["spark-worker"]["command"])
+    connect = " ".join(services["spark-connect"]["command"])
+    assert SERVER_CLASS in connect and "--master spark://spark-master:7077" in connect
+    assert "spark.connect.grpc.binding.port=15002" in connect
+
+
+def test_one_image_with_onceflow_and_shared_data_everywhere(compose):
+    services = compose["services"]
+    for name in (*AIRFLOW, "spark-master", "spark-worker", "spark-connect"):
+        service = services[name]
+        assert service["image"] == "onceflow:local"
+        assert "onceflow-data:/data" in service["volumes"], name
+    build = services["spark-worker"]["build"]["dockerfile_inline"]
+    assert "openjdk-17-jre-headless" in build
+    for path in ("/opt/onceflow", "/opt/onceflow/examples/tweets"):
+        assert path in build
+        assert (ROOT / path.removeprefix("/opt/onceflow").lstrip("/")).exists()
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert {".venv/", ".git/", ".pgdata/", ".airflow/"} <= set(ignored)

@@ -1,0 +1,139 @@
+"""The landing-folder source: files dropped into a folder, indexed in arrival order, read
+exactly once; half-written, changed and removed files handled loudly."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import run_transaction, table
+from onceflow.core.begin import begin
+from onceflow.core.errors import ConfigError
+from onceflow.core.registration import register
+from onceflow.core.registry import get_pipeline
+from onceflow.ops.verify import recount, rerun
+from onceflow.sources.landing import LandingFolder
+from tweets_example.data import generate
+
+
+def land(folder: Path, name: str, payloads: list[str], *, age_s: float = 5.0) -> Path:
+    """Write a file the documented way: a temporary name, then a rename into place; then make
+    it look settled (older than settle_s)."""
+    tmp = folder / f".{name}.tmp"
+    tmp.write_text("".join(p + "\n" for p in payloads))
+    path = folder / name
+    tmp.rename(path)
+    when = time.time() - age_s
+    os.utime(path, (when, when))
+    return path
+
+
+@pytest.fixture
+def landed(conn, tmp_path):
+    folder = tmp_path / "landing"
+    folder.mkdir()
+    source = LandingFolder(topic="landed_tweets", path=str(folder), partitions=2,
+                           chunk_bytes=4096)
+    pipeline = get_pipeline("tweets", source=source, batch_size=500)
+    register(conn, pipeline, create_source=True)
+    return pipeline, folder
+
+
+def test_files_are_read_in_arrival_order_exactly_once(spark, conn, dsn, landed):
+    pipeline, folder = landed
+    first = list(generate(600, seed=1))
+    land(folder, "a.jsonl", first[:300], age_s=20)
+    land(folder, "b.jsonl", first[300:], age_s=10)
+    (folder / ".c.jsonl.tmp").write_text("not yet\n")  # a file being written: never read
+    (folder / "_SUCCESS").write_text("")
+    batch, result = run_transaction(spark, dsn, conn, pipeline, "run-1")
+    assert result.status == "committed" and batch.records == 500
+    files = table(conn, """SELECT file_no, partition, path, records, base_offset
+                           FROM landing_files ORDER BY file_no""")
+    assert [(n, p, Path(f).name, r, b) for n, p, f, r, b in files] == [
+        (0, 0, "a.jsonl", 300, 0), (1, 1, "b.jsonl", 300, 0)]
+    # a file lands while the pipeline runs, another is still settling (just written)
+    more = list(generate(200, seed=2))
+    land(folder, "c.jsonl", more[:100])
+    land(folder, "d.jsonl", more[100:], age_s=-3600)  # written "just now": not settled
+    batch, _ = run_transaction(spark, dsn, conn, pipeline, "run-2")
+    assert batch.records == 200  # the rest of a and b, and c; not d yet
+    os.utime(folder / "d.jsonl", (time.time() - 5, time.time() - 5))
+    batch, _ = run_transaction(spark, dsn, conn, pipeline, "run-3")
+    assert batch.records == 100
+    report = recount(conn, pipeline)
+    assert report.ok, report.mismatches
+    assert report.records + report.queued + report.dead == 800
+    assert rerun(conn, dsn, pipeline, spark).ok
+
+
+def test_a_changed_file_is_refused_loudly(spark, conn, dsn, landed):
+    pipeline, folder = landed
+    path = land(folder, "a.jsonl", list(generate(100, seed=3)))
+    run_transaction(spark, dsn, conn, pipeline, "run-1")
+    with open(path, "a") as f:
+        f.write(json.dumps({"url": "https://late.example/x"}) + "\n")
+    os.utime(path, (time.time() - 5, time.time() - 5))
+    with pytest.raises(ConfigError, match=r"a.jsonl' changed after it was indexed .* landed "
+                                          r"files must never change"):
+        begin(conn, pipeline, "run-2")
+
+
+def test_a_removed_file_fails_the_batch_that_reads_it(spark, conn, dsn, landed):
+    from spark_tasks.processing import process_batch
+
+    pipeline, folder = landed
+    path = land(folder, "a.jsonl", list(generate(100, seed=4)))
+    batch = begin(conn, pipeline, "run-1")
+    path.unlink()
+    with pytest.raises(Exception, match="was removed before every batch reading it committed"):
+        process_batch(spark, dsn, pipeline, batch.attempt)
+    assert table(conn, "SELECT count(*) FROM staged_groups") == [(0,)]
+
+
+def test_a_folder_that_does_not_exist_is_refused(conn, tmp_path):
+    pipeline = get_pipeline("tweets", source=LandingFolder(
+        topic="nowhere", path=str(tmp_path / "missing")))
+    with pytest.raises(ConfigError, match="source.path=.* is not a folder that exists"):
+        register(conn, pipeline, create_source=True)
+
+
+@pytest.mark.parametrize("policy", ["skip", "stop"])
+def test_a_parquet_file_of_another_schema_is_set_aside_or_stops(spark, conn, dsn, tmp_path,
+                                                                policy):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder = tmp_path / "pq"
+    folder.mkdir()
+    source = LandingFolder(topic=f"pq_{policy}", path=str(folder), format="parquet",
+                           schema="url string", on_mismatch=policy)
+    pipeline = get_pipeline("tweets", source=source, batch_size=100)
+    register(conn, pipeline, create_source=True)
+    good, bad = folder / "good.parquet", folder / "bad.parquet"
+    pq.write_table(pa.table({"url": ["https://a.example/1", "https://b.example/2"]}), good)
+    pq.write_table(pa.table({"link": ["https://c.example/3"]}), bad)
+    past = time.time() - 10
+    os.utime(good, (past - 1, past - 1))
+    os.utime(bad, (past, past))
+    if policy == "stop":
+        with pytest.raises(ConfigError, match=r"bad.parquet' does not match source.schema "
+                                              r"\(missing column\(s\) \['url'\]\)"):
+            begin(conn, pipeline, "run-1")
+        return
+    batch, result = run_transaction(spark, dsn, conn, pipeline, "run-1")
+    assert result.status == "committed" and batch.records == 2
+    assert dict(table(conn, "SELECT key, value FROM url_counts")) == {
+        "https://a.example/1": 1, "https://b.example/2": 1}
+    assert table(conn, "SELECT refused FROM landing_files WHERE path LIKE %s",
+                 ("%bad.parquet",)) == [("missing column(s) ['url']",)]
+
+
+def test_an_empty_batch_commits_nothing_and_moves_nothing(spark, conn, dsn, landed):
+    pipeline, _ = landed
+    batch, result = run_transaction(spark, dsn, conn, pipeline, "run-1")
+    assert batch.records == 0 and result.status == "committed" and result.rows_applied == 0

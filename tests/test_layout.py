@@ -1,0 +1,134 @@
+"""The code's shape, checked: no import cycles, the library knows nothing of the demo, every
+package folder ships, begin and commit stay free of pyspark, and onceflow runs installed from
+a wheel, from another directory."""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LIBRARY = [ROOT / "plugins" / "onceflow", ROOT / "spark_tasks"]
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT / "plugins") if "plugins" in path.parts else path.relative_to(ROOT)
+    parts = list(rel.with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path, package: str) -> set[str]:
+    """Modules imported at module level (not inside functions, not under TYPE_CHECKING)."""
+    found = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            continue
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1]
+                                + ([base] if base else []))
+            found.add(base)
+            found |= {f"{base}.{a.name}" for a in node.names}
+    return found
+
+
+def test_no_import_cycles():
+    modules = {}
+    for folder in LIBRARY:
+        for path in folder.rglob("*.py"):
+            name = _module_name(path)
+            package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+            modules[name] = _imports(path, package)
+    graph = {m: {i for i in imports if i in modules and i != m} for m, imports in
+             modules.items()}
+    # a package's __init__ runs when a submodule is imported: parent -> child edges count
+    for m in modules:
+        parent = m.rpartition(".")[0]
+        if parent in graph:
+            graph[m].add(parent)
+    state: dict[str, int] = {}
+    cycles = []
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                cycles.append(stack[stack.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt, [*stack, nxt])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    # package -> its own submodule -> package is how __init__ re-exports work: not a cycle
+    real = [c for c in cycles if not all(a.startswith(c[0] + ".") or c[0].startswith(a)
+                                         for a in c)]
+    assert not real, f"import cycles: {real}"
+
+
+def test_the_library_knows_nothing_of_the_demo():
+    offenders = []
+    for folder in [*LIBRARY, ROOT / "sql", ROOT / "dags"]:
+        for path in folder.rglob("*"):
+            if path.is_file() and path.suffix in (".py", ".sql") and \
+                    "tweet" in path.read_text().lower():
+                offenders.append(str(path.relative_to(ROOT)))
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert "tweet" not in repr([project["project"], project["tool"]["setuptools"]]).lower()
+    assert not offenders, f"these library files mention the demo: {offenders}"
+
+
+def test_every_package_folder_ships():
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+                 ["packages"])
+    found = {_module_name(p.parent / "__init__.py") for folder in LIBRARY
+             for p in folder.rglob("__init__.py")}
+    assert found - {"onceflow.migrations"} <= listed, found - listed
+    assert "onceflow.migrations" in listed and (ROOT / "sql" / "__init__.py").exists()
+
+
+def test_begin_and_commit_do_not_load_pyspark():
+    code = (
+        "import sys\n"
+        "import onceflow.airflow.operators, onceflow.airflow.triggers\n"
+        "import onceflow.core.begin, onceflow.core.commit, onceflow.ops.status\n"
+        "from onceflow.core.registry import pipelines\n"
+        "assert pipelines(), 'no pipeline registered'\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'pyspark'))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_onceflow_runs_installed_from_a_wheel_in_another_directory(tmp_path, dsn):
+    """`pip install .` (no editable checkout): migrations come from the package, the CLI
+    works from a directory that knows nothing of the repository."""
+    wheels, target, elsewhere = tmp_path / "wheels", tmp_path / "site", tmp_path / "cwd"
+    elsewhere.mkdir()
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps",
+                    "-w", str(wheels), str(ROOT)], check=True, capture_output=True)
+    wheel = next(wheels.glob("onceflow-*.whl"))
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
+                    "--target", str(target), str(wheel)], check=True, capture_output=True)
+    env = {**os.environ, "PYTHONPATH": str(target), "ONCEFLOW_HOME": str(elsewhere)}
+    env.pop("ONCEFLOW_SQL_DIR", None)
+    probe = subprocess.run(
+        [sys.executable, "-c",
+         "import onceflow, onceflow.core.db as db; print(onceflow.__file__); "
+         "print(len(db.migration_files()))"],
+        cwd=elsewhere, env=env, capture_output=True, text=True, check=True).stdout.split()
+    assert probe[0].startswith(str(target))
+    assert int(probe[1]) == len(list((ROOT / "sql").glob("[0-9][0-9][0-9]_*.sql")))
+    init = subprocess.run([sys.executable, "-m", "onceflow.ops.cli", "init"], cwd=elsewhere,
+                          env=env, capture_output=True, text=True)
+    assert init.returncode == 0, init.stderr
+    assert "migrations applied: none (up to date)" in init.stdout

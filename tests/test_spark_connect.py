@@ -1,0 +1,126 @@
+"""The warm Spark: a local Spark Connect server onceflow starts and supervises, processing
+tasks as its clients. Its lifecycle from the CLI, a clear error when it is down, and a server
+killed in the middle of a batch: that try fails, the retry on the restarted server commits,
+nothing counted twice."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+
+from helpers import table
+from onceflow.dev import localspark
+from onceflow.dev.localenv import spark_connection
+
+OUTSIDE = Path(__file__).parent / "outside"
+RUNNER = Path(__file__).with_name("dag_runner.py")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_the_server_starts_answers_and_stops_from_the_cli(tmp_path):
+    env = {**os.environ, "ONCEFLOW_HOME": str(tmp_path),
+           "ONCEFLOW_SPARK_CONNECT_PORT": str(free_port())}
+
+    def spark(action):
+        return subprocess.run([sys.executable, "-m", "onceflow.ops.cli", "spark", action],
+                              env=env, capture_output=True, text=True, timeout=180)
+
+    assert spark("status").returncode == 1
+    started = spark("start")
+    assert started.returncode == 0 and "Spark Connect server running at sc://" in \
+        started.stdout, started.stderr
+    assert spark("start").returncode == 0  # idempotent
+    assert spark("status").returncode == 0
+    assert spark("stop").stdout.strip() == "stopped"
+    assert spark("status").returncode == 1
+
+
+@pytest.fixture
+def pageviews(monkeypatch, dsn, conn):
+    from onceflow.core.registration import register
+    from onceflow.core.registry import clear_cache, get_pipeline
+
+    monkeypatch.syspath_prepend(str(OUTSIDE))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        filter(None, [str(OUTSIDE), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("ONCEFLOW_PIPELINES", "pageviews.pipelines:PAGE_VIEWS")
+    clear_cache()
+    pipeline = get_pipeline("page_views")
+    register(conn, pipeline, create_source=True)
+    yield pipeline
+    clear_cache()
+
+
+def run_dag(env: dict, timeout: float = 400) -> dict:
+    logical = datetime.now(UTC).replace(microsecond=0) + timedelta(seconds=7)
+    proc = subprocess.run([sys.executable, str(RUNNER), logical.isoformat(), "{}",
+                           "onceflow_page_views"], env={**os.environ, **env},
+                          capture_output=True, text=True, timeout=timeout)
+    out = proc.stdout + proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1]) | {"log": out}
+
+
+@pytest.mark.timeout(400)
+def test_a_server_that_is_down_is_a_clear_error(pageviews, conn, airflow_db):
+    port = free_port()  # nothing listens there
+    pageviews.source.append(conn, [json.dumps({"country": "de", "page": "/"})])
+    result = run_dag({"AIRFLOW_CONN_SPARK_DEFAULT": spark_connection(port),
+                      "ONCEFLOW_RETRY_DELAY_SECONDS": "1"})
+    assert result["state"] == "failed"
+    assert f"the Spark Connect server at sc://127.0.0.1:{port} does not answer" in \
+        result["log"]
+    assert "onceflow spark start" in result["log"]
+    assert table(conn, "SELECT state FROM transactions") == [("failed",)]
+
+
+@pytest.mark.timeout(600)
+def test_a_server_killed_in_the_middle_of_a_batch(pageviews, conn, airflow_db, tmp_path):
+    port = free_port()
+    folder = tmp_path / "server"
+    localspark.start(port, driver_memory="1g", folder=folder)
+    release = tmp_path / "release"
+    views = [json.dumps({"country": c, "page": "/p"}) for c in ("de", "fr", "de")] + [
+        json.dumps({"country": "hold", "page": str(release)})]
+    pageviews.source.append(conn, views)
+    proc = subprocess.Popen(
+        [sys.executable, str(RUNNER),
+         (datetime.now(UTC).replace(microsecond=0) + timedelta(seconds=9)).isoformat(), "{}",
+         "onceflow_page_views"],
+        env={**os.environ, "AIRFLOW_CONN_SPARK_DEFAULT": spark_connection(port),
+             "ONCEFLOW_RETRY_DELAY_SECONDS": "20"},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not Path(str(release) + ".reached").exists():
+            assert time.monotonic() < deadline and proc.poll() is None, "never in the batch"
+            time.sleep(0.2)
+        pid = localspark.status(port, folder=folder).pid
+        os.killpg(pid, signal.SIGKILL)  # the server dies with a batch in its hands
+        time.sleep(1)
+        localspark.start(port, driver_memory="1g", folder=folder)
+        release.touch()
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+        localspark.stop(port, folder=folder)
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["state"] == "success", out[-3000:]
+    assert result["tries"]["process[0]"] == 2
+    assert dict(table(conn, "SELECT key, value FROM views_per_country")) == {
+        "DE": 2, "FR": 1, "HOLD": 1}
+    assert table(conn, "SELECT txid, attempt, state FROM transactions") == [
+        (1, 1, "committed")]

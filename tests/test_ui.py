@@ -1,0 +1,517 @@
+"""onceflow inside Airflow's UI (onceflow.airflow.ui), in a real browser: a real Airflow
+api-server with the plugin loaded (one for the module, on a free port of 127.0.0.1), the
+test's onceflow database (the Airflow connection onceflow_pg in Airflow's metadata database,
+as the server sees it), real DAG runs with dag.test() whose notes the plugin's listener
+writes, and Debian's Chromium driven by Playwright: the run list shows each run's txid and
+outcome, the onceflow view shows the commit timeline, replaying a dead letter through the view
+moves it exactly once, a backfill queues a run with its txid; a read-only user sees no
+buttons and may not act; an anonymous request is refused.
+
+Needs Chromium (Debian: ``apt-get install chromium``; another binary: ``ONCEFLOW_CHROMIUM``)
+and the ``playwright`` package; without them the browser test is skipped, except on CI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from types import SimpleNamespace
+from urllib.parse import quote
+
+import pytest
+
+from helpers import table, tweets_pipeline
+
+CHROMIUM = os.environ.get("ONCEFLOW_CHROMIUM", "/usr/bin/chromium")
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+SHIM = '''"""Loads onceflow's Airflow plugin (written by tests/test_ui.py: no entry point)."""
+from onceflow.airflow.ui.plugin import OnceflowPlugin  # noqa: F401
+'''
+
+
+# -- the run notes, without services ---------------------------------------------------------------
+def _now(state, attempt=1, run_id="other", reason=None):
+    return SimpleNamespace(state=state, attempt=attempt, run_id=run_id, reason=reason)
+
+
+def test_run_notes_say_txid_and_outcome():
+    from onceflow.airflow.ui import notes
+
+    planned = notes.planned("tweets", 18, 1, 20_000)
+    committed = notes.committed("tweets", 17, 1, records=20_000, failed=5, dead=3, waited_s=4.2)
+    assert committed["text"] == ("txid 17 · committed · 20,000 records · 2 queued for replay · "
+                                 "3 dead letters · waited 4s for txid 16")
+    assert notes.no_op("tweets", 12)["text"] == "txid 12 already committed (no-op)"
+    assert notes.committed("tweets", 5, 2, records=1, earlier_try=True)["text"] == \
+        "txid 5 · committed · 1 record · attempt 2 · on an earlier try of the commit task"
+
+    def text(failed, said, now=None):
+        return notes.note_text("onceflow_tweets", "run-1", failed, said,
+                               lookup=lambda pipeline, txid: now)
+
+    assert text(False, [planned, committed]) == committed["text"]
+    # a failed run: the reason its attempt recorded in onceflow's transaction log
+    assert text(True, [planned], _now("failed", reason="process failed in run run-1: "
+                                                       "RuntimeError('boom')")) == \
+        "txid 18 failed: process failed: RuntimeError('boom')"
+    # fenced by a newer attempt (a duplicate run) while it failed
+    assert text(True, [planned], _now("planned", attempt=2, run_id="run-2")) == \
+        "superseded: txid 18 attempt 1 is fenced: attempt 2 is current (run run-2, planned)"
+    # a duplicate run whose attempt was fenced ends skipped: its task said so
+    fenced = notes.superseded("tweets", "txid 18 attempt 1 of tweets is fenced: attempt 2 is "
+                                        "current", 18, 1)
+    assert text(False, [planned, fenced]) == ("superseded: txid 18 attempt 1 of tweets is "
+                                              "fenced: attempt 2 is current")
+    assert text(False, [notes.nothing_planned("tweets", "max_pending=3 reached")]) == \
+        "no transaction: max_pending=3 reached"
+    assert text(True, []) == "failed before a txid was given (see the begin task's log)"
+    assert notes.note_text("other_dag", "run-1", True, []) is None  # not onceflow's
+
+
+def test_a_note_a_user_wrote_stays_below():
+    from onceflow.airflow.ui import notes
+
+    class Note(SimpleNamespace):
+        pass
+
+    run = SimpleNamespace(dag_run_note=Note(content="txid 3 · planned · 10 records\n\nmine",
+                                            user_id="alice"))
+    notes.set_note(run, "txid 3 · committed · 10 records")
+    assert run.dag_run_note.content == "txid 3 · committed · 10 records\n\nmine"
+    run = SimpleNamespace(dag_run_note=Note(content="txid 3 · backfill queued", user_id=None))
+    notes.set_note(run, "txid 3 failed: x")
+    assert run.dag_run_note.content == "txid 3 failed: x"
+
+
+# -- a real api-server ---------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _plugin_loaded_here() -> None:
+    """The plugin in this process (dag.test() runs the listener here) and in the server's
+    (same AIRFLOW_HOME, so the same plugins folder): by entry point, or by a one-line file in
+    the plugins folder of this run's own Airflow home."""
+    from airflow import plugins_manager, settings
+    from airflow.listeners.listener import get_listener_manager
+
+    if any(p.name == "onceflow" for p in plugins_manager._get_plugins()[0]):
+        return
+    folder = Path(settings.PLUGINS_FOLDER)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "onceflow_ui_plugin.py").write_text(SHIM)
+    for cached in (plugins_manager._get_plugins, plugins_manager._get_ui_plugins,
+                   plugins_manager.get_fastapi_plugins, get_listener_manager):
+        cached.cache_clear()
+    assert any(p.name == "onceflow" for p in plugins_manager._get_plugins()[0])
+
+
+@pytest.fixture(scope="module")
+def api_server(airflow_db, tmp_path_factory):
+    """``airflow api-server`` on a free port of 127.0.0.1 with users admin (admin) and viewer
+    (viewer). Its onceflow DSN comes from the connection onceflow_pg in the metadata
+    database (each test points it at its own database). Yields url, passwords, log."""
+    _plugin_loaded_here()
+    folder = tmp_path_factory.mktemp("api-server")
+    passwords = {"admin": secrets.token_urlsafe(12), "viewer": secrets.token_urlsafe(12)}
+    (folder / "passwords.json").write_text(json.dumps(passwords))
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("AIRFLOW_CONN_ONCEFLOW_PG", "ONCEFLOW_PG_DSN")}
+    env.update({
+        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_USERS": "admin:admin,viewer:viewer",
+        "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(folder / "passwords.json"),
+        "AIRFLOW__API__HOST": "127.0.0.1",
+        "AIRFLOW__API__PORT": str(port),
+    })
+    log = folder / "api-server.log"
+    with open(log, "wb") as out:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "airflow", "api-server", "-H", "127.0.0.1", "-p", str(port),
+             "-w", "1"], env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        # it starts while the test makes its transactions: wait_up() before using it
+        yield SimpleNamespace(url=url, passwords=passwords, log=log,
+                              wait_up=lambda: _wait_until_up(url, server, log))
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+
+
+def _wait_until_up(url: str, server, log: Path) -> None:
+    import httpx
+
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            pytest.fail(f"the api-server exited ({server.returncode}):\n{_tail(log)}")
+        try:
+            if httpx.get(f"{url}/onceflow/api/pipelines", timeout=2).status_code == 401:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    pytest.fail(f"the api-server did not answer in 120 s:\n{_tail(log)}")
+
+
+def _tail(log: Path, lines: int = 60) -> str:
+    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+
+
+@pytest.fixture
+def onceflow_connection(dsn, api_server):
+    """The Airflow connection onceflow_pg, in the metadata database, at this test's
+    database: what the api-server reads."""
+    from airflow.models.connection import Connection
+    from airflow.utils.session import create_session
+    from psycopg2.extensions import parse_dsn
+
+    p = parse_dsn(dsn)
+    with create_session() as session:
+        session.query(Connection).filter(Connection.conn_id == "onceflow_pg").delete()
+        session.add(Connection(conn_id="onceflow_pg", conn_type="postgres",
+                               host=p.get("host", "127.0.0.1"), port=int(p.get("port", 5432)),
+                               login=p.get("user"), password=p.get("password"),
+                               schema=p["dbname"]))
+    yield
+    with create_session() as session:
+        session.query(Connection).filter(Connection.conn_id == "onceflow_pg").delete()
+
+
+def _token(api_server, user: str) -> str:
+    import httpx
+
+    answer = httpx.post(f"{api_server.url}/auth/token", timeout=10,
+                        json={"username": user, "password": api_server.passwords[user]})
+    assert answer.status_code == 201, answer.text
+    return answer.json()["access_token"]
+
+
+# -- the browser ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def chromium():
+    """Chromium and Playwright are there (checked before any work). Launch it with
+    ``launched()`` only after the DAG runs: Playwright's sync API keeps an event loop running
+    in this thread, where dag.test() runs its triggers with asyncio.run()."""
+    if not Path(CHROMIUM).exists() or shutil.which(CHROMIUM) is None:
+        _missing(f"no Chromium at {CHROMIUM} (Debian: apt-get install chromium)")
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        _missing("the playwright package is not installed")
+    return CHROMIUM
+
+
+@contextmanager
+def launched(executable: str):
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=executable, args=CHROMIUM_ARGS)
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
+def _missing(why: str) -> None:
+    if os.environ.get("CI"):
+        pytest.fail(why)
+    pytest.skip(why)
+
+
+@contextmanager
+def screenshots_on_failure(tmp_path: Path, log: Path | None = None, **pages):
+    """On a failure, a screenshot of each page (with what its iframe shows) in the test's
+    tmp folder, and the end of the api-server's log."""
+    try:
+        yield
+    except BaseException:
+        if log is not None:
+            print(f"api-server log ({log}):\n{_tail(log, 40)}")
+        for name, page in pages.items():
+            try:
+                page.screenshot(path=str(tmp_path / f"{name}.png"), full_page=True)
+                print(f"screenshot: {tmp_path / f'{name}.png'} ({page.url})")
+            except Exception as error:  # the page may be gone
+                print(f"no screenshot of {name}: {error}")
+        raise
+
+
+def _log_in(browser, api_server, user: str, next_path: str):
+    context = browser.new_context(viewport={"width": 1500, "height": 1000})
+    context.set_default_timeout(20_000)
+    page = context.new_page()
+    page.goto(f"{api_server.url}/auth/login?next={api_server.url}{next_path}")
+    page.get_by_label("Username").fill(user)
+    page.get_by_label("Password").fill(api_server.passwords[user])
+    page.get_by_role("button", name="Sign in").click()
+    page.wait_for_url(f"{api_server.url}{next_path}*")
+    return context, page
+
+
+# -- the transactions the view shows ---------------------------------------------------------------
+def _dead_letters(conn, pipeline: str) -> None:
+    """Three records the backflow gave up on (as a commit leaves them), two for one reason."""
+    from onceflow.core import backflow
+
+    with conn.cursor() as cur:
+        backflow.ensure_pointers(cur, pipeline)
+        for partition, offset, error in [(0, 3, "bolt normalize_domain: ValueError: bad host"),
+                                         (1, 7, "bolt normalize_domain: ValueError: bad host"),
+                                         (2, 11, "bolt lookup: TimeoutError: slow")]:
+            cur.execute(
+                """INSERT INTO dead_letters (pipeline, partition, "offset", payload, failures,
+                                             errors, txid)
+                   VALUES (%s, %s, %s, %s, 4, %s, 1)""",
+                (pipeline, partition, offset, json.dumps({"id": offset}), [error] * 4))
+    conn.commit()
+
+
+def _process_when_planned(spark, dsn: str, pipeline, txid: int, then_commit) -> threading.Thread:
+    """In a thread: once a DAG run's begin planned ``txid``, process it here (the shared local
+    Spark session), then commit the earlier txid ``then_commit`` (a TransactionAttempt): the
+    run's commit waits for it, deferred, and commits after it."""
+    from onceflow.core.commit import commit
+    from onceflow.core.db import connect
+    from onceflow.core.txlog import TransactionAttempt
+    from spark_tasks.processing import process_batch
+
+    errors: list[BaseException] = []
+
+    def work():
+        conn = connect(dsn)
+        try:
+            deadline = time.monotonic() + 120
+            row = []
+            while not row and time.monotonic() < deadline:
+                row = table(conn, "SELECT attempt, groups FROM transactions WHERE pipeline = %s "
+                                  "AND txid = %s", (pipeline.name, txid))
+                time.sleep(0.2)
+            assert row, f"txid {txid} was never planned"
+            attempt, groups = row[0]
+            for group in range(groups):
+                process_batch(spark, dsn, pipeline, TransactionAttempt(txid, attempt), group)
+            assert commit(conn, pipeline, then_commit).status == "committed"
+        except BaseException as error:
+            errors.append(error)
+        finally:
+            conn.close()
+
+    thread = threading.Thread(target=work, name=f"process-txid-{txid}", daemon=True)
+    thread.errors = errors
+    thread.start()
+    return thread
+
+
+def _note_in_run_list(page, run_id: str) -> str:
+    """The note of ``run_id`` as the DAG's run list shows it (its Note button)."""
+    row = page.locator("tr", has=page.get_by_role("link", name=run_id, exact=True))
+    row.get_by_role("button", name="Note").click()
+    dialog = page.get_by_role("dialog")
+    dialog.wait_for()
+    text = dialog.inner_text()
+    page.keyboard.press("Escape")
+    dialog.wait_for(state="hidden")
+    return text
+
+
+@pytest.mark.timeout(400)
+def test_run_notes_and_the_onceflow_view_in_a_browser(chromium, api_server, onceflow_connection,
+                                                      dsn, conn, spark, monkeypatch, tmp_path):
+
+    from helpers import run_transaction
+    from onceflow.airflow import transaction_dag
+    from onceflow.core.begin import begin
+    from spark_tasks.processing import process_batch
+
+    started = time.monotonic()
+    pipeline = tweets_pipeline(conn, events=1000, batch_size=200, malformed_share=0.05,
+                               poison_share=0, flaky_share=0)
+    run_transaction(spark, dsn, conn, pipeline, "lib-1")  # txid 1
+    second = begin(conn, pipeline, "lib-2")  # txid 2: processed, committed later
+    for group in range(second.groups):
+        process_batch(spark, dsn, pipeline, second.attempt, group)
+    _dead_letters(conn, pipeline.name)
+
+    # txid 3 through the DAG: its commit waits (deferred) until txid 2 commits; the run's
+    # processing happens in this test's thread on the shared Spark session (process marked
+    # success in Airflow), so no spark-submit is started.
+    dag = transaction_dag("tweets", default_args={"retries": 0})
+    base = datetime.now(UTC).replace(microsecond=0)
+    worker = _process_when_planned(spark, dsn, pipeline, 3, second.attempt)
+    committed_run = dag.test(logical_date=base, run_conf={"batch_size": 200},
+                             mark_success_pattern="process")
+    worker.join(60)
+    assert not worker.errors, worker.errors
+    assert str(committed_run.state) == "success"
+    # txid 4 through the DAG: processing fails (an injected fault), no retries
+    monkeypatch.setenv("ONCEFLOW_INJECT_FAULTS", "process.before:4")
+    failed_run = dag.test(logical_date=base + timedelta(seconds=1), run_conf={"batch_size": 200})
+    monkeypatch.delenv("ONCEFLOW_INJECT_FAULTS")
+    assert str(failed_run.state) == "failed"
+    # txid 1 again (a backfill of a committed txid): nothing to do
+    noop_run = dag.test(logical_date=base + timedelta(seconds=2), run_conf={"txid": 1})
+    assert str(noop_run.state) == "success"
+    assert table(conn, "SELECT txid, state FROM transactions ORDER BY txid") == [
+        (1, "committed"), (2, "committed"), (3, "committed"), (4, "failed")]
+    waited = table(conn, "SELECT commit_wait_s FROM transactions WHERE txid = 3")[0][0]
+    assert waited > 0.5  # the DAG's commit waited for txid 2
+    setup_s = time.monotonic() - started
+
+    api_server.wait_up()
+    browsing = time.monotonic()
+    with launched(chromium) as browser:
+        _browse(browser, api_server, conn, tmp_path, committed_run, failed_run, noop_run)
+    browsing_s = time.monotonic() - browsing
+    _check_api(api_server, conn)
+    print(f"setup {setup_s:.1f}s, browsing {browsing_s:.1f}s")
+
+
+def _browse(browser, api_server, conn, tmp_path, committed_run, failed_run, noop_run) -> None:
+    import httpx
+
+    committed_note = "txid 3 · committed · 200 records"
+    failed_note = ("txid 4 failed: process failed: RuntimeError('injected fault process.before "
+                   "for txid 4 (try 1)')")
+    noop_note = "txid 1 already committed (no-op)"
+    context, page = _log_in(browser, api_server, "admin", "/dags/onceflow_tweets/runs")
+    with screenshots_on_failure(tmp_path, api_server.log, admin=page):
+        # the run list: each run's note says its txid and outcome
+        assert committed_note in _note_in_run_list(page, committed_run.run_id)
+        assert failed_note in _note_in_run_list(page, failed_run.run_id)
+        # (and through Airflow's REST API, as any client sees it)
+        run = httpx.get(f"{api_server.url}/api/v2/dags/onceflow_tweets/dagRuns/"
+                        f"{quote(noop_run.run_id, safe='')}", timeout=30,
+                        headers={"Authorization": f"Bearer {_token(api_server, 'viewer')}"})
+        assert run.status_code == 200, run.text
+        assert run.json()["note"] == noop_note
+
+        # the onceflow view, from the UI's navigation
+        page.get_by_test_id("nav-sidebar").get_by_role("link", name="onceflow").click()
+        view = page.frame_locator("iframe")
+        view.get_by_role("link", name="tweets", exact=True).click()
+        timeline = view.locator("#timeline")
+        timeline.wait_for()
+        states = {int(r.get_attribute("data-txid")): r.get_attribute("data-state")
+                  for r in timeline.locator("tbody tr").all()}
+        assert states == {1: "committed", 2: "committed", 3: "committed", 4: "failed"}
+        assert "injected fault" in timeline.locator("tr[data-txid='4']").inner_text()
+        assert committed_run.run_id in timeline.locator("tr[data-txid='3']").inner_text()
+        stuck = view.locator("#open tr[data-txid='4']").inner_text()
+        assert "failed" in stuck and "onceflow backfill --pipeline tweets" in stuck
+        assert view.locator("#dead-total").inner_text() == "3"
+        reasons = view.locator("#dead-reasons").inner_text()
+        assert "bolt normalize_domain: ValueError: bad host" in reasons
+        assert "bolt lookup: TimeoutError: slow" in reasons
+
+        # replay one dead letter, confirmed in the dialog
+        view.locator("#dead-letters tr[data-record='0:3']").get_by_role(
+            "button", name="Replay…").click()
+        dialog = view.locator("#confirm")
+        dialog.wait_for()
+        assert "Put 1 dead letter(s) of tweets (record(s) p0:3) back" in dialog.inner_text()
+        view.locator("#confirm-ok").click()
+        view.locator("#flash").filter(has_text="1 dead letter(s) of tweets put back").wait_for()
+        assert view.locator("#dead-total").inner_text() == "2"
+
+        # backfill the failed txid: one queued run with conf {"txid": 4}
+        view.locator("#backfill").click()
+        dialog.wait_for()
+        assert "Trigger 1 run(s) of onceflow_tweets" in dialog.inner_text()
+        assert "txid 4 (failed" in dialog.inner_text()
+        view.locator("#confirm-ok").click()
+        view.locator("#flash").filter(has_text="Triggered 1 run(s) of onceflow_tweets").wait_for()
+    context.close()
+
+    # moved exactly once: out of the dead letters, into the backflow (the from-queue, which
+    # became the to-queue at once: the to-queue was empty) once, its failures reset
+    assert table(conn, """SELECT partition, "offset" FROM dead_letters ORDER BY 1""") == \
+        [(1, 7), (2, 11)]
+    moved = table(conn, """SELECT failures, errors[array_upper(errors, 1)], claimed_txid
+                           FROM backflow_items WHERE partition = 0 AND "offset" = 3""")
+    assert moved == [(0, "put back from the dead letters by a user", None)]
+    admin = {"Authorization": f"Bearer {_token(api_server, 'admin')}",
+             "X-Requested-By": "test"}
+    again = httpx.post(f"{api_server.url}/onceflow/api/pipelines/tweets/dead-letters/replay",
+                       headers=admin, json={"records": ["0:3"], "confirm": True}, timeout=30)
+    assert again.status_code == 200 and again.json()["count"] == 0
+    assert table(conn, """SELECT count(*) FROM backflow_items
+                          WHERE partition = 0 AND "offset" = 3""") == [(1,)]
+    _check_backfill_run(4)
+
+    # a read-only user: the view without buttons; the actions refused
+    context, page = _log_in(browser, api_server, "viewer", "/onceflow/pipelines/tweets")
+    with screenshots_on_failure(tmp_path, api_server.log, viewer=page):
+        page.locator("#timeline").wait_for()
+        assert page.locator("#timeline tr[data-txid='3']").count() == 1
+        assert page.locator("#dead-letters tr").count() == 3  # header and two dead letters
+        assert page.locator("button[data-post]").count() == 0
+        assert page.locator("#backfill, #replay-all").count() == 0
+    context.close()
+
+
+def _check_api(api_server, conn) -> None:
+    """The data endpoints refuse a read-only user's actions and anonymous requests."""
+    import httpx
+
+    admin = {"Authorization": f"Bearer {_token(api_server, 'admin')}",
+             "X-Requested-By": "test"}
+    viewer = {"Authorization": f"Bearer {_token(api_server, 'viewer')}",
+              "X-Requested-By": "test"}
+    base_url = f"{api_server.url}/onceflow/api/pipelines/tweets"
+    assert httpx.get(base_url, headers=viewer, timeout=30).json()["can_operate"] is False
+    for path, body in [("/dead-letters/replay", {"all": True, "confirm": True}),
+                       ("/backfill", {"confirm": True})]:
+        refused = httpx.post(base_url + path, headers=viewer, json=body, timeout=30)
+        assert refused.status_code == 403, refused.text
+    assert table(conn, "SELECT count(*) FROM dead_letters") == [(2,)]
+
+    # anonymous: refused, the pages send to the login
+    for url in (f"{api_server.url}/onceflow/api/pipelines", base_url):
+        assert httpx.get(url, timeout=30).status_code == 401
+    assert httpx.post(base_url + "/dead-letters/replay", timeout=30,
+                      headers={"X-Requested-By": "test"},
+                      json={"all": True, "confirm": True}).status_code == 401
+    page_answer = httpx.get(f"{api_server.url}/onceflow/pipelines/tweets", timeout=30)
+    assert page_answer.status_code == 307
+    assert page_answer.headers["location"].startswith("/auth/login")
+    # an action without the header a cross-site form cannot send
+    assert httpx.post(base_url + "/dead-letters/replay", headers=admin | {"X-Requested-By": ""},
+                      json={"all": True, "confirm": True}, timeout=30).status_code == 400
+    assert table(conn, "SELECT count(*) FROM dead_letters") == [(2,)]
+
+
+def _check_backfill_run(txid: int) -> None:
+    """The backfill queued one run of the DAG with conf {"txid": N} (no scheduler runs here:
+    it stays queued), then removed so no later test meets it."""
+    from airflow.models.dagrun import DagRun
+    from airflow.utils.session import create_session
+
+    with create_session() as session:
+        runs = session.query(DagRun).filter(DagRun.dag_id == "onceflow_tweets",
+                                            DagRun.run_id.like(f"onceflow_backfill__txid_{txid}__%")
+                                            ).all()
+        assert [(r.conf, str(r.state)) for r in runs] == [({"txid": txid}, "queued")]
+        assert runs[0].note.startswith(f"txid {txid} · backfill queued by admin")
+        for run in runs:
+            session.delete(run)
