@@ -4,6 +4,8 @@
 #   bash run.sh demo    the tweets example end to end (PostgreSQL found or started, Airflow
 #                       DAG, Spark local mode), then the commit log and an independent check;
 #                       non-zero if the check fails (`bash run.sh demo --help`)
+#   bash run.sh demo orders   the orders example (typed state, append and upsert tables,
+#                       concurrent writers; `bash run.sh demo orders --help`)
 #   bash run.sh test    the whole test suite (pytest; extra arguments go to pytest)
 #   bash run.sh ui      the Airflow UI on http://127.0.0.1:8080 (airflow standalone)
 #   bash run.sh onceflow ARGS...   any `onceflow` command inside the project's environment
@@ -44,7 +46,10 @@ export ONCEFLOW_HOME="$root"
 cmd=${1:-}
 [ $# -gt 0 ] && shift
 case "$cmd" in
-  demo) need_java; exec tweets-demo "$@" ;;
+  demo)
+    need_java
+    if [ "${1:-}" = orders ]; then shift; exec orders-demo "$@"; fi
+    exec tweets-demo "$@" ;;
   test) need_java; exec python -m pytest "$@" ;;
   ui) exec onceflow ui "$@" ;;
   onceflow) exec onceflow "$@" ;;

@@ -57,6 +57,7 @@ class Staging:
     failures: io.BytesIO
     failed: int = 0
     state_changes: dict[str, list] = field(default_factory=dict)
+    tables: dict[str, tuple[list[str], io.BytesIO]] = field(default_factory=dict)
 
 
 def _printable(table: pa.Table) -> pa.Table:
@@ -67,10 +68,24 @@ def _printable(table: pa.Table) -> pa.Table:
     return table.set_column(i, "error", error)
 
 
-def staging_of(out, topic: str, payload_of) -> Staging:
-    """The run's outputs as staging: deltas and rejects straight from Arrow; the failures
-    with their payloads (``payload_of((partition, offset, replayed)) -> str``), which the
-    backflow keeps for their replay."""
+def typed_csv(rows: pa.Table, ta: TransactionAttempt, group: int
+              ) -> tuple[list[str], io.BytesIO]:
+    """A typed state's rows as CSV for COPY into its staging table: txid, attempt, grp,
+    then its columns."""
+    n = rows.num_rows
+    head = pa.table({"txid": pa.repeat(pa.scalar(ta.txid, pa.int64()), n),
+                     "attempt": pa.repeat(pa.scalar(ta.attempt, pa.int32()), n),
+                     "grp": pa.repeat(pa.scalar(group, pa.int32()), n)})
+    for name in rows.column_names:
+        head = head.append_column(name, rows.column(name))
+    return rows.column_names, _csv(head)
+
+
+def staging_of(out, topic: str, payload_of, ta: TransactionAttempt | None = None,
+               group: int = 0) -> Staging:
+    """The run's outputs as staging: deltas, typed states' rows and rejects straight from
+    Arrow; the failures with their payloads (``payload_of((partition, offset, replayed)) ->
+    str``), which the backflow keeps for their replay."""
     table = out.table
     kind = table.column("kind")
 
@@ -89,7 +104,9 @@ def staging_of(out, topic: str, payload_of) -> Staging:
         "error": pa.array([e for _, e in failed], pa.string())}))
     changes = {bolt: [(ns, key, DELETED if value is None else json.loads(value))
                       for ns, key, value in rows] for bolt, rows in out.changes.items()}
-    return Staging(_csv(deltas), _csv(rejects), _csv(failures), failures.num_rows, changes)
+    typed = {name: typed_csv(rows, ta, group) for name, rows in out.tables.items()}
+    return Staging(_csv(deltas), _csv(rejects), _csv(failures), failures.num_rows, changes,
+                   typed)
 
 
 def read_claimed(spark: SparkSession, conn, pipeline: str, txid: int, group: int
@@ -161,7 +178,9 @@ def process_batch(spark: SparkSession, dsn: str, pipeline: Pipeline, ta: Transac
             out = run_topology(topology, source, attempt=ta.attempt, acker=pipeline.acker,
                                tuple_timeout_ms=pipeline.tuple_timeout_ms, state=context,
                                max_record_bytes=pipeline.source.max_record_bytes,
-                               max_key_bytes=pipeline.max_key_bytes).collect()
+                               max_key_bytes=pipeline.max_key_bytes,
+                               shapes={spec.source_name: spec.shape()
+                                       for spec in pipeline.typed_states()}).collect()
             eden_failed = [(p, o) for p, o, again in out.failed if not again]
             with transaction(conn) as cur:
                 payloads = pipeline.source.payloads_at(cur, eden_failed) if eden_failed else {}
@@ -170,16 +189,19 @@ def process_batch(spark: SparkSession, dsn: str, pipeline: Pipeline, ta: Transac
                 partition, offset, again = position
                 return (replay_payloads if again else payloads)[(partition, offset)]
 
-            collected = staging_of(out, pipeline.topic, payload_of)
+            collected = staging_of(out, pipeline.topic, payload_of, ta, group)
         else:
             collected = Staging(io.BytesIO(), io.BytesIO(), io.BytesIO())
         if provider is not None:
             stateful_steps.prepare_states(provider, pipeline, stateful, ta, group,
                                           collected.state_changes)
         staged = stage(conn, pipeline.name, ta, group, deltas_csv=collected.deltas,
-                             rejects_csv=collected.rejects, failures_csv=collected.failures,
-                             records=eden, replayed=len(replay_payloads),
-                             stateful=tuple(b.name for b in stateful))
+                      rejects_csv=collected.rejects, failures_csv=collected.failures,
+                      records=eden, replayed=len(replay_payloads),
+                      stateful=tuple(b.name for b in stateful),
+                      tables={spec.name: collected.tables[spec.source_name]
+                              for spec in pipeline.typed_states()
+                              if spec.source_name in collected.tables})
     log.info("PROCESSED pipeline=%s %s group=%d records=%d replayed=%d failed=%d in %.2fs",
              pipeline.name, ta, group, staged.records, staged.replayed, staged.failed,
              time.monotonic() - started)

@@ -41,6 +41,7 @@ from pyspark import StorageLevel
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
+from onceflow.core.tables import ORDER, Shape, spark_type
 from spark_tasks.ids import origin, root_id
 from spark_tasks.topology import (
     ANCHORS,
@@ -65,6 +66,31 @@ DELTA, REJECT, FAILED, CHANGE = 0, 1, 2, 3
 OUTPUT = ("kind int, state_name string, key string, delta long, partition int, offset long, "
           "replayed boolean, error string, bolt string, namespace string, value string, "
           "root long")
+
+
+# Typed tuples travel as JSON through the verdict: timestamps keep their microseconds.
+JSON_OPTIONS = {"timestampFormat": "yyyy-MM-dd'T'HH:mm:ss.SSSSSSXXX",
+                "timestampNTZFormat": "yyyy-MM-dd'T'HH:mm:ss.SSSSSS"}
+
+
+def pa_array(values: list):
+    import pyarrow as pa
+
+    return pa.array(values, pa.string())
+
+
+def _rank(order_by: str | None, cols: Mapping[str, str]):
+    """What orders a typed state's Last measures, as a bigint: the ``order_by`` column
+    (a number, a date's day, a timestamp's microsecond), else the record's root id."""
+    if order_by is None:
+        return F.col("_root")
+    kind = cols[order_by]
+    column = F.col(order_by)
+    if kind == "date":
+        return F.unix_date(column).cast("bigint")
+    if kind.startswith("timestamp"):
+        return F.unix_micros(column.cast("timestamp"))
+    return column.cast("bigint")
 
 
 def frame_columns(topology: Topology) -> dict[str, str]:
@@ -221,13 +247,16 @@ class _Chain:
 def run_topology(topology: Topology, source: DataFrame, *, attempt: int, acker: bool = True,
                  tuple_timeout_ms: int = 30_000, state: StateContext | None = None,
                  max_record_bytes: int = 64 * 1024, max_key_bytes: int = 2000,
-                 by_root: bool = False) -> TopologyRun:
+                 by_root: bool = False, shapes: Mapping[str, Shape] | None = None
+                 ) -> TopologyRun:
     """Plan ``topology`` over ``source`` (partition, offset, payload, replays, replayed).
 
     Lazy: ``collect()`` on the result runs it (one Spark job) and returns the outputs.
-    ``by_root``: deltas keep their record's root (verify's re-run).
+    ``by_root``: deltas keep their record's root (verify's re-run). ``shapes``: the typed
+    states (onceflow.core.tables.Shape) by the sink that feeds them.
     """
-    topology.validate()
+    shapes = dict(shapes or {})
+    topology.validate(shapes)
     chain = _Chain(topology, attempt, acker, tuple_timeout_ms, state)
     root = root_id("partition", "offset", "replayed")
     size = F.octet_length("payload")
@@ -258,7 +287,7 @@ def run_topology(topology: Topology, source: DataFrame, *, attempt: int, acker: 
     refused = spout.where(F.col("_problem").isNotNull()).select(
         F.lit(REJECT).alias("kind"), *origin(), F.lit(False).alias("replayed"),
         F.col("_problem").alias("error"), F.col("_root").alias("root"))
-    return TopologyRun(chain, refused, max_key_bytes, by_root)
+    return TopologyRun(chain, refused, max_key_bytes, by_root, shapes)
 
 
 @dataclass
@@ -274,27 +303,52 @@ class Collected:
     failed: dict
     changes: dict
     seconds: float = 0.0
+    tables: dict = field(default_factory=dict)  # typed state -> Arrow rows (typed_rows)
 
 
 class TopologyRun:
     """A planned run: ``output`` (one DataFrame, the OUTPUT columns) and ``collect()``."""
 
-    def __init__(self, chain: _Chain, refused: DataFrame, max_key_bytes: int, by_root: bool):
+    def __init__(self, chain: _Chain, refused: DataFrame, max_key_bytes: int, by_root: bool,
+                 shapes: Mapping[str, Shape] | None = None):
         self.chain, self.refused = chain, refused
         self.max_key_bytes, self.by_root = max_key_bytes, by_root
+        self.shapes = dict(shapes or {})
         self.output = self._plan()
 
-    def _bad_key(self):
-        key = F.col("key").cast("string")
+    def _bad_text(self, key, what: str):
+        """Why a text key PostgreSQL cannot store or index fails its record (else null)."""
         limit = self.max_key_bytes
-        return (F.when(key.isNull(), F.lit("state key is null"))
+        return (F.when(key.isNull(), F.lit(f"{what} is null"))
                 .when(F.instr(key, "\u0000") > 0,
-                      F.lit("state key holds a NUL character, which PostgreSQL text cannot "
+                      F.lit(f"{what} holds a NUL character, which PostgreSQL text cannot "
                             "store"))
                 .when(F.octet_length(key) > limit,
-                      F.concat(F.lit("state key of "), F.octet_length(key).cast("string"),
+                      F.concat(F.lit(f"{what} of "), F.octet_length(key).cast("string"),
                                F.lit(f" bytes is over max_key_bytes={limit} (a PostgreSQL "
                                      "index entry must fit in a third of a page)"))))
+
+    def _bad_key(self, shape: Shape | None = None):
+        if shape is None:
+            return self._bad_text(F.col("key").cast("string"), "state key")
+        if shape.append:
+            return F.lit(None).cast("string")
+        bad = F.lit(None).cast("string")
+        for column, pg_type in reversed(shape.key):
+            if pg_type == "text":
+                why = self._bad_text(F.col(column).cast("string"), f"key column {column}")
+            else:
+                why = F.when(F.col(column).isNull(), F.lit(f"key column {column} is null"))
+            bad = F.coalesce(why, bad)
+        return bad
+
+    def _typed_row(self, shape: Shape):
+        """A typed state's tuple as one JSON text (its inputs and its order), which passes
+        the verdict like a count state's key; _typed_states decodes it."""
+        fields = [F.col(c) for c in shape.inputs()]
+        if shape.ordered:
+            fields.append(_rank(shape.order_by, self.chain.cols).alias(ORDER))
+        return F.to_json(F.struct(*fields), JSON_OPTIONS)
 
     def _rows(self, frame: DataFrame, sinks: list[tuple[str, object]], pending: dict
               ) -> DataFrame:
@@ -303,16 +357,22 @@ class TopologyRun:
         or a pending tuple of a stateful bolt's input (``_pending``, with its columns).
         ``sinks``: (stream, Sink) pairs."""
         chain = self.chain
-        bad_key = self._bad_key()
         kind, state, error = F.lit(None).cast("int"), F.lit(None).cast("string"), F.col("_error")
+        key = F.col("key").cast("string") if "key" in chain.cols else F.lit(None).cast("string")
+        typed_tuple = F.lit(False)  # a typed state's tuple counts once: no delta column
         for stream, sink in sinks:
             mine = (F.col("_kind") == TUPLE) & (F.col("_stream") == stream)
             if sink.state:
+                shape = self.shapes.get(sink.state)
+                bad_key = self._bad_key(shape)
                 kind = F.when(mine & bad_key.isNull(), F.lit(DELTA)).when(
                     mine, F.lit(FAILED if chain.acker else REJECT)).otherwise(kind)
                 state = F.when(mine, F.lit(sink.state)).otherwise(state)
                 error = F.when(mine & bad_key.isNotNull(), F.concat(
                     F.lit(f"sink {sink.state}: "), bad_key)).otherwise(error)
+                if shape is not None:
+                    key = F.when(mine, self._typed_row(shape)).otherwise(key)
+                    typed_tuple = typed_tuple | mine
             else:
                 kind = F.when(mine, F.lit(REJECT)).otherwise(kind)
                 error = F.when(mine, F.col("error").cast("string")).otherwise(error)
@@ -322,13 +382,13 @@ class TopologyRun:
         for stream in pending:
             waiting = waiting | ((F.col("_kind") == TUPLE) & (F.col("_stream") == stream))
         delta = F.col("delta").cast("long") if "delta" in chain.cols else F.lit(1).cast("long")
+        delta = F.when(typed_tuple, F.lit(1).cast("long")).otherwise(delta)
         extra = sorted({c for b in pending.values()
                         for c in columns(chain.topology.streams()[b.input])})
         return frame.select(
             "_root", "_tid", "_replays", "_stream", waiting.alias("_pending"),
             kind.alias("kind"), state.alias("state_name"),
-            F.when(kind == DELTA, F.col("key").cast("string"))
-            .when(kind == CHANGE, F.col("_skey")).alias("out_key"),
+            F.when(kind == DELTA, key).when(kind == CHANGE, F.col("_skey")).alias("out_key"),
             F.when(kind == DELTA, F.coalesce(delta, F.lit(1).cast("long"))).alias("delta"),
             error.alias("error"), "_sval", "_seq",
             *[F.col(c).alias(f"in_{c}") for c in extra])
@@ -438,20 +498,35 @@ class TopologyRun:
             F.lit(None).cast("string").alias("error"), bolt_of.alias("bolt"),
             F.substring_index("_stream", "|", -1).alias("namespace"), "value",
             F.lit(None).cast("bigint").alias("root"))
-        return self._finish(first.unionByName(more)).unionByName(change_rows)
+        return self._finish(first.unionByName(more)).unionByName(change_rows,
+                                                                 allowMissingColumns=True)
 
     def _finish(self, outputs: DataFrame) -> DataFrame:
         """Sum the deltas by (state, key) (and record, with by_root); rejected and failed
-        records stay one row each; add the records the spout refused."""
+        records stay one row each; add the records the spout refused.
+
+        A typed state's tuples (JSON in ``key``) are decoded first into its own columns
+        ``_t<i>_<column>`` and grouped by their key columns in the same aggregation as the
+        count states' deltas: one shuffle for every state. An append table's identical rows
+        are grouped too, then copied back (``delta`` times)."""
         root = F.when((F.col("kind") != DELTA) | F.lit(self.by_root), F.col("root"))
-        grouped = outputs.withColumn("root", root).groupBy(
-            "kind", "state_name", "key", "root", "error").agg(F.sum("delta").alias("delta"))
+        rows = outputs.withColumn("root", root)
+        aggs = [F.sum("delta").alias("delta")]
+        appended = F.lit(False)
+        if self.shapes:
+            rows, aggs, appended = self._decode_typed(rows, aggs)
+        grouped = rows.groupBy("kind", "state_name", "key", "root", "error").agg(*aggs)
+        if self.shapes:  # an append table's rows come back as many times as they were
+            copies = F.when(appended, F.array_repeat(F.lit(1), F.col("delta").cast("int")))
+            grouped = grouped.withColumn("_copy", F.explode(F.coalesce(
+                copies, F.array(F.lit(1))))).drop("_copy")
+        typed = [c for c in grouped.columns if c.startswith("_t")]
         out = grouped.select(
             "kind", "state_name", "key", "delta", *origin("root"),
             (F.shiftright("root", 62).bitwiseAND(F.lit(1)) == 1).alias("replayed"), "error",
             F.lit(None).cast("string").alias("bolt"),
             F.lit(None).cast("string").alias("namespace"),
-            F.lit(None).cast("string").alias("value"), "root")
+            F.lit(None).cast("string").alias("value"), "root", *typed)
         refused = self.refused.select(
             "kind", F.lit(None).cast("string").alias("state_name"),
             F.lit(None).cast("string").alias("key"), F.lit(0).cast("long").alias("delta"),
@@ -459,7 +534,64 @@ class TopologyRun:
             F.lit(None).cast("string").alias("bolt"),
             F.lit(None).cast("string").alias("namespace"),
             F.lit(None).cast("string").alias("value"), "root")
-        return out.unionByName(refused)
+        return out.unionByName(refused, allowMissingColumns=True)  # typed states' columns
+
+    def _decode_typed(self, rows: DataFrame, aggs: list):
+        """Each typed state's JSON tuples decoded into its columns, ``key`` replaced by its
+        key columns' JSON (what the aggregation groups by), and the aggregations of its
+        measures (see onceflow.core.tables: sum, count, min, max, last)."""
+        cols = self.chain.cols
+        decoded, key = [], F.col("key")
+        appended = F.lit(False)
+        for i, (name, shape) in enumerate(self.shapes.items()):
+            mine = (F.col("kind") == DELTA) & (F.col("state_name") == name)
+            schema = ", ".join(f"`{c}` {cols[c]}" for c in shape.inputs())
+            if shape.ordered:
+                schema += f", `{ORDER}` bigint"
+            decoded.append(F.when(mine, F.from_json("key", schema, JSON_OPTIONS)).alias(f"_j{i}"))
+            if shape.append:
+                appended = appended | (F.col("state_name") == name)
+        rows = rows.select("*", *decoded)  # parsed once per row, then read by column
+        keyed = []
+        for i, (name, shape) in enumerate(self.shapes.items()):
+            j = F.col(f"_j{i}")
+
+            def col(column: str, pg_type: str, j=j):
+                return j[column].cast(spark_type(pg_type))
+
+            def out(column: str, i=i) -> str:
+                return f"_t{i}_{column}"
+
+            if shape.append:
+                keyed += [col(c, t).alias(out(c)) for c, t in shape.columns]
+                aggs += [F.first(out(c)).alias(out(c)) for c, _ in shape.columns]
+                continue
+            keyed += [col(c, t).alias(out(c)) for c, t in shape.key]
+            aggs += [F.first(out(c)).alias(out(c)) for c, _ in shape.key]
+            key = F.when(F.col("state_name") == name, F.to_json(F.struct(
+                *[j[c] for c, _ in shape.key]), JSON_OPTIONS)).otherwise(key)
+            for measure_name, measure in shape.measures:
+                if measure.column:
+                    keyed.append(col(measure.column, measure.type).alias(out(measure_name)))
+                stored = spark_type(measure.stored_type())
+                value = F.col(out(measure_name))
+                if measure.agg == "sum":
+                    agg = F.sum(value * F.col("delta")).cast(stored)
+                elif measure.agg == "count":
+                    agg = F.sum(F.col("delta") if measure.column is None
+                                else F.when(value.isNotNull(), F.col("delta")).otherwise(0))
+                    agg = agg.cast("bigint")
+                elif measure.agg in ("min", "max"):
+                    agg = getattr(F, measure.agg)(value)
+                else:
+                    agg = F.max_by(value, F.col(out(ORDER)))
+                aggs.append(agg.alias(out(measure_name)))
+            if shape.ordered:
+                keyed.append(j[ORDER].alias(out(ORDER)))
+                aggs.append(F.max(out(ORDER)).alias(out(ORDER)))
+        rows = rows.select("kind", "state_name", key.alias("key"), "root", "error", "delta",
+                           *keyed)
+        return rows, aggs, appended
 
     def collect(self) -> Collected:
         """Run it (one Spark job) and split the outputs."""
@@ -468,7 +600,7 @@ class TopologyRun:
             table = self.output.toArrow()
         finally:
             self.unpersist()
-        return split(table, self.by_root, time.monotonic() - started)
+        return split(table, self.by_root, time.monotonic() - started, self.shapes)
 
     def unpersist(self) -> None:
         for df in self.chain.cached:
@@ -476,11 +608,32 @@ class TopologyRun:
         self.chain.cached.clear()
 
 
-def split(table, by_root: bool = False, seconds: float = 0.0) -> Collected:
+def typed_rows(table, shapes: Mapping[str, Shape], by_root: bool = False) -> dict:
+    """Each typed state's rows in an OUTPUT table: Arrow tables with the state's staging
+    columns (and ``root``, by_root)."""
+    import pyarrow.compute as pc
+
+    out = {}
+    for i, (name, shape) in enumerate(shapes.items()):
+        rows = table.filter(pc.and_(pc.equal(table.column("kind"), DELTA),
+                                    pc.equal(table.column("state_name"), name)))
+        names = [c for c, _ in shape.staged()]
+        picked = rows.select([f"_t{i}_{c}" for c in names] + (["root"] if by_root else []))
+        out[name] = picked.rename_columns(names + (["root"] if by_root else []))
+    return out
+
+
+def split(table, by_root: bool = False, seconds: float = 0.0,
+          shapes: Mapping[str, Shape] | None = None) -> Collected:
     """An OUTPUT table as Python values (see Collected)."""
     import pyarrow.compute as pc
 
     out = Collected(table, {}, {}, {}, {}, seconds)
+    if shapes:
+        out.tables = typed_rows(table, shapes, by_root)
+        table = table.filter(pc.invert(pc.fill_null(pc.is_in(
+            table.column("state_name"), pa_array(list(shapes))), False)))
+        out.table = table
     small = table.filter(pc.not_equal(table.column("kind"), DELTA))
     if not by_root:
         deltas = table.filter(pc.equal(table.column("kind"), DELTA))

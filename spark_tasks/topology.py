@@ -22,8 +22,10 @@ payload), and passes tuples through bolts to sinks:
   pipeline's ``tuple_timeout_ms`` (the seed's message timeout): a call still running then is
   interrupted (SIGALRM in the Python worker: pure Python code and blocking I/O stop; one long C
   call stops when it returns) and its outputs are dropped.
-- sinks: ``count(stream, state)`` adds the stream's ``key`` (and ``delta``, default 1) to a
-  state's deltas; ``reject(stream)`` keeps the record in rejected_records with its ``error``.
+- sinks: ``sink(stream, state)`` (or ``count``) feeds a state: a count state adds the
+  stream's ``key`` (and ``delta``, default 1); a typed state, upsert or append table reads
+  the columns its declaration names. ``reject(stream)`` keeps the record in
+  rejected_records with its ``error``.
 
 The acker (seed 000; spark_tasks/acker.py): every source record is a root, every tuple has a
 64-bit id hashed from (root, bolt, stream, parent, position, attempt): xxhash64 in the JVM,
@@ -48,6 +50,8 @@ from dataclasses import dataclass, field
 SPOUT = "records"
 SPOUT_COLUMNS = "partition int, offset long, payload string"
 ANCHORS = ("_root", "_tid", "_replays")
+# Spark types that order a typed state's Last measures (order_by)
+ORDERABLE = ("bigint", "int", "smallint", "tinyint", "date", "timestamp", "timestamp_ntz")
 
 
 class TopologyError(ValueError):
@@ -148,9 +152,16 @@ class Topology:
                         [s for s in self.sinks if s.stream not in fed])
         return kept, {s.state for s in self.sinks if s.stream in fed and s.state}
 
-    def count(self, stream: str, state: str) -> Topology:
+    def sink(self, stream: str, state: str) -> Topology:
+        """The stream's tuples go to the state (or upsert / append table) fed by ``state``:
+        a count state adds ``delta`` (1 when absent) per ``key``; a typed one reads its key
+        and measure columns from the stream."""
         self.sinks.append(Sink(stream, state))
         return self
+
+    def count(self, stream: str, state: str) -> Topology:
+        """Same as sink(): the name reads better for count states."""
+        return self.sink(stream, state)
 
     def reject(self, stream: str) -> Topology:
         self.sinks.append(Sink(stream, None))
@@ -163,7 +174,10 @@ class Topology:
             out.update(bolt.outputs)
         return out
 
-    def validate(self) -> Topology:
+    def validate(self, shapes: Mapping | None = None) -> Topology:
+        """Refuse what cannot run (TopologyError). ``shapes``: the typed states' shapes
+        (onceflow.core.tables.Shape) by the sink name that feeds them."""
+        shapes = shapes or {}
         known = {SPOUT: "the spout"}
         for bolt in self.bolts:
             if bolt.input not in known:
@@ -211,12 +225,20 @@ class Topology:
             )
         for sink in self.sinks:
             have = columns(self.streams()[sink.stream])
-            need = {"key"} if sink.state else {"error"}
+            shape = shapes.get(sink.state)
+            need = (set(shape.inputs()) if shape else {"key"}) if sink.state else {"error"}
             if not need <= set(have):
+                what = f"state {sink.state!r}" if sink.state else "the reject sink"
                 raise TopologyError(
-                    f"sink of stream {sink.stream!r} needs column(s) {sorted(need)}; the stream "
-                    f"has {have}"
-                )
+                    f"sink of stream {sink.stream!r} into {what} needs column(s) "
+                    f"{sorted(need - set(have))}; the stream has {have}: add them to the "
+                    "bolt's outputs, or change the state's key / measures")
+            if shape and shape.order_by:
+                kind = column_types(self.streams()[sink.stream])[shape.order_by]
+                if kind.split("(")[0] not in ORDERABLE:
+                    raise TopologyError(
+                        f"state {sink.state!r}: order_by={shape.order_by!r} is a {kind} column; "
+                        f"order Last measures by one of type {', '.join(ORDERABLE)}")
         return self
 
 

@@ -77,12 +77,12 @@ def test_verify_exits_non_zero_on_a_mismatch(spark, dsn, conn, capsys):
 @pytest.mark.parametrize("argv, message", [
     # an unknown pipeline names the ones there are
     (["verify", "--pipeline", "nope"],
-     "pipeline='nope' is not registered: known pipelines are tweets, tweets_files, "
-     "tweets_first_seen"),
+     "pipeline='nope' is not registered: known pipelines are orders, orders_files, tweets, "
+     "tweets_files, tweets_first_seen"),
     (["status", "--pipeline", "nope"], "pipeline='nope' is not registered"),
     (["backfill", "--pipeline", "nope", "--dry-run"], "pipeline='nope' is not registered"),
     # several pipelines: which one must be said
-    (["status"], "--pipeline is needed: choose one of tweets, tweets_files, tweets_first_seen"),
+    (["status"], "--pipeline is needed: choose one of orders, orders_files, tweets,"),
     (["produce", "--pipeline", "tweets", "--file", "/nonexistent"],
      "--file='/nonexistent' does not exist"),
     (["replay-dead-letters", "--pipeline", "tweets", "--record", "x"],

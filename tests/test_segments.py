@@ -66,3 +66,53 @@ def test_a_missing_source_path_is_refused(conn, tmp_path):
 def test_retention_refuses_a_file_topic(conn, both):
     with pytest.raises(ConfigError, match="retention is not supported by a file-segments"):
         delete_before(conn, "tweets_files", 10)
+
+
+def test_an_export_keeps_its_partitions_and_offsets(spark, conn, dsn, tmp_path, capsys):
+    """`onceflow import`: records that have their partition and offset (e.g. a Kafka export)
+    become segments with the same ones; the log of an empty partition starts at its first
+    offset; a second import of the same files changes nothing; gaps and jumps are refused."""
+    import json
+
+    from onceflow.ops.cli import main
+
+    root = tmp_path / "seg"
+    pipeline = get_pipeline("tweets_files", batch_size=900,
+                            source=FileSegments(topic="tweets_files", path=str(root)))
+    register(conn, pipeline, create_source=True)
+    payloads = list(generate(1200, seed=4, malformed_share=0.05))
+    starts = {0: 1000, 1: 0, 2: 7, 3: 0}  # where each partition's export begins
+    rows = [{"partition": i % 4, "offset": starts[i % 4] + i // 4, "payload": p}
+            for i, p in enumerate(payloads)]
+    first, second = tmp_path / "export-1.jsonl", tmp_path / "export-2.jsonl"
+    first.write_text("".join(json.dumps(r) + "\n" for r in rows[:700]))
+    second.write_text("".join(json.dumps(r) + "\n" for r in rows[700:]))
+    args = ["import", "--pipeline", "tweets_files", str(first), str(second)]
+    assert main(args) == 0
+    assert "imported 1200 records" in capsys.readouterr().out
+    assert main(args) == 0  # again: nothing changes
+    assert "imported 0 records" in capsys.readouterr().out
+    assert table(conn, """SELECT partition, log_start_offset, next_offset FROM source_partitions
+                          WHERE topic = 'tweets_files' ORDER BY 1""") == [
+        (0, 1000, 1300), (1, 0, 300), (2, 7, 307), (3, 0, 300)]
+    for i in range(3):
+        run_transaction(spark, dsn, conn, pipeline, f"imported-{i}")
+    # the committed ranges are the export's offsets, and the result is the records' own
+    assert table(conn, """SELECT partition, min(start_offset), max(end_offset) FROM batch_ranges
+                          WHERE pipeline = 'tweets_files' GROUP BY 1 ORDER BY 1""") == [
+        (0, 1000, 1300), (1, 0, 300), (2, 7, 307), (3, 0, 300)]
+    report = verify(conn, pipeline)
+    assert report.ok, report.mismatches
+    assert report.records + report.queued + report.dead == 1200
+    # refused before anything is written: a jump, and a start that is not the head
+    gap = tmp_path / "gap.jsonl"
+    gap.write_text(json.dumps({"partition": 1, "offset": 300, "payload": "{}"}) + "\n"
+                   + json.dumps({"partition": 1, "offset": 302, "payload": "{}"}) + "\n")
+    assert main(["import", "--pipeline", "tweets_files", str(gap)]) == 2
+    assert "offset 302 follows 300" in capsys.readouterr().err
+    ahead = tmp_path / "ahead.jsonl"
+    ahead.write_text(json.dumps({"partition": 3, "offset": 500, "payload": "{}"}) + "\n")
+    assert main(["import", "--pipeline", "tweets_files", str(ahead)]) == 2
+    assert "start at offset 500, the partition's head is 300" in capsys.readouterr().err
+    assert table(conn, "SELECT max(next_offset) FROM source_partitions "
+                       "WHERE topic = 'tweets_files' AND partition IN (1, 3)") == [(300,)]

@@ -144,7 +144,7 @@ def test_root_ids_keep_the_origin(spark):
     (lambda t: t.bolt("b", input=SPOUT, fn=None, outputs={SPOUT: "key string"}),
      "stream 'records' is already emitted by the spout"),
     (lambda t: t.bolt("b", input=SPOUT, fn=None, outputs={"x": "word string"}).count("x", "s"),
-     r"sink of stream 'x' needs column\(s\) \['key'\]"),
+     r"sink of stream 'x' into state 's' needs column\(s\) \['key'\]"),
 ])
 def test_bad_declarations_are_refused_naming_the_fix(build, message):
     with pytest.raises(TopologyError, match=message):

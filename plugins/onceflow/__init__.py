@@ -14,11 +14,14 @@ The Spark side is the ``spark_tasks`` package.
 
 from onceflow.core.errors import ConfigError
 from onceflow.core.pipeline import Pipeline, StateSpec
+from onceflow.core.tables import Count, Last, Max, Min, Sum
+from onceflow.sources.landing import LandingFolder
 from onceflow.sources.pglog import PostgresLog
 from onceflow.sources.segments import FileSegments
+from onceflow.sources.table import TableSource
 from spark_tasks.topology import ANCHORS, SPOUT, StatefulBolt, Topology
 
 __version__ = "0.2.0"
-__all__ = ["ANCHORS", "SPOUT", "ConfigError", "FileSegments", "Pipeline", "PostgresLog",
-           "StateSpec",
-           "StatefulBolt", "Topology", "__version__"]
+__all__ = ["ANCHORS", "SPOUT", "ConfigError", "Count", "FileSegments", "LandingFolder", "Last",
+           "Max", "Min", "Pipeline", "PostgresLog", "StateSpec", "StatefulBolt", "Sum",
+           "TableSource", "Topology", "__version__"]

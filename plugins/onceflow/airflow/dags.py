@@ -130,18 +130,49 @@ def transaction_dag(pipeline: Pipeline | str, *, dag_id: str | None = None,
 
 
 def transaction_dags(refs: Iterable[str] = (), **kwargs: Any) -> dict[str, DAG]:
-    """A transaction DAG for every registered pipeline, by DAG id. In a task's process only
-    that task's DAG is built (Airflow's parsing context names it): a task pays for one."""
+    """A transaction DAG for every registered pipeline, by DAG id, and the DAGs its options
+    ask for (``companion_dags``). In a task's process only that task's DAG is built
+    (Airflow's parsing context names it): a task pays for one."""
     from onceflow.core.registry import pipelines
 
     wanted = get_parsing_context().dag_id
     out = {}
-    for name in sorted(pipelines(tuple(refs))):
-        if wanted and wanted != f"onceflow_{name}":
-            continue
-        dag = transaction_dag(name, pipeline_refs=refs, **kwargs)
+    for name, pipeline in sorted(pipelines(tuple(refs)).items()):
+        if not wanted or wanted == f"onceflow_{name}":
+            dag = transaction_dag(name, pipeline_refs=refs, **kwargs)
+            out[dag.dag_id] = dag
+        out.update(companion_dags(
+            pipeline, refs, wanted=wanted,
+            postgres_conn_id=kwargs.get("postgres_conn_id", DEFAULT_CONN_ID)))
+    for dag in out.values():
         dag.fileloc = sys._getframe(1).f_globals.get("__file__", dag.fileloc)
-        out[dag.dag_id] = dag
+    return out
+
+
+def companion_dags(pipeline: Pipeline, refs: Iterable[str] = (), *, wanted: str | None = None,
+                   postgres_conn_id: str = DEFAULT_CONN_ID) -> dict[str, DAG]:
+    """The DAGs a pipeline's options ask for besides its transaction DAG, by DAG id:
+    ``onceflow_<name>_commit_lag`` when it declares ``commit_lag_alert``
+    (onceflow.airflow.alerts) and ``onceflow_<name>_replay_dead_letters`` when it declares
+    ``dead_letter_approval`` (onceflow.airflow.approval). ``wanted``: only that DAG id."""
+    out = {}
+    refs = tuple(refs)
+    if pipeline.commit_lag_alert is not None:
+        from onceflow.airflow.alerts import commit_lag_dag, monitor_dag_id
+
+        if not wanted or wanted == monitor_dag_id(pipeline.name):
+            dag = commit_lag_dag(pipeline.name, pipeline_refs=refs,
+                                 postgres_conn_id=postgres_conn_id)
+            out[dag.dag_id] = dag
+    if pipeline.dead_letter_approval:
+        from onceflow.airflow.approval import replay_dag_id, replay_dead_letters_dag
+
+        if not wanted or wanted == replay_dag_id(pipeline.name):
+            dag = replay_dead_letters_dag(pipeline.name, pipeline_refs=refs,
+                                          postgres_conn_id=postgres_conn_id)
+            out[dag.dag_id] = dag
+    for dag in out.values():
+        dag.fileloc = sys._getframe(1).f_globals.get("__file__", dag.fileloc)
     return out
 
 

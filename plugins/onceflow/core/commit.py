@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
 
-from onceflow.core import backflow, offsets, rejects, staging, txlog
+from onceflow.core import backflow, offsets, rejects, staging, tables, txlog
 from onceflow.core import state_tables as state_tables
 from onceflow.core import stateful as stateful_steps
 from onceflow.core.db import connection, transaction
@@ -58,10 +58,16 @@ class MissingStaging(OnceflowError):
     """Commit was asked for while some processing group of the attempt has not staged."""
 
 
-def _apply_external(cur, spec, dsn: str, keys: dict) -> int:
+def _apply_external(cur, pipeline: str, spec, dsn: str, keys: dict, groups: int) -> int:
     """Copy this attempt's deltas for ``spec`` out of the coordinator and apply them in the
     state's own database (its own transaction)."""
     buf = io.StringIO()
+    if spec.typed:
+        tables.copy_out(cur, pipeline, spec.shape(), groups, keys, buf)
+        buf.seek(0)
+        with connection(dsn, application_name="onceflow-commit-external") as external, \
+                transaction(external) as ext:
+            return tables.apply_csv(ext, spec.shape(), spec.opaque, keys["txid"], buf)
     cur.copy_expert(
         cur.mogrify(
             """COPY (SELECT key, sum(delta)::bigint FROM staged_deltas
@@ -131,7 +137,8 @@ def _commit(conn, pipeline: Pipeline, ta: TransactionAttempt, on_step: Step,
         keys = {"pipeline": pipeline.name, "txid": ta.txid, "attempt": ta.attempt}
         rows = 0
         for spec in pipeline.external_states():
-            rows += _apply_external(cur, spec, external_dsn(spec, state_dsns), keys)
+            rows += _apply_external(cur, pipeline.name, spec, external_dsn(spec, state_dsns),
+                                    keys, groups)
             on_step(f"external:{spec.name}")
         if proof.stateful:
             bolts = stateful_steps.stateful_bolts(pipeline, proof.stateful)
@@ -141,9 +148,14 @@ def _commit(conn, pipeline: Pipeline, ta: TransactionAttempt, on_step: Step,
             rows += stateful_steps.commit_states(cur, provider, pipeline, bolts, ta)
             on_step("kv_state")
         for spec in pipeline.states:
-            if spec.conn_id is None:
+            if spec.conn_id is None and spec.typed:
+                rows += tables.apply_batch(
+                    cur, spec.shape(), spec.opaque, ta.txid,
+                    tables.staged_batch(pipeline.name, spec.shape(), groups), keys)
+                on_step(f"state:{spec.name}")
+            elif spec.conn_id is None:
                 rows += state_tables.apply_source(
-                    cur, spec, ta.txid, state_tables.staged_source(),
+                    cur, spec, ta.txid, state_tables.staged_source(groups),
                     {**keys, "state": spec.source_name},
                 )
                 on_step(f"state:{spec.name}")

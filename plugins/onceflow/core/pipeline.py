@@ -24,16 +24,17 @@ import importlib
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from onceflow.core import tables
 from onceflow.core.errors import ConfigError
 from onceflow.sources.base import Source
 
 MODES = ("transactional", "opaque")
 START_POLICIES = ("earliest", "latest")  # or "timestamp:<ISO 8601>"
 OUT_OF_RANGE_POLICIES = ("earliest", "latest", "fail")
-STATE_KINDS = ("opaque", "transactional")
+STATE_KINDS = ("opaque", "transactional", "append")
 _IDENT = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 
 
@@ -49,16 +50,51 @@ def _positive(value: Any) -> bool:
 
 @dataclass(frozen=True)
 class StateSpec:
-    """One state table, updated by the commit with the deltas of the count sink ``source``.
+    """One table the commit writes, fed by the topology's sink ``source`` (default: name).
 
-    ``conn_id``: the Airflow connection of another PostgreSQL database that holds this state
+    A count state (the default): ``key text, value bigint`` (the sum of the stream's
+    ``delta``, 1 per tuple when absent). A typed state: ``key`` (column -> PostgreSQL type,
+    composite keys allowed) and ``measures`` (column -> Sum / Count / Min / Max / Last of a
+    stream column); ``StateSpec.upsert`` (latest row per key) and ``StateSpec.append`` (a fact
+    table with a txid column) build the other table kinds (onceflow.core.tables).
+
+    ``kind``: opaque (each value keeps its previous one: a replay of a changed batch is
+    exact) or transactional (a key at the batch's txid is skipped), or append.
+    ``conn_id``: the Airflow connection of another PostgreSQL database that holds this table
     (None: the coordinator's own database, atomic with the commit).
     """
 
     name: str
     kind: str = "opaque"
-    source: str | None = None  # which count sink of the topology feeds it (default: name)
+    source: str | None = None  # which sink of the topology feeds it (default: name)
     conn_id: str | None = None
+    key: Any = None  # typed state: {column: type}
+    measures: Any = None  # typed state: {column: Measure}
+    columns: Any = None  # append table: {column: type}
+    order_by: str | None = None  # which stream column orders Last measures within a batch
+
+    def __post_init__(self) -> None:
+        # mappings kept as tuples of pairs: a declaration stays hashable and immutable
+        for name in ("key", "measures", "columns"):
+            value = getattr(self, name)
+            if isinstance(value, dict):
+                pairs = tuple((k, tables.normal_type(v) if isinstance(v, str) else v)
+                              for k, v in value.items())
+                object.__setattr__(self, name, pairs)
+
+    @classmethod
+    def upsert(cls, name: str, *, key: dict, columns: dict, order_by: str | None = None,
+               **kw: Any) -> StateSpec:
+        """A dimension table: per key, the batch's last row (by ``order_by``, a stream
+        column; else by the record's position); a later txid replaces it."""
+        return cls(name, key=key, measures={c: tables.Last(c, t) for c, t in columns.items()},
+                   order_by=order_by, **kw)
+
+    @classmethod
+    def append(cls, name: str, *, columns: dict, **kw: Any) -> StateSpec:
+        """A fact table: every row of the batch once, with its txid (a replayed txid
+        replaces its own rows)."""
+        return cls(name, kind="append", columns=columns, **kw)
 
     @property
     def table(self) -> str:
@@ -68,15 +104,39 @@ class StateSpec:
     def source_name(self) -> str:
         return self.source or self.name
 
+    @property
+    def typed(self) -> bool:
+        return self.kind == "append" or self.key is not None or self.measures is not None
+
+    @property
+    def opaque(self) -> bool:
+        return self.kind == "opaque"
+
+    def shape(self) -> tables.Shape:
+        return tables.Shape(self.name, self.kind == "append", tuple(self.key or ()),
+                            tuple(self.measures or ()), tuple(self.columns or ()),
+                            self.order_by)
+
     def validate(self) -> None:
         check(bool(_IDENT.match(str(self.name))), "state.name", self.name,
               "use lower-case letters, digits and _ (a PostgreSQL table name)")
         check(self.kind in STATE_KINDS, f"state[{self.name}].kind", self.kind,
               f"choose one of {', '.join(STATE_KINDS)}")
+        for name in ("key", "measures", "columns"):
+            value = getattr(self, name)
+            check(value is None or isinstance(value, tuple), f"state[{self.name}].{name}",
+                  value, "give a dict, e.g. {'merchant': 'text'}")
+        if self.typed:
+            tables.validate_shape(self.name, self.kind, dict(self.key or ()),
+                                  dict(self.measures or ()), dict(self.columns or ()),
+                                  self.order_by, _IDENT)
         # Outside the coordinator's database a replay may meet a write of its own txid from a
-        # batch that changed meanwhile (opaque re-plan, retention): only prev_value can undo it.
-        check(self.conn_id is None or self.kind == "opaque", f"state[{self.name}].kind",
-              self.kind, "a state in another database (conn_id set) must be kind='opaque'")
+        # batch that changed meanwhile (opaque re-plan, retention): only the previous values
+        # (or, for an append table, replacing the txid's rows) can undo it.
+        check(self.conn_id is None or self.kind in ("opaque", "append"),
+              f"state[{self.name}].kind", self.kind,
+              "a state in another database (conn_id set) must be kind='opaque' (or an "
+              "append table)")
 
 
 @dataclass(frozen=True)
@@ -122,6 +182,15 @@ class Pipeline:
     attempt_lease_s: int = 600
     commit_timeout_s: int = 3600  # how long a commit waits for its turn at most
     description: str = ""
+    # Commit lag alert (onceflow.airflow.alerts): when the oldest work not committed has waited
+    # longer than this, the DAG onceflow_<name>_commit_lag fails and calls the notifier.
+    commit_lag_alert: timedelta | None = None
+    # Whom it tells: an Airflow notifier (BaseNotifier), a function (context) -> None, its
+    # "module:attribute" reference, or a tuple of those. Needs commit_lag_alert.
+    commit_lag_notifier: Any = None
+    # Replaying dead letters waits for a person's approval in the DAG
+    # onceflow_<name>_replay_dead_letters (onceflow.airflow.approval).
+    dead_letter_approval: bool = False
     # Where this declaration was loaded from ("module:attr"): travels with every task.
     ref: str | None = field(default=None, compare=False)
 
@@ -180,6 +249,22 @@ class Pipeline:
               self.attempt_lease_s, "give a positive number of seconds")
         check(_positive(self.commit_timeout_s), "pipeline.commit_timeout_s",
               self.commit_timeout_s, "give a positive number of seconds")
+        check(self.commit_lag_alert is None or (isinstance(self.commit_lag_alert, timedelta)
+                                                and self.commit_lag_alert > timedelta(0)),
+              "pipeline.commit_lag_alert", self.commit_lag_alert,
+              "give a positive timedelta, e.g. timedelta(minutes=30), or None for no alert")
+        check(self.commit_lag_notifier is None or self.commit_lag_alert is not None,
+              "pipeline.commit_lag_notifier", self.commit_lag_notifier,
+              "set commit_lag_alert too: the notifier is called past that lag")
+        notifiers = self.commit_lag_notifier
+        check(all((isinstance(n, str) and ":" in n) or (callable(n) and not isinstance(n, str))
+                  for n in (notifiers if isinstance(notifiers, tuple) else
+                            () if notifiers is None else (notifiers,))),
+              "pipeline.commit_lag_notifier", notifiers,
+              "give an Airflow notifier, a function (context) -> None, its 'module:attribute' "
+              "reference, or a tuple of those")
+        check(isinstance(self.dead_letter_approval, bool), "pipeline.dead_letter_approval",
+              self.dead_letter_approval, "give True or False")
         check(isinstance(self.states, tuple) and len(self.states) > 0, "pipeline.states",
               self.states, "declare at least one state, as a tuple of StateSpec")
         names = [s.name for s in self.states]
@@ -188,7 +273,17 @@ class Pipeline:
         for state in self.states:
             check(isinstance(state, StateSpec), "pipeline.states", state, "use StateSpec(...)")
             state.validate()
+        fed = [s.source_name for s in self.typed_states()]
+        check(len(set(fed)) == len(fed), "pipeline.states", fed,
+              "feed each typed state from a sink of its own (source=...)")
+        for state in self.typed_states():
+            check(tables.staging_name_ok(self.name, state.name), f"state[{state.name}].name",
+                  state.name, f"'{self.name}.{state.name}' names its staging table and must "
+                  "fit in 63 bytes: shorten the state's or the pipeline's name")
         return self
+
+    def typed_states(self) -> list[StateSpec]:
+        return [spec for spec in self.states if spec.typed]
 
     @property
     def replays_per_batch(self) -> int:
@@ -218,7 +313,7 @@ class Pipeline:
 
         check(isinstance(topology, Topology), f"pipeline[{self.name}].topology", self.topology,
               f"the function returned {type(topology).__name__}; return a onceflow.Topology")
-        return topology.validate()
+        return topology.validate({s.source_name: s.shape() for s in self.typed_states()})
 
     def recount(self):
         """The optional independent recount function, or None."""

@@ -12,7 +12,7 @@ import logging
 import uuid
 from collections.abc import Mapping
 
-from onceflow.core import backflow, offsets, txlog
+from onceflow.core import backflow, offsets, tables, txlog
 from onceflow.core import state_tables as state_tables
 from onceflow.core.db import connection, transaction
 from onceflow.core.errors import ConfigError
@@ -49,19 +49,35 @@ def register(conn, pipeline: Pipeline, state_dsns: Mapping[str, str] | None = No
                     (pipeline.mode, pipeline.name, pipeline.mode))
         backflow.ensure_pointers(cur, pipeline.name)
         for spec in pipeline.states:
-            if spec.conn_id is None:
+            if spec.typed:
+                tables.ensure_staging(cur, pipeline.name, spec.shape())
+                if spec.conn_id is None:
+                    tables.ensure_table(cur, spec.shape(), spec.opaque, with_txid_index=False)
+            elif spec.conn_id is None:
                 state_tables.ensure_table(cur, spec)
     for spec in pipeline.external_states():
         with connection(external_dsn(spec, state_dsns)) as external, \
                 transaction(external) as cur:
-            state_tables.ensure_table(cur, spec)
+            if spec.typed:
+                tables.ensure_table(cur, spec.shape(), spec.opaque, with_txid_index=True)
+            else:
+                state_tables.ensure_table(cur, spec)
     return uuid.UUID(str(instance_id))
 
 
 def is_registered(cur, pipeline: Pipeline) -> bool:
+    """Registered with this topic, and every table the coordinator holds for it exists (a
+    state added to the declaration since is made by registering again)."""
     cur.execute("SELECT topic FROM pipelines WHERE name = %s", (pipeline.name,))
     row = cur.fetchone()
-    return row is not None and row[0] == pipeline.topic
+    if row is None or row[0] != pipeline.topic:
+        return False
+    names = [spec.name for spec in pipeline.states if spec.conn_id is None]
+    names += [f'{tables.STAGING_SCHEMA}."{pipeline.name}.{spec.name}"'
+              for spec in pipeline.typed_states()]
+    cur.execute("SELECT bool_and(to_regclass(n) IS NOT NULL) FROM unnest(%s::text[]) n",
+                (names,))
+    return bool(cur.fetchone()[0])
 
 
 def external_dsn(spec, state_dsns: Mapping[str, str] | None) -> str:

@@ -14,7 +14,7 @@ staging is not whole, which is then processed again. So a crash loses work, neve
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import IO
 
@@ -22,6 +22,7 @@ from psycopg2 import sql
 
 from onceflow.core.db import transaction
 from onceflow.core.errors import Fenced
+from onceflow.core.tables import STAGING_SCHEMA
 from onceflow.core.txlog import TransactionAttempt, TxState, fence
 
 STAGING_TABLES = ("staged_deltas", "staged_rejects", "staged_failures", "staged_groups")
@@ -43,6 +44,7 @@ class Staged:
 def stage_group(conn, pipeline: str, ta: TransactionAttempt, group: int, *,
                 deltas_csv: IO, rejects_csv: IO, records: int, failures_csv: IO | None = None,
                 replayed: int = 0, stateful: tuple[str, ...] = (),
+                tables: Mapping[str, tuple[list[str], IO]] | None = None,
                 before_commit: Callable[[], None] | None = None) -> Staged:
     """Replace the staging of (``ta``, ``group``) with the given CSV data.
 
@@ -50,8 +52,11 @@ def stage_group(conn, pipeline: str, ta: TransactionAttempt, group: int, *,
     ``topic,partition,offset,error``; ``failures_csv``: rows
     ``partition,offset,replayed,payload,error`` (roots whose tree failed). ``records``: source
     records read, ``replayed``: backflow items read; ``stateful``: the stateful bolts whose
-    changes this group prepared. Raises Fenced when ``ta`` is not the current, uncommitted
-    attempt. ``before_commit`` runs last inside the transaction (fault injection in tests).
+    changes this group prepared; ``tables``: per typed state, its staging columns and CSV
+    rows (``txid,attempt,grp`` first, then those columns; onceflow.core.tables), copied
+    straight into its staging table. Raises Fenced when ``ta`` is not the current,
+    uncommitted attempt. ``before_commit`` runs last inside the transaction (fault injection
+    in tests).
     """
     keys = {"pipeline": pipeline, "txid": ta.txid, "attempt": ta.attempt, "grp": group}
     with transaction(conn) as cur:
@@ -87,13 +92,21 @@ def stage_group(conn, pipeline: str, ta: TransactionAttempt, group: int, *,
             )
             failed = cur.rowcount
         cur.copy_expert("COPY onceflow_in_rejects FROM STDIN (FORMAT csv)", rejects_csv)
+        # one row per (state, key) and group already: Spark summed them
         cur.execute(
             """INSERT INTO staged_deltas (pipeline, txid, attempt, grp, state_name, key, delta)
-               SELECT %(pipeline)s, %(txid)s, %(attempt)s, %(grp)s, state_name, key, sum(delta)
-               FROM onceflow_in_deltas GROUP BY state_name, key""",
+               SELECT %(pipeline)s, %(txid)s, %(attempt)s, %(grp)s, state_name, key, delta
+               FROM onceflow_in_deltas""",
             keys,
         )
         delta_rows = cur.rowcount
+        for state, (names, rows_csv) in (tables or {}).items():
+            cur.copy_expert(cur.mogrify(
+                sql.SQL("COPY {} ({}) FROM STDIN (FORMAT csv)").format(
+                    sql.Identifier(STAGING_SCHEMA, f"{pipeline}.{state}"),
+                    sql.SQL(", ").join(map(sql.Identifier, ["txid", "attempt", "grp", *names]))),
+            ).decode(), rows_csv)
+            delta_rows += cur.rowcount
         cur.execute(
             """INSERT INTO staged_rejects
                    (pipeline, txid, attempt, grp, topic, partition, "offset", error)
@@ -128,12 +141,26 @@ def delete_staging(cur, pipeline: str, txid: int, *, attempt: int | None = None,
         where.append(sql.SQL("attempt = %(attempt)s"))
     if group is not None:
         where.append(sql.SQL("grp = %(grp)s"))
+    params = {"pipeline": pipeline, "txid": txid, "attempt": attempt, "grp": group}
     for table in STAGING_TABLES:
         cur.execute(
             sql.SQL("DELETE FROM {} WHERE {}").format(sql.Identifier(table),
                                                       sql.SQL(" AND ").join(where)),
-            {"pipeline": pipeline, "txid": txid, "attempt": attempt, "grp": group},
+            params,
         )
+    for table in typed_staging(cur, pipeline):  # one table per pipeline: no pipeline column
+        cur.execute(sql.SQL("DELETE FROM {} WHERE {}").format(
+            table, sql.SQL(" AND ").join([sql.SQL("txid = %(txid)s"), *where[1:]])), params)
+
+
+def typed_staging(cur, pipeline: str) -> list[sql.Composable]:
+    """The staging tables of the pipeline's typed states (onceflow.core.tables)."""
+    cur.execute("""SELECT c.relname FROM pg_class c
+                   JOIN pg_namespace n ON n.oid = c.relnamespace
+                   WHERE n.nspname = %s AND c.relkind = 'r'
+                     AND split_part(c.relname, '.', 1) = %s ORDER BY 1""",
+                (STAGING_SCHEMA, pipeline))
+    return [sql.Identifier(STAGING_SCHEMA, name) for (name,) in cur.fetchall()]
 
 
 @dataclass(frozen=True)
@@ -177,5 +204,9 @@ def proof(cur, pipeline: str, ta: TransactionAttempt, groups: int) -> Proof:
                             "AND txid = %(txid)s AND attempt = %(attempt)s")
                     .format(sql.Identifier(table)), keys)
         found.append(cur.fetchone()[0])
+    for table in typed_staging(cur, pipeline):  # typed states' rows count as delta rows
+        cur.execute(sql.SQL("SELECT count(*) FROM {} WHERE txid = %(txid)s "
+                            "AND attempt = %(attempt)s").format(table), keys)
+        found[0] += cur.fetchone()[0]
     return Proof(groups, tuple(staged), (int(deltas), int(rejects), int(failures)),
                  tuple(found), tuple(sorted(stateful)))

@@ -101,8 +101,14 @@ def apply_source(cur, spec: StateSpec, txid: int, source: sql.Composable,
     return written
 
 
-def staged_source() -> sql.Composable:
-    """The current attempt's deltas for one state, summed over the batch's groups."""
+def staged_source(groups: int = 2) -> sql.Composable:
+    """The current attempt's deltas for one state, summed over the batch's groups (a batch
+    of one group has one row per key already: Spark summed them)."""
+    if groups == 1:
+        return sql.SQL(
+            """SELECT key, delta FROM staged_deltas
+               WHERE pipeline = %(pipeline)s AND txid = %(txid)s AND attempt = %(attempt)s
+                 AND state_name = %(state)s""")
     return sql.SQL(
         """SELECT key, sum(delta)::bigint AS delta FROM staged_deltas
            WHERE pipeline = %(pipeline)s AND txid = %(txid)s AND attempt = %(attempt)s

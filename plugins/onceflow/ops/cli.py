@@ -14,7 +14,7 @@ import sys
 import time
 
 from onceflow.core import db
-from onceflow.core.errors import OnceflowError, Permanent
+from onceflow.core.errors import ConfigError, OnceflowError, Permanent
 
 EPILOG = """\
 Pipelines are found by entry point (group onceflow.pipelines) and by module:attribute
@@ -57,7 +57,6 @@ def _known(args) -> dict:
 
 def _pipeline(args):
     """The pipeline --pipeline names; without it, the only registered one."""
-    from onceflow.core.errors import ConfigError
     from onceflow.core.registry import get_pipeline
 
     name = getattr(args, "pipeline", None)
@@ -116,7 +115,17 @@ def cmd_init(args) -> int:
         applied = db.migrate(conn)
         print(f"migrations applied: {', '.join(applied) if applied else 'none (up to date)'}")
         for pipeline in chosen:
-            instance = register(conn, pipeline, external_dsns(pipeline), create_source=True)
+            try:
+                instance = register(conn, pipeline, external_dsns(pipeline), create_source=True)
+            except ConfigError as exc:
+                if args.pipeline:
+                    raise
+                # one pipeline not ready (say its table does not exist yet) keeps no other
+                # from being set up; its first transaction registers it once it is ready
+                conn.rollback()
+                print(f"pipeline {pipeline.name} skipped: {exc} (then `onceflow init "
+                      f"--pipeline {pipeline.name}`)", file=sys.stderr)
+                continue
             check_state_config(pipeline, dsn)
             print(f"pipeline {pipeline.name} ready ({pipeline.source.describe()}, instance "
                   f"{instance})")
@@ -150,7 +159,6 @@ def _lines(path: str):
 def cmd_produce(args) -> int:
     pipeline = _pipeline(args)
     if args.file != "-" and not os.path.isfile(args.file):
-        from onceflow.core.errors import ConfigError
 
         raise ConfigError(f"--file={args.file!r} does not exist: give a file with one payload "
                           "per line, or - for standard input")
@@ -162,6 +170,24 @@ def cmd_produce(args) -> int:
     progress.done()
     print(f"produced {n} records to {pipeline.source.describe()} in "
           f"{time.monotonic() - started:.1f}s")
+    return 0
+
+
+def cmd_import(args) -> int:
+    from onceflow.sources.segments import FileSegments, import_segments, read_export
+
+    pipeline = _pipeline(args)
+    if not isinstance(pipeline.source, FileSegments):
+        raise ConfigError(f"pipeline {pipeline.name!r} reads {pipeline.source.describe()}: "
+                          "import keeps partitions and offsets into file segments only "
+                          "(a pipeline with source=FileSegments(...))")
+    started = time.monotonic()
+    table = read_export(args.files)
+    with db.connection() as conn:
+        done = import_segments(conn, pipeline.source.root(), pipeline.topic, table)
+    print(f"imported {done.records} records into {pipeline.source.describe()} as "
+          f"{done.segments} segment file(s) in {time.monotonic() - started:.1f}s; "
+          f"{done.skipped} were there already; heads now {done.heads}")
     return 0
 
 
@@ -218,7 +244,6 @@ def cmd_reset(args) -> int:
 
 
 def _source_of_topic(args, topic: str):
-    from onceflow.core.errors import ConfigError
     from onceflow.sources import catalog
     from onceflow.sources.pglog import PostgresLog
 
@@ -272,7 +297,6 @@ def cmd_replay_dead_letters(args) -> int:
     from onceflow.core import txlog
     from onceflow.core.backflow import replay_dead_letters
     from onceflow.core.db import transaction
-    from onceflow.core.errors import ConfigError
 
     pipeline = _pipeline(args)
     positions = None
@@ -367,6 +391,11 @@ def build_parser() -> argparse.ArgumentParser:
             "source, when onceflow keeps it (PostgreSQL log, file segments)")
     p.add_argument("--file", default="-", metavar="FILE",
                    help="read payloads from FILE, one per line (default: standard input)")
+    p = add("import", cmd_import, "import records that have their partition and offset "
+            "already (Parquet or JSON-lines files with partition, offset, payload: e.g. a Kafka "
+            "export) into a file-segment source, keeping both; a second import of the same "
+            "files changes nothing")
+    p.add_argument("files", nargs="+", metavar="FILE", help="the files to import")
     p = add("status", cmd_status, "transactions in commit order, what holds up open ones, "
             "partition offsets and lag, gaps, backflow queues, dead letters")
     p.add_argument("--limit", type=_positive, default=20, help="last N transactions (20)")

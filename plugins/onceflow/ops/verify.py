@@ -29,7 +29,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from onceflow.core import backflow, offsets, rejects, txlog
+from onceflow.core import backflow, offsets, rejects, tables, txlog
 from onceflow.core import state_tables as state_tables
 from onceflow.core.db import connect
 from onceflow.core.errors import ConfigError
@@ -97,7 +97,8 @@ def _read_states(conn, pipeline: Pipeline, state_dsns: Mapping[str, str] | None,
         other = connect(external_dsn(spec, state_dsns)) if spec.conn_id else None
         try:
             with (other or conn).cursor() as cur:
-                states[spec.name] = reader(cur, spec)
+                states[spec.name] = (tables.read_table(cur, spec.shape(), spec.opaque)
+                                     if spec.typed else reader(cur, spec))
             (other or conn).commit()
         finally:
             if other is not None:
@@ -130,14 +131,22 @@ def _run(pipeline: Pipeline, topology, source, txid_of):
     out = run_topology(topology, source, attempt=1, acker=pipeline.acker,
                        tuple_timeout_ms=pipeline.tuple_timeout_ms,
                        max_record_bytes=pipeline.source.max_record_bytes,
-                       max_key_bytes=pipeline.max_key_bytes, by_root=True).collect()
+                       max_key_bytes=pipeline.max_key_bytes, by_root=True,
+                       shapes={s.source_name: s.shape() for s in pipeline.typed_states()}
+                       ).collect()
+
+    def txid_of_root(root: int) -> int:
+        return txid_of((root >> OFFSET_BITS) & MAX_PARTITION, root & MAX_OFFSET)
+
     deltas: dict[tuple[str, str], dict[int, int]] = {}
     for (state, key, root), delta in out.deltas.items():
-        txid = txid_of((root >> OFFSET_BITS) & MAX_PARTITION, root & MAX_OFFSET)
+        txid = txid_of_root(root)
         per = deltas.setdefault((state, key), {})
         per[txid] = per.get(txid, 0) + delta
+    typed = {state: [(txid_of_root(row.pop("root")), row) for row in rows.to_pylist()]
+             for state, rows in out.tables.items()}
     failures = [(p, o, txid_of(p, o), error) for (p, o, _), error in out.failed.items()]
-    return deltas, set(out.rejected), failures
+    return deltas, set(out.rejected), failures, typed
 
 
 def _range_lookup(intact: list[tuple[int, PartitionRange]]):
@@ -190,6 +199,7 @@ def rerun(conn, dsn: str, pipeline: Pipeline, spark, *,
     expected: dict[tuple[str, str], dict[int, int]] = {}
     re_rejected: set[tuple[int, int]] = set()
     failures: list[tuple[int, int, int, str]] = []
+    typed: dict[str, list[tuple[int, dict]]] = {}
     jobs = []
     if intact:
         source = pipeline.source.read(spark, dsn, [r for _, r in intact]).select(
@@ -206,7 +216,9 @@ def rerun(conn, dsn: str, pipeline: Pipeline, spark, *,
         report.replays += len(rows)
         say(f"replay round {i + 1}: {len(rows)} records")
     for source, txid_of in jobs:
-        deltas, rej, failed = _run(pipeline, topology, source, txid_of)
+        deltas, rej, failed, typed_rows = _run(pipeline, topology, source, txid_of)
+        for state, rows in typed_rows.items():
+            typed.setdefault(state, []).extend(rows)
         for key, per in deltas.items():
             into = expected.setdefault(key, {})
             for txid, delta in per.items():
@@ -214,6 +226,7 @@ def rerun(conn, dsn: str, pipeline: Pipeline, spark, *,
         re_rejected |= rej
         failures += failed
     _compare_states(report, pipeline, committed, expected, lost)
+    _compare_typed(report, pipeline, committed, typed, lost)
     _compare_rejects(report, rejected, re_rejected, intact)
     _account_failures(report, failures, parked, replays, lost)
     return report
@@ -223,7 +236,7 @@ def _compare_states(report: VerifyReport, pipeline: Pipeline, committed: dict,
                     expected: dict, lost: set[int]) -> None:
     for spec in pipeline.states:
         report.keys[spec.name] = len(committed[spec.name])
-        if spec.name in report.skipped_states:
+        if spec.name in report.skipped_states or spec.typed:
             continue
         rows = committed[spec.name]
         want = {key: per for (state, key), per in expected.items() if state == spec.source_name}
@@ -248,6 +261,89 @@ def _compare_states(report: VerifyReport, pipeline: Pipeline, committed: dict,
                 elif spec.kind == "opaque" and txid and value - prev != per.get(txid, 0):
                     out.append(f"{spec.name}[{key!r}]: txid {txid} added {value - prev}, "
                                f"re-run {per.get(txid, 0)}")
+        report.mismatches += _limited(out)
+
+
+def _fold(measure, values: list):
+    """One measure over the rows of one txid, or over txids in order."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return None
+    if measure.agg in ("sum", "count"):
+        return sum(values)
+    if measure.agg == "min":
+        return min(values)
+    if measure.agg == "max":
+        return max(values)
+    return values[-1]  # last: the caller orders them
+
+
+def expected_typed(shape, rows: list[tuple[int, dict]]) -> dict[tuple, dict]:
+    """Per key, what a typed state must hold after the txids that wrote ``rows`` (re-run
+    rows by txid): each measure, its value before the key's last txid, and that txid."""
+    by_key: dict[tuple, dict[int, list[dict]]] = {}
+    for txid, row in rows:
+        key = tuple(row[c] for c, _ in shape.key)
+        by_key.setdefault(key, {}).setdefault(txid, []).append(row)
+    out = {}
+    for key, per in by_key.items():
+        txids = sorted(per)
+
+        def over(name, measure, chosen, per=per):
+            steps = []
+            for txid in chosen:
+                batch = sorted(per[txid], key=lambda r: r.get(tables.ORDER) or 0)
+                steps.append(_fold(measure, [r[name] for r in batch]))
+            return _fold(measure, steps)
+
+        values = {name: over(name, m, txids) for name, m in shape.measures}
+        prev = {name: over(name, m, txids[:-1]) for name, m in shape.measures}
+        out[key] = {"values": values, "prev": prev, "txid": txids[-1],
+                    "prev_txid": txids[-2] if len(txids) > 1 else None}
+    return out
+
+
+def _compare_typed(report: VerifyReport, pipeline: Pipeline, committed: dict,
+                   typed: dict[str, list], lost: set[int]) -> None:
+    for spec in pipeline.typed_states():
+        shape = spec.shape()
+        if spec.name in report.skipped_states:
+            continue
+        rows = typed.get(spec.source_name, [])
+        got_rows = committed[spec.name]
+        out = []
+        if shape.append:
+            names = [c for c, _ in shape.columns]
+            want = Counter(tuple(r[c] for c in names) + (t,) for t, r in rows if t not in lost)
+            got = Counter(tuple(r[c] for c in names) + (r["txid"],) for r in got_rows
+                          if r["txid"] not in lost)
+            out += [f"{spec.name}: row {row} committed {got[row]} time(s), re-run "
+                    f"{want[row]}" for row in sorted(set(want) | set(got), key=repr)
+                    if want[row] != got[row]]
+            report.mismatches += _limited(out)
+            continue
+        if lost:  # a key's values sum batches that cannot run again: not checked
+            report.skipped_states.append(spec.name)
+            continue
+        want = expected_typed(shape, rows)
+        got = {tuple(r[c] for c, _ in shape.key): r for r in got_rows}
+        for key in sorted(set(want) | set(got), key=repr):
+            w, g = want.get(key), got.get(key)
+            if w is None or g is None:
+                why = ("committed, but no re-run batch writes it" if w is None
+                       else "written by the re-run, missing from the table")
+                out.append(f"{spec.name}[{key}]: {why}")
+                continue
+            expect = {**w["values"], "txid": w["txid"]}
+            have = {name: g[name] for name in w["values"]} | {"txid": g["txid"]}
+            if spec.opaque:
+                expect |= {f"prev_{n}": v for n, v in w["prev"].items()}
+                expect["prev_txid"] = w["prev_txid"]
+                have |= {f"prev_{n}": g[f"prev_{n}"] for n in w["prev"]}
+                have["prev_txid"] = g["prev_txid"]
+            if expect != have:
+                diff = {k: (have[k], expect[k]) for k in expect if have[k] != expect[k]}
+                out.append(f"{spec.name}[{key}]: (committed, re-run) {diff}")
         report.mismatches += _limited(out)
 
 
@@ -336,6 +432,10 @@ def recount(conn, pipeline: Pipeline, state_dsns: Mapping[str, str] | None = Non
     report.rejected_expected = sum(expected.rejected.values()) + retired_rejected
     for spec in pipeline.states:
         report.keys[spec.name] = len(committed[spec.name])
+        if spec.typed:
+            report.mismatches += _recount_typed(spec, committed[spec.name], expected,
+                                                bool(retired))
+            continue
         want = dict(expected.counts.get(spec.source_name, {}))
         got = committed[spec.name]
         report.mismatches += _limited([
@@ -345,3 +445,22 @@ def recount(conn, pipeline: Pipeline, state_dsns: Mapping[str, str] | None = Non
         report.mismatches.append(f"rejected records: committed {report.rejected_committed}, "
                                  f"recounted {report.rejected_expected}")
     return report
+
+
+def _recount_typed(spec, rows: list[dict], expected, retired: bool) -> list[str]:
+    """A typed state against the recount's rows for it (``expected.tables[sink]``: dicts of
+    the key and measure columns, or an append table's columns), as multisets."""
+    shape = spec.shape()
+    names = ([c for c, _ in shape.columns] if shape.append
+             else [c for c, _ in shape.key] + [n for n, _ in shape.measures])
+    want_rows = getattr(expected, "tables", {}).get(spec.source_name)
+    if want_rows is None:
+        return [f"{spec.name}: the recount function gives no rows for it (return them in "
+                f".tables[{spec.source_name!r}])"]
+    if retired:
+        return []  # retention summed nothing for typed states: their old rows are unknown
+    want = Counter(tuple(r[n] for n in names) for r in want_rows)
+    got = Counter(tuple(r[n] for n in names) for r in rows)
+    return _limited([f"{spec.name}: row {row} committed {got[row]} time(s), recounted "
+                     f"{want[row]}" for row in sorted(set(want) | set(got), key=repr)
+                     if want[row] != got[row]])

@@ -287,6 +287,12 @@ class LandingFolder(Source):
         with connection(dsn, application_name="onceflow-landing") as conn, \
                 transaction(conn) as cur:
             chunks = self._chunks(cur, ranges)
+            if self.format == "parquet":
+                cur.execute("SELECT path, base_offset FROM landing_files WHERE topic = %s "
+                            "AND path = ANY(%s)", (self.topic, [c[0] for c in chunks]))
+                bases = dict(cur.fetchall())
+        if self.format == "parquet":
+            return self._read_parquet(spark, ranges, chunks, bases)
         wanted = [(r.partition, r.start, r.end) for r in ranges]
         rows = [(*chunk, json.dumps(wanted)) for chunk in chunks]
         tasks = spark.createDataFrame(
@@ -294,6 +300,42 @@ class LandingFolder(Source):
                   "byte_end long, records long, partition int, wanted string")
         return tasks.mapInArrow(_chunk_reader(self.format, self.csv_header, self.path),
                                 "partition int, offset long, payload string")
+
+    def _read_parquet(self, spark, ranges: list[PartitionRange], chunks: list[tuple],
+                      bases: dict[str, int]):
+        """Parquet files through Spark's own reader (in the JVM): a row's offset is its
+        file's base offset plus its row index in the file, its payload the row as JSON.
+        Each file is checked unchanged first (size, modification time)."""
+        from functools import reduce
+
+        from pyarrow import fs
+        from pyspark.sql import functions as F
+
+        filesystem, _ = _filesystem(self.path)
+        files = {}
+        for path, size, mtime, _, _, _, _, partition in chunks:
+            files[path] = (size, mtime, partition)
+        parts = []
+        for path, (size, mtime, partition) in files.items():
+            info = filesystem.get_file_info(path)
+            if info.type != fs.FileType.File:
+                raise SourceShortfall(f"landed file {path!r} was removed before every batch "
+                                      "reading it committed")
+            if info.size != size or (info.mtime and abs(info.mtime.timestamp() - mtime) > 1e-3):
+                raise ConfigError(f"landed file {path!r} changed after it was indexed: "
+                                  "refused (a landed file never changes; land a new one)")
+            reader = spark.read.schema(self.schema) if self.schema else spark.read
+            df = reader.parquet(_spark_path(self.path, path))
+            offset = F.lit(bases[path]) + F.col("_metadata.row_index")
+            keep = reduce(lambda a, b: a | b, [
+                (offset >= r.start) & (offset < r.end) for r in ranges
+                if r.partition == partition])
+            parts.append(df.select(
+                F.lit(partition).cast("int").alias("partition"), offset.alias("offset"),
+                F.to_json(F.struct("*"), PARQUET_JSON).alias("payload")).where(keep))
+        if not parts:
+            return spark.createDataFrame([], "partition int, offset long, payload string")
+        return reduce(lambda a, b: a.unionByName(b), parts)
 
     def payloads(self, conn, ranges: Iterable[PartitionRange]
                  ) -> Iterator[tuple[int, int, str]]:
@@ -311,6 +353,17 @@ class LandingFolder(Source):
 
     def describe(self) -> str:
         return f"landing folder {self.path!r} ({self.format}, topic {self.topic!r})"
+
+
+# Parquet rows as JSON payloads in Spark: timestamps keep their microseconds.
+PARQUET_JSON = {"timestampFormat": "yyyy-MM-dd'T'HH:mm:ss.SSSSSSXXX",
+                "timestampNTZFormat": "yyyy-MM-dd'T'HH:mm:ss.SSSSSS"}
+
+
+def _spark_path(root: str, path: str) -> str:
+    """A manifest path as Spark reads it: local paths as they are, URIs with their scheme."""
+    scheme = root.split("://", 1)[0] + "://" if "://" in root else ""
+    return path if not scheme or path.startswith(scheme) else scheme + path
 
 
 def _read_chunk(filesystem, fmt: str, path: str, size: int, mtime: float, start: int,

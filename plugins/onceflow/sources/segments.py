@@ -85,6 +85,133 @@ def produce_segments(conn, root: Path, topic: str, payloads: Iterable[str], *,
     return catalog.produce_chunks(conn, topic, checked, chunk_size, write, progress)
 
 
+@dataclass
+class Imported:
+    records: int = 0  # written as segments
+    skipped: int = 0  # below a partition's head already (imported before)
+    segments: int = 0
+    heads: dict[int, int] | None = None
+
+
+def import_segments(conn, root: Path, topic: str, table, *, chunk_size: int = 400_000
+                    ) -> Imported:
+    """Import records that already have their partition and offset (an export of a Kafka
+    topic, another log) as segment files, keeping both: ``table`` is an Arrow table with
+    columns partition, offset, payload. Per partition the offsets must be consecutive and go
+    on from the head (an empty partition starts at the first offset given: its log starts
+    there); records below the head were imported before and are skipped, so importing the
+    same files twice changes nothing. Anything else is refused (ConfigError naming the
+    partition and the offsets) before a file is written."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    missing = {"partition", "offset", "payload"} - set(table.column_names)
+    if missing:
+        raise ConfigError(f"import into topic {topic!r}: column(s) {sorted(missing)} missing "
+                          f"(the records have {table.column_names}); give partition, offset "
+                          "and payload")
+    table = table.select(["partition", "offset", "payload"]).cast(pa.schema([
+        ("partition", pa.int32()), ("offset", pa.int64()), ("payload", pa.string())]))
+    table = table.sort_by([("partition", "ascending"), ("offset", "ascending")])
+    out = Imported()
+    with transaction(conn) as cur:
+        cur.execute("""SELECT partition, log_start_offset, next_offset FROM source_partitions
+                       WHERE topic = %s ORDER BY partition FOR UPDATE""", (topic,))
+        known = {p: (start, head) for p, start, head in cur.fetchall()}
+        if not known:
+            raise ConfigError(f"topic {topic!r} has no partitions: register the pipeline "
+                              "first (`onceflow init`)")
+        plan = []
+        for partition in pc.unique(table.column("partition")).to_pylist():
+            if partition not in known:
+                raise ConfigError(
+                    f"import into topic {topic!r}: partition {partition} is not one of its "
+                    f"{len(known)} partitions (0..{len(known) - 1}); declare the source with "
+                    "as many partitions as the data has")
+            rows = table.filter(pc.equal(table.column("partition"), partition))
+            offsets = rows.column("offset")
+            start, head = known[partition]
+            fresh = rows.filter(pc.greater_equal(offsets, head))
+            out.skipped += rows.num_rows - fresh.num_rows
+            if not fresh.num_rows:
+                continue
+            first = fresh.column("offset")[0].as_py()
+            empty = head == start and not _has_segments(cur, topic, partition)
+            if first != head and not empty:
+                raise ConfigError(
+                    f"import into topic {topic!r} partition {partition}: the records start at "
+                    f"offset {first}, the partition's head is {head}: offsets must go on from "
+                    "the head (import the missing records first)")
+            numbers = fresh.column("offset").to_numpy()
+            jumps = (numbers[1:] - numbers[:-1]) != 1
+            if jumps.any():
+                at = int(jumps.argmax())
+                raise ConfigError(
+                    f"import into topic {topic!r} partition {partition}: offset "
+                    f"{int(numbers[at + 1])} follows {int(numbers[at])}; a partition's offsets "
+                    "must be consecutive (a compacted export cannot be imported as a log)")
+            if pc.any(pc.is_null(fresh.column("payload"))).as_py():
+                raise ConfigError(f"import into topic {topic!r} partition {partition}: a "
+                                  "record has no payload")
+            plan.append((partition, first, fresh))
+        now = datetime.now(UTC)
+        for partition, first, rows in plan:
+            for base in range(0, rows.num_rows, chunk_size):
+                part = rows.slice(base, chunk_size)
+                offset = first + base
+                path = segment_path(root, topic, partition, offset)
+                _write_segment(path, part.append_column("produced_at", pa.array(
+                    [now] * part.num_rows, pa.timestamp("us", tz="UTC"))).cast(_schema()))
+                cur.execute(
+                    """INSERT INTO source_segments (topic, partition, base_offset, records, path)
+                       VALUES (%s, %s, %s, %s, %s)""",
+                    (topic, partition, offset, part.num_rows, str(path)))
+                out.segments += 1
+            end = first + rows.num_rows
+            cur.execute("""UPDATE source_partitions SET next_offset = %s,
+                                  log_start_offset = CASE WHEN next_offset = log_start_offset
+                                                          THEN %s ELSE log_start_offset END
+                           WHERE topic = %s AND partition = %s""",
+                        (end, first, topic, partition))
+            out.records += rows.num_rows
+        cur.execute("SELECT partition, next_offset FROM source_partitions WHERE topic = %s",
+                    (topic,))
+        out.heads = dict(cur.fetchall())
+    log.info("imported %d records into %s as %d segments (%d already there)", out.records,
+             topic, out.segments, out.skipped)
+    return out
+
+
+def _has_segments(cur, topic: str, partition: int) -> bool:
+    cur.execute("SELECT 1 FROM source_segments WHERE topic = %s AND partition = %s LIMIT 1",
+                (topic, partition))
+    return cur.fetchone() is not None
+
+
+def read_export(paths: Iterable[str]):
+    """Records with their partition and offset from Parquet or JSON-lines files (fields
+    partition, offset, payload), as one Arrow table."""
+    import pyarrow as pa
+    import pyarrow.json as pajson
+    import pyarrow.parquet as pq
+
+    tables = []
+    for path in paths:
+        if not Path(path).is_file():
+            raise ConfigError(f"{path!r} is not a file: give Parquet (.parquet) or JSON-lines "
+                              "files with partition, offset and payload")
+        if str(path).endswith(".parquet"):
+            tables.append(pq.read_table(path))
+        else:
+            tables.append(pajson.read_json(path, parse_options=pajson.ParseOptions(
+                explicit_schema=pa.schema([("partition", pa.int32()), ("offset", pa.int64()),
+                                           ("payload", pa.string())]))))
+    if not tables:
+        raise ConfigError("nothing to import: give one or more files")
+    return pa.concat_tables([t.select(["partition", "offset", "payload"]) for t in tables],
+                            promote_options="permissive")
+
+
 def segments_for(cur, topic: str, ranges: Iterable[PartitionRange]) -> list[str]:
     """Paths of the segments holding the ranges' offsets; SourceShortfall when the index does
     not cover a range whole."""

@@ -1,0 +1,440 @@
+"""Typed tables: state with composite typed keys and several measures, upsert tables (latest
+row per key) and append tables (facts with a txid column). Their columns and types, their
+DDL, their staging tables and the set-based SQL that applies a batch in the ordered commit.
+
+A typed state (``StateSpec(key=..., measures=...)``) holds per key one value per measure and,
+when opaque, each measure's value before the last txid that wrote it (``prev_<measure>``)
+and that txid's predecessor (``prev_txid``): a replay of the txid starts again from the
+previous values, so it never counts twice (onceflow.core.opaque is the rule in Python). An
+upsert table is a typed state whose measures are all ``Last``. An append table
+(``kind="append"``) holds the batch's rows with their txid; applying a txid replaces its own
+rows, so a replay leaves exactly one copy.
+
+Staging: one UNLOGGED table per pipeline and typed state, ``onceflow_staging."<pipeline>.<state>"``,
+with the processing groups' rows already aggregated by Spark, written by COPY; the commit
+aggregates across groups only when the batch has several.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from psycopg2 import sql
+
+from onceflow.core.errors import ConfigError, StaleBatch
+
+STAGING_SCHEMA = "onceflow_staging"
+AGGREGATES = ("sum", "count", "min", "max", "last")
+ORDER = "_order"  # the staging column that orders Last measures
+
+_NUMERIC = re.compile(r"^numeric\((\d{1,2}),\s*(\d{1,2})\)$")
+# PostgreSQL type -> Spark type, for keys and for min / max / last values
+_TYPES = {
+    "text": "string", "bigint": "bigint", "integer": "int", "smallint": "smallint",
+    "boolean": "boolean", "date": "date", "timestamp": "timestamp_ntz",
+    "timestamptz": "timestamp", "double precision": "double",
+}
+_SUMMABLE = ("bigint", "integer", "smallint", "double precision")  # and numeric(p,s)
+
+
+def spark_type(pg_type: str) -> str:
+    match = _NUMERIC.match(pg_type)
+    if match:
+        return f"decimal({match.group(1)},{match.group(2)})"
+    return _TYPES[pg_type]
+
+
+def normal_type(pg_type: str) -> str:
+    """A type as onceflow spells it ('int8' and 'long' are not accepted: one spelling)."""
+    text = " ".join(str(pg_type).lower().split())
+    return re.sub(r"numeric\(\s*(\d+)\s*,\s*(\d+)\s*\)", r"numeric(\1,\2)", text)
+
+
+def known_type(pg_type: str) -> bool:
+    match = _NUMERIC.match(pg_type)
+    if match:
+        precision, scale = int(match.group(1)), int(match.group(2))
+        return 1 <= precision <= 38 and scale <= precision
+    return pg_type in _TYPES
+
+
+TYPE_HELP = ("use one of text, bigint, integer, smallint, boolean, date, timestamp, "
+             "timestamptz, double precision, numeric(p,s) (p up to 38)")
+
+
+@dataclass(frozen=True)
+class Measure:
+    """One measure of a typed state: ``agg`` over the stream's column ``column``, of
+    PostgreSQL type ``type``. Sum, Count, Min, Max and Last build them."""
+
+    agg: str
+    column: str | None = None
+    type: str = "bigint"
+
+    def stored_type(self) -> str:
+        """The state table's column type: a numeric sum keeps its scale with any precision."""
+        match = _NUMERIC.match(self.type)
+        if self.agg == "sum" and match:
+            return f"numeric(38,{match.group(2)})"
+        return "bigint" if self.agg == "count" else self.type
+
+
+def Sum(column: str, type: str = "bigint") -> Measure:  # noqa: N802 (reads like a type)
+    """The sum of ``column`` (bigint, integer, smallint, double precision or numeric(p,s))."""
+    return Measure("sum", column, normal_type(type))
+
+
+def Count(column: str | None = None) -> Measure:  # noqa: N802
+    """How many rows (with ``column`` not null, when given)."""
+    return Measure("count", column, "bigint")
+
+
+def Min(column: str, type: str) -> Measure:  # noqa: N802
+    return Measure("min", column, normal_type(type))
+
+
+def Max(column: str, type: str) -> Measure:  # noqa: N802
+    return Measure("max", column, normal_type(type))
+
+
+def Last(column: str, type: str) -> Measure:  # noqa: N802
+    """The value of the batch's last row for the key (by the state's ``order_by``, else by
+    the record's position); a later txid replaces it."""
+    return Measure("last", column, normal_type(type))
+
+
+def validate_shape(name: str, kind: str, key: Mapping[str, str], measures: Mapping[str, Measure],
+                   columns: Mapping[str, str], order_by: str | None, ident: re.Pattern) -> None:
+    where = f"state[{name}]"
+
+    def refuse(field_name: str, value, fix: str) -> None:
+        raise ConfigError(f"{where}.{field_name}={value!r} is invalid: {fix}")
+
+    if kind == "append":
+        if not columns:
+            refuse("columns", columns, "an append table needs its columns, e.g. "
+                   "columns={'order_id': 'bigint', 'amount': 'numeric(12,2)'}")
+        if key or measures:
+            refuse("key", key, "an append table has columns only (no key, no measures)")
+        named = dict(columns)
+    else:
+        if columns:
+            refuse("columns", columns, "only an append table (kind='append') has columns; "
+                   "a typed state has key and measures")
+        if not key:
+            refuse("key", key, "give the key columns and their types, e.g. "
+                   "key={'merchant': 'text', 'day': 'date'}")
+        if not measures:
+            refuse("measures", measures, "give at least one measure, e.g. "
+                   "measures={'revenue': Sum('amount', 'numeric(12,2)')}")
+        named = dict(key)
+        for measure_name, measure in measures.items():
+            if not isinstance(measure, Measure):
+                refuse(f"measures[{measure_name}]", measure,
+                       "use Sum(...), Count(...), Min(...), Max(...) or Last(...)")
+            if measure.agg not in AGGREGATES:
+                refuse(f"measures[{measure_name}].agg", measure.agg,
+                       f"choose one of {', '.join(AGGREGATES)}")
+            if measure.agg == "sum" and not (measure.type in _SUMMABLE
+                                             or _NUMERIC.match(measure.type)):
+                refuse(f"measures[{measure_name}].type", measure.type,
+                       "a sum is bigint, integer, smallint, double precision or numeric(p,s)")
+            if not known_type(measure.type):
+                refuse(f"measures[{measure_name}].type", measure.type, TYPE_HELP)
+            named[measure_name] = measure.type
+        lasts = [m for m in measures.values() if m.agg == "last"]
+        if order_by is not None and not lasts:
+            refuse("order_by", order_by, "order_by orders Last measures; this state has none")
+    for column, pg_type in named.items():
+        if not ident.match(column) or column in ("txid", "prev_txid") or \
+                column.startswith(("prev_", "_")):
+            refuse("columns", column, "name columns with lower-case letters, digits and _, "
+                   "not txid, prev_txid, prev_* or _*")
+        if not known_type(pg_type):
+            refuse(f"type of {column}", pg_type, TYPE_HELP)
+    if kind != "append":
+        for column, pg_type in key.items():
+            if pg_type == "double precision":
+                refuse(f"key[{column}]", pg_type, "a double is no key (equality of floating "
+                       "point values); use numeric(p,s) or bigint")
+
+
+# -- the shape of a typed state, as the Spark side and the SQL need it -------------------------
+@dataclass(frozen=True)
+class Shape:
+    """Columns of a typed state's staging: the key, one per measure, and _order when a Last
+    measure needs it; ``inputs``: the stream columns the sink reads."""
+
+    name: str
+    append: bool
+    key: tuple[tuple[str, str], ...]  # (column, PostgreSQL type)
+    measures: tuple[tuple[str, Measure], ...]
+    columns: tuple[tuple[str, str], ...]  # append tables
+    order_by: str | None
+
+    @property
+    def ordered(self) -> bool:
+        return any(m.agg == "last" for _, m in self.measures)
+
+    def inputs(self) -> list[str]:
+        """Stream columns the sink needs."""
+        if self.append:
+            return [c for c, _ in self.columns]
+        out = [c for c, _ in self.key]
+        for column in [m.column for _, m in self.measures] + [self.order_by]:
+            if column and column not in out:
+                out.append(column)
+        return out
+
+    def staged(self) -> list[tuple[str, str]]:
+        """(column, PostgreSQL type) of the staging rows, after the key columns' order."""
+        if self.append:
+            return list(self.columns)
+        out = list(self.key) + [(name, m.stored_type() if m.agg in ("sum", "count") else m.type)
+                                for name, m in self.measures]
+        if self.ordered:  # the last row's rank: order_by as a number, else the record's
+            out.append((ORDER, "bigint"))
+        return out
+
+
+def staging_table(pipeline: str, shape: Shape) -> sql.Composable:
+    return sql.Identifier(STAGING_SCHEMA, f"{pipeline}.{shape.name}")
+
+
+def staging_name_ok(pipeline: str, state: str) -> bool:
+    return len(f"{pipeline}.{state}".encode()) <= 63
+
+
+def _columns(cur, schema: str, table: str) -> list[tuple[str, str]]:
+    cur.execute("""SELECT a.attname, format_type(a.atttypid, a.atttypmod)
+                   FROM pg_attribute a JOIN pg_class c ON c.oid = a.attrelid
+                   JOIN pg_namespace n ON n.oid = c.relnamespace
+                   WHERE n.nspname = %s AND c.relname = %s AND a.attnum > 0
+                     AND NOT a.attisdropped ORDER BY a.attnum""", (schema, table))
+    return cur.fetchall()
+
+
+_SPELLING = {"timestamp": "timestamp without time zone",
+             "timestamptz": "timestamp with time zone", "text": "text"}
+
+
+def _spelled(pg_type: str) -> str:
+    return _SPELLING.get(pg_type, pg_type)
+
+
+def expected_columns(shape: Shape, opaque: bool) -> list[tuple[str, str]]:
+    if shape.append:
+        return [(c, _spelled(t)) for c, t in shape.columns] + [("txid", "bigint")]
+    out = [(c, _spelled(t)) for c, t in shape.key] + [("txid", "bigint")]
+    if opaque:
+        out.append(("prev_txid", "bigint"))
+    for name, measure in shape.measures:
+        out.append((name, _spelled(measure.stored_type())))
+        if opaque:
+            out.append((f"prev_{name}", _spelled(measure.stored_type())))
+    return out
+
+
+def ensure_staging(cur, pipeline: str, shape: Shape) -> None:
+    """The state's staging table (UNLOGGED: emptied by a crash, which the commit's proof
+    notices), indexed by attempt. Made again when the declaration changed (an attempt staged
+    with the old shape then fails the commit's proof and is processed again)."""
+    cur.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(STAGING_SCHEMA)))
+    table = staging_table(pipeline, shape)
+    want = [("txid", "bigint"), ("attempt", "integer"), ("grp", "integer")] + [
+        (c, _spelled(t)) for c, t in shape.staged()]
+    have = _columns(cur, STAGING_SCHEMA, f"{pipeline}.{shape.name}")
+    if have and have != want:
+        cur.execute(sql.SQL("DROP TABLE {}").format(table))
+    cols = [sql.SQL("{} {}").format(sql.Identifier(c), sql.SQL(t)) for c, t in shape.staged()]
+    cur.execute(sql.SQL(
+        "CREATE UNLOGGED TABLE IF NOT EXISTS {} (txid bigint NOT NULL, attempt integer NOT NULL, "
+        "grp integer NOT NULL, {})").format(table, sql.SQL(", ").join(cols)))
+    cur.execute(sql.SQL("CREATE INDEX IF NOT EXISTS {} ON {} (txid, attempt, grp)").format(
+        sql.Identifier(f"{pipeline}.{shape.name}.attempt"[:63]), table))
+
+
+def ensure_table(cur, shape: Shape, opaque: bool, with_txid_index: bool) -> None:
+    """The state table itself (in the coordinator's database or the state's own). A table
+    that exists with other columns than the declaration's is refused, not altered."""
+    ident = sql.Identifier(shape.name)
+    cur.execute("SELECT current_schema()")
+    have = _columns(cur, cur.fetchone()[0], shape.name)
+    want = expected_columns(shape, opaque)
+    if have and have != want:
+        raise ConfigError(
+            f"state[{shape.name}]: table {shape.name} exists with columns "
+            f"{', '.join(f'{c} {t}' for c, t in have)}, but the declaration needs "
+            f"{', '.join(f'{c} {t}' for c, t in want)}: migrate the table (or drop it, if its "
+            "data may go), or give the state a new name")
+    if shape.append:
+        cols = [sql.SQL("{} {}").format(sql.Identifier(c), sql.SQL(t)) for c, t in shape.columns]
+        cur.execute(sql.SQL("CREATE TABLE IF NOT EXISTS {} ({}, txid bigint NOT NULL)").format(
+            ident, sql.SQL(", ").join(cols)))
+        cur.execute(sql.SQL("CREATE INDEX IF NOT EXISTS {} ON {} (txid)").format(
+            sql.Identifier(f"{shape.name}_txid"[:63]), ident))
+        return
+    cols = [sql.SQL("{} {} NOT NULL").format(sql.Identifier(c), sql.SQL(t)) for c, t in shape.key]
+    cols.append(sql.SQL("txid bigint NOT NULL"))
+    if opaque:
+        cols.append(sql.SQL("prev_txid bigint"))
+    for name, measure in shape.measures:
+        cols.append(sql.SQL("{} {}").format(sql.Identifier(name), sql.SQL(measure.stored_type())))
+        if opaque:
+            cols.append(sql.SQL("{} {}").format(sql.Identifier(f"prev_{name}"),
+                                                sql.SQL(measure.stored_type())))
+    keys = sql.SQL(", ").join(sql.Identifier(c) for c, _ in shape.key)
+    cur.execute(sql.SQL("CREATE TABLE IF NOT EXISTS {} ({}, PRIMARY KEY ({})) "
+                        "WITH (fillfactor = 70)").format(ident, sql.SQL(", ").join(cols), keys))
+    if with_txid_index:
+        cur.execute(sql.SQL("CREATE INDEX IF NOT EXISTS {} ON {} (txid)").format(
+            sql.Identifier(f"{shape.name}_txid"[:63]), ident))
+
+
+# -- the batch, from staging ------------------------------------------------------------------
+def _across_groups(name: str, measure: Measure) -> sql.Composable:
+    col = sql.Identifier(name)
+    if measure.agg in ("sum", "count"):
+        return sql.SQL("sum({c})::{t} AS {c}").format(c=col, t=sql.SQL(measure.stored_type()))
+    if measure.agg in ("min", "max"):
+        return sql.SQL("{f}({c}) AS {c}").format(f=sql.SQL(measure.agg), c=col)
+    return sql.SQL("(array_agg({c} ORDER BY {o} DESC))[1] AS {c}").format(
+        c=col, o=sql.Identifier(ORDER))
+
+
+def staged_batch(pipeline: str, shape: Shape, groups: int) -> sql.Composable:
+    """The attempt's rows for the state (params txid, attempt): one per key (typed state,
+    aggregated across the groups when there are several), every row (append table)."""
+    table = staging_table(pipeline, shape)
+    where = sql.SQL("txid = %(txid)s AND attempt = %(attempt)s")
+    if shape.append:
+        cols = sql.SQL(", ").join(sql.Identifier(c) for c, _ in shape.columns)
+        return sql.SQL("SELECT {} FROM {} WHERE {}").format(cols, table, where)
+    keys = sql.SQL(", ").join(sql.Identifier(c) for c, _ in shape.key)
+    if groups == 1:  # Spark aggregated the only group: one row per key already
+        values = sql.SQL(", ").join(sql.Identifier(n) for n, _ in shape.measures)
+        return sql.SQL("SELECT {}, {} FROM {} WHERE {}").format(keys, values, table, where)
+    values = sql.SQL(", ").join(_across_groups(n, m) for n, m in shape.measures)
+    return sql.SQL("SELECT {}, {} FROM {} WHERE {} GROUP BY {}").format(
+        keys, values, table, where, keys)
+
+
+# -- applying a batch in the ordered commit ---------------------------------------------------
+def _combine(measure: Measure, base: sql.Composable, new: sql.Composable) -> sql.Composable:
+    if measure.agg in ("sum", "count"):
+        return sql.SQL("coalesce({b}, 0) + {n}").format(b=base, n=new)
+    if measure.agg == "min":
+        return sql.SQL("least({b}, {n})").format(b=base, n=new)
+    if measure.agg == "max":
+        return sql.SQL("greatest({b}, {n})").format(b=base, n=new)
+    return new
+
+
+def apply_batch(cur, shape: Shape, opaque: bool, txid: int, source: sql.Composable,
+                params: Mapping | None = None, *, revert_absent: bool = False) -> int:
+    """Apply the batch ``source`` yields (staged_batch's columns) at ``txid``; returns the rows
+    written. Opaque: a key's stored txid newer than ``txid`` raises StaleBatch (roll back);
+    a key already at ``txid`` starts again from its previous values. Transactional: a key
+    at ``txid`` already is skipped. Append: the txid's rows are replaced. ``revert_absent``
+    (opaque, outside the coordinator's database): first undo this txid's earlier writes to
+    keys the batch no longer has."""
+    params = {**(params or {}), "txid": txid}
+    table = sql.Identifier(shape.name)
+    if shape.append:
+        cols = sql.SQL(", ").join(sql.Identifier(c) for c, _ in shape.columns)
+        cur.execute(sql.SQL("DELETE FROM {} WHERE txid = %(txid)s").format(table), params)
+        cur.execute(sql.SQL("INSERT INTO {} ({}, txid) SELECT {}, %(txid)s FROM ({}) AS d").format(
+            table, cols, cols, source), params)
+        return cur.rowcount
+    keys = [sql.Identifier(c) for c, _ in shape.key]
+    key_list = sql.SQL(", ").join(keys)
+    names = [n for n, _ in shape.measures]
+    if revert_absent and opaque:
+        same = sql.SQL(" AND ").join(sql.SQL("d.{k} = s.{k}").format(k=k) for k in keys)
+        absent = sql.SQL("s.txid = %(txid)s AND NOT EXISTS (SELECT 1 FROM ({}) AS d WHERE {})"
+                         ).format(source, same)
+        cur.execute(sql.SQL("DELETE FROM {} AS s WHERE {} AND s.prev_txid IS NULL").format(
+            table, absent), params)
+        back = sql.SQL(", ").join(sql.SQL("{m} = s.{p}").format(
+            m=sql.Identifier(n), p=sql.Identifier(f"prev_{n}")) for n in names)
+        cur.execute(sql.SQL("UPDATE {} AS s SET {}, txid = s.prev_txid, prev_txid = NULL "
+                            "WHERE {}").format(table, back, absent), params)
+    measure_list = sql.SQL(", ").join(sql.Identifier(n) for n in names)
+    if opaque:
+        def base(name: str) -> sql.Composable:
+            return sql.SQL("CASE WHEN s.txid = EXCLUDED.txid THEN s.{p} ELSE s.{m} END").format(
+                p=sql.Identifier(f"prev_{name}"), m=sql.Identifier(name))
+        sets = [sql.SQL("{m} = {v}").format(
+            m=sql.Identifier(n), v=_combine(m, base(n), sql.SQL("EXCLUDED.{}").format(
+                sql.Identifier(n)))) for n, m in shape.measures]
+        sets += [sql.SQL("{p} = {b}").format(p=sql.Identifier(f"prev_{n}"), b=base(n))
+                 for n in names]
+        sets.append(sql.SQL("prev_txid = CASE WHEN s.txid = EXCLUDED.txid THEN s.prev_txid "
+                            "ELSE s.txid END"))
+        guard = sql.SQL("s.txid <= EXCLUDED.txid")
+    else:
+        sets = [sql.SQL("{m} = {v}").format(
+            m=sql.Identifier(n), v=_combine(m, sql.SQL("s.{}").format(sql.Identifier(n)),
+                                            sql.SQL("EXCLUDED.{}").format(sql.Identifier(n))))
+                for n, m in shape.measures]
+        guard = sql.SQL("s.txid < EXCLUDED.txid")
+    sets.append(sql.SQL("txid = EXCLUDED.txid"))
+    query = sql.SQL(
+        """WITH d AS MATERIALIZED ({source}),
+           up AS (
+               INSERT INTO {table} AS s ({keys}, txid, {measures})
+               SELECT {keys}, %(txid)s, {measures} FROM d
+               ON CONFLICT ({keys}) DO UPDATE SET {sets} WHERE {guard}
+               RETURNING 1)
+           SELECT (SELECT count(*) FROM d), (SELECT count(*) FROM up)""").format(
+        source=source, table=table, keys=key_list, measures=measure_list,
+        sets=sql.SQL(", ").join(sets), guard=guard)
+    cur.execute(query, params)
+    expected, written = cur.fetchone()
+    if opaque and written != expected:
+        raise StaleBatch(f"{shape.name}: {expected - written} key(s) hold a txid newer than "
+                         f"{txid}; a batch older than the state is never applied")
+    return written
+
+
+def copy_out(cur, pipeline: str, shape: Shape, groups: int, keys: Mapping, out) -> None:
+    """Write the attempt's batch for ``shape`` (staged_batch) as CSV into ``out``."""
+    cur.copy_expert(cur.mogrify(sql.SQL("COPY ({}) TO STDOUT (FORMAT csv)").format(
+        staged_batch(pipeline, shape, groups)), keys).decode(), out)
+
+
+def apply_csv(cur, shape: Shape, opaque: bool, txid: int, rows_csv) -> int:
+    """Apply a whole batch given as CSV (copy_out's) in the state's own database: COPY into
+    a temporary table, then apply_batch, undoing this txid's earlier writes to keys the batch
+    no longer has."""
+    temp = sql.Identifier(f"onceflow_batch_{shape.name}"[:63])
+    if shape.append:
+        names = list(shape.columns)
+    else:
+        names = list(shape.key) + [(n, m.stored_type() if m.agg in ("sum", "count") else m.type)
+                                   for n, m in shape.measures]
+    cols = sql.SQL(", ").join(sql.SQL("{} {}").format(sql.Identifier(c), sql.SQL(t))
+                              for c, t in names)
+    cur.execute(sql.SQL("CREATE TEMP TABLE IF NOT EXISTS {} ({}) ON COMMIT DELETE ROWS").format(
+        temp, cols))
+    cur.execute(sql.SQL("TRUNCATE {}").format(temp))
+    cur.copy_expert(cur.mogrify(sql.SQL("COPY {} FROM STDIN (FORMAT csv)").format(temp)).decode(),
+                    rows_csv)
+    return apply_batch(cur, shape, opaque, txid, sql.SQL("SELECT * FROM {}").format(temp),
+                       revert_absent=True)
+
+
+def read_table(cur, shape: Shape, opaque: bool = False) -> list[dict]:
+    """Every row of the state table: key columns, measures and txid (with ``opaque``, the
+    previous values too); an append table's columns and txid."""
+    if shape.append:
+        names = [c for c, _ in shape.columns] + ["txid"]
+    else:
+        names = [c for c, _ in shape.key] + [n for n, _ in shape.measures] + ["txid"]
+        if opaque:
+            names += ["prev_txid"] + [f"prev_{n}" for n, _ in shape.measures]
+    cur.execute(sql.SQL("SELECT {} FROM {}").format(
+        sql.SQL(", ").join(sql.Identifier(n) for n in names), sql.Identifier(shape.name)))
+    return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]

@@ -1,0 +1,274 @@
+"""Operating onceflow from Airflow's trigger forms: replaying dead letters only after a person
+approves (onceflow.airflow.approval, Airflow's human-in-the-loop ApprovalOperator), and trigger
+forms that refuse bad values with a message instead of running with them.
+
+The approval is answered the way Airflow's UI answers it: the HITL REST API
+(``PATCH /api/v2/dags/{dag}/dagRuns/{run}/taskInstances/approve/-1/hitlDetails``) of an
+Airflow API app on the same metadata database, from a thread, while ``dag.test()`` keeps the
+run waiting in ``awaiting_input``. Real PostgreSQL, real Airflow, real local Spark for the
+transaction that makes the dead letters (records of an unknown country fail every time; with
+``max_replays=0`` the first failure is a dead letter)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import threading
+import time
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+
+from helpers import run_transaction, table
+
+OUTSIDE = Path(__file__).parent / "outside"
+DAG_ID = "onceflow_page_views_replay_dead_letters"
+
+
+def approved():
+    """The outside pipeline, replays of its dead letters approved by a person
+    (a reference names it: test_approval:approved)."""
+    from pageviews.pipelines import PAGE_VIEWS
+
+    return dataclasses.replace(PAGE_VIEWS, max_replays=0, dead_letter_approval=True)
+
+
+@pytest.fixture
+def pipeline(monkeypatch, dsn, conn):
+    from onceflow.core.registration import register
+    from onceflow.core.registry import clear_cache, get_pipeline
+
+    monkeypatch.syspath_prepend(str(OUTSIDE))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        filter(None, [str(OUTSIDE), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("ONCEFLOW_PIPELINES", "test_approval:approved")
+    clear_cache()
+    found = get_pipeline("page_views")
+    register(conn, found, create_source=True)
+    yield found
+    clear_cache()
+
+
+@pytest.fixture
+def dead_letters(pipeline, conn, dsn, spark):
+    """One committed transaction that leaves 5 dead letters: 3 of 'zz', 2 of 'Zz'."""
+    countries = ["de", "zz", "fr", "zz", "Zz", "de", "zz", "Zz", "nl"]
+    pipeline.source.append(conn, [json.dumps({"country": c, "page": "/"}) for c in countries])
+    _, result = run_transaction(spark, dsn, conn, pipeline, "run-1")
+    assert result.status == "committed"
+    assert table(conn, "SELECT count(*) FROM dead_letters") == [(5,)]
+    return table(conn, 'SELECT partition, "offset" FROM dead_letters ORDER BY 1, 2')
+
+
+# -- answering the request, as the UI does --------------------------------------------------------
+_api: dict = {}
+
+
+def api():
+    """A client of Airflow's API app (all users admins: no login) on this run's database."""
+    if "client" not in _api:
+        os.environ["AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS"] = "True"
+        from airflow.api_fastapi.app import create_app
+        from fastapi.testclient import TestClient
+
+        _api["client"] = TestClient(create_app())
+    return _api["client"]
+
+
+class Answer(threading.Thread):
+    """Waits until the run's approval task asks, reads what it shows, optionally does
+    ``meanwhile(shown)``, then answers ``option`` through the HITL REST API. Should anything
+    go wrong, the task is failed instead, so that dag.test() ends."""
+
+    def __init__(self, option: str, meanwhile=None):
+        super().__init__(daemon=True)
+        self.option, self.meanwhile = option, meanwhile
+        self.shown: dict = {}
+        self.status: int | None = None
+        self.error: BaseException | None = None
+        self.done = threading.Event()  # the run ended: stop waiting
+
+    def _asking(self, deadline: float):
+        from airflow.models.taskinstance import TaskInstance
+        from airflow.utils.session import create_session
+        from airflow.utils.state import TaskInstanceState
+        from sqlalchemy import select
+
+        while time.monotonic() < deadline and not self.done.is_set():
+            with create_session() as session:
+                ti = session.scalar(select(TaskInstance).where(
+                    TaskInstance.dag_id == DAG_ID, TaskInstance.task_id == "approve",
+                    TaskInstance.state == TaskInstanceState.AWAITING_INPUT))
+                if ti is not None:
+                    return ti.run_id
+            time.sleep(0.3)
+        raise TimeoutError("the approval task never asked")
+
+    def run(self) -> None:
+        try:
+            run_id = self._asking(time.monotonic() + 240)
+            url = (f"/api/v2/dags/{DAG_ID}/dagRuns/{run_id}/taskInstances/approve/-1/"
+                   "hitlDetails")
+            got = api().get(url)
+            assert got.status_code == 200, got.text
+            self.shown = got.json()
+            if self.meanwhile:
+                self.meanwhile(self.shown)
+            answer = api().patch(url, json={"chosen_options": [self.option],
+                                            "params_input": {}})
+            self.status = answer.status_code
+            assert answer.status_code == 200, answer.text
+        except BaseException as error:
+            self.error = error
+            if not self.done.is_set():
+                self._give_up()
+
+    @staticmethod
+    def _give_up() -> None:
+        from airflow.models.taskinstance import TaskInstance
+        from airflow.utils.session import create_session
+        from airflow.utils.state import TaskInstanceState
+        from sqlalchemy import update
+
+        with create_session() as session:
+            session.execute(update(TaskInstance).where(
+                TaskInstance.dag_id == DAG_ID,
+                TaskInstance.state == TaskInstanceState.AWAITING_INPUT,
+            ).values(state=TaskInstanceState.FAILED))
+
+
+def choose(**conf) -> dict:
+    """A whole trigger form: dag.test() runs every task of the same DAG object in this
+    process, and Airflow keeps a run's conf in the DAG's Params (Param.resolve sets its
+    value), so a value left out would be the previous run's."""
+    return {"records": [], "error_contains": None, "all": False, **conf}
+
+
+def run_with_answer(dag, conf: dict, answer: Answer, when: datetime):
+    from airflow.models import import_all_models
+
+    import_all_models()  # mapped here: the thread's first query must not configure them
+    api()
+    answer.start()
+    try:
+        run = dag.test(logical_date=when, run_conf=conf)
+    finally:
+        answer.done.set()
+        answer.join(timeout=30)
+    if answer.error is not None:
+        raise answer.error
+    return run, {ti.task_id: str(ti.state) for ti in run.get_task_instances()}
+
+
+# -- approval and rejection -----------------------------------------------------------------------
+@pytest.mark.timeout(500)
+def test_dead_letters_are_replayed_only_after_approval(pipeline, dead_letters, conn,
+                                                       airflow_db):
+    from onceflow.airflow.approval import replay_dead_letters_dag
+    from onceflow.core import txlog
+    from onceflow.core.backflow import replay_dead_letters
+    from onceflow.core.db import connection, transaction
+
+    dag = replay_dead_letters_dag("page_views")
+    assert dag.dag_id == DAG_ID
+    assert [t.task_id for t in dag.tasks] == ["preview", "approve", "replay"]
+    base = datetime.now(UTC).replace(microsecond=0)
+
+    # rejected: nothing changes, the replay is skipped
+    rejecting = Answer("Reject")
+    run, tasks = run_with_answer(dag, choose(error_contains="'zz'"), rejecting, base)
+    assert str(run.state) == "success"
+    assert tasks == {"preview": "success", "approve": "success", "replay": "skipped"}
+    shown = rejecting.shown
+    assert shown["subject"] == "Replay 3 dead letters of page_views?"
+    assert "unknown country 'zz' | 3 |" in shown["body"]
+    assert "'Zz'" not in shown["body"]  # only what error_contains chose
+    assert shown["options"] == ["Approve", "Reject"] and shown["defaults"] == ["Reject"]
+    assert table(conn, "SELECT count(*) FROM dead_letters") == [(5,)]
+    assert table(conn, "SELECT count(*) FROM backflow_items") == [(0,)]
+
+    # approved: exactly what was shown goes back; one of them was put back by someone else
+    # while the request waited, so it is left alone
+    moved_meanwhile = []
+
+    def someone_else(_shown):
+        with connection(os.environ["ONCEFLOW_PG_DSN"]) as other, transaction(other) as cur:
+            txlog.lock_pipeline(cur, "page_views")
+            moved_meanwhile.append(replay_dead_letters(
+                cur, "page_views", positions=[tuple(dead_letters[0])]))
+
+    approving = Answer("Approve", meanwhile=someone_else)
+    run, tasks = run_with_answer(dag, choose(all=True), approving, base + timedelta(seconds=1))
+    assert str(run.state) == "success", tasks
+    assert tasks == {"preview": "success", "approve": "success", "replay": "success"}
+    assert moved_meanwhile == [1]
+    assert approving.shown["subject"] == "Replay 5 dead letters of page_views?"
+    body = approving.shown["body"]
+    assert "unknown country 'zz' | 3 |" in body and "unknown country 'Zz' | 2 |" in body
+    assert all(f"| p{p}:{o} |" in body for p, o in dead_letters)  # the newest, one by one
+    assert table(conn, "SELECT count(*) FROM dead_letters") == [(0,)]
+    queued = table(conn, "SELECT partition, \"offset\", failures, errors[array_upper(errors, 1)] "
+                         "FROM backflow_items ORDER BY 1, 2")
+    assert [(p, o) for p, o, _, _ in queued] == [tuple(x) for x in dead_letters]
+    assert all(failures == 0 and last == "put back from the dead letters by a user"
+               for _, _, failures, last in queued)
+    from airflow.models.xcom import XComModel
+    from airflow.utils.session import create_session
+    from sqlalchemy import select
+
+    with create_session() as session:
+        row = session.scalar(select(XComModel).where(
+            XComModel.dag_id == DAG_ID, XComModel.run_id == run.run_id,
+            XComModel.task_id == "replay", XComModel.key == "return_value"))
+        result = XComModel.deserialize_value(row)
+    assert (result["replayed"], result["shown"], result["gone"]) == (4, 5, 1)
+    assert result["approved_by"] and result["approved_by"] != "?"
+
+
+@pytest.mark.timeout(300)
+def test_a_replay_with_nothing_chosen_or_nothing_matching(pipeline, conn, airflow_db):
+    from onceflow.airflow.approval import replay_dead_letters_dag
+
+    dag = replay_dead_letters_dag("page_views")
+    base = datetime.now(UTC).replace(microsecond=0)
+    nothing = dag.test(logical_date=base)
+    assert str(nothing.state) == "failed"
+    no_match = dag.test(logical_date=base + timedelta(seconds=1), run_conf=choose(all=True))
+    assert str(no_match.state) == "success"
+    assert {ti.task_id: str(ti.state) for ti in no_match.get_task_instances()} == {
+        "preview": "skipped", "approve": "skipped", "replay": "skipped"}
+
+
+# -- trigger forms --------------------------------------------------------------------------------
+@pytest.mark.timeout(300)
+def test_trigger_forms_refuse_bad_values_with_a_message(pipeline, conn, airflow_db):
+    from airflow.sdk import DAG
+
+    from onceflow.airflow import transaction_dag
+    from onceflow.airflow.approval import replay_dead_letters_dag
+
+    transactions = transaction_dag(pipeline)
+    replays = replay_dead_letters_dag(pipeline)
+    assert isinstance(transactions, DAG)
+    cases = [
+        (transactions, {"batch_size": 0}, "batch_size", "less than the minimum of 1"),
+        (transactions, {"batch_size": -5}, "batch_size", "less than the minimum of 1"),
+        (transactions, {"batch_size": "many"}, "batch_size", "is not of type 'integer'"),
+        (transactions, {"groups": 0}, "groups", "less than the minimum of 1"),
+        (transactions, {"txid": 0}, "txid", "less than the minimum of 1"),
+        (replays, {"records": ["2-1041"]}, "records", "does not match"),
+        (replays, {"error_contains": ""}, "error_contains", "should be non-empty"),
+    ]
+    base = datetime.now(UTC).replace(microsecond=0)
+    for i, (dag, conf, param, says) in enumerate(cases):
+        with pytest.raises(Exception, match=f"Invalid input for param {param}: .*{says}"):
+            dag.test(logical_date=base + timedelta(seconds=i), run_conf=conf)
+    # the form of Airflow's UI posts to the REST API: refused there with the same message
+    refused = api().post("/api/v2/dags/onceflow_page_views/dagRuns",
+                         json={"logical_date": None, "conf": {"batch_size": 0}})
+    assert refused.status_code == 400, refused.text
+    assert "Invalid input for param batch_size: 0 is less than the minimum of 1" in refused.text
+    # nothing ran: no transaction was planned with a bad value
+    assert table(conn, "SELECT count(*) FROM transactions") == [(0,)]
