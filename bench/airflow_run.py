@@ -25,22 +25,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _meta(server: str, name: str) -> str:
-    import psycopg2
-    from psycopg2 import sql
-
-    from onceflow.core import db
-
-    admin = psycopg2.connect(db.with_database(server, "postgres"))
-    admin.autocommit = True
-    with admin.cursor() as cur:
-        cur.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
-            sql.Identifier(name)))
-        cur.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    admin.close()
-    return db.with_database(server, name)
-
-
 def _sqlalchemy(dsn: str) -> str:
     from psycopg2.extensions import parse_dsn
 
@@ -64,9 +48,15 @@ def _query(dsn: str, query: str, params=()):
 
 def run_airflow(dsn: str, server: str, spark_url: str, folder: Path, pipeline: str,
                 batch_size: int, runs: int) -> dict:
+    from onceflow.core.db import connection
+    from onceflow.core.registration import register
+    from onceflow.core.registry import get_pipeline
     from onceflow.dev.localenv import airflow_connection_json
+    from onceflow.dev.localpg import recreate_database
 
-    meta = _meta(server, "onceflow_bench_airflow_meta")
+    with connection(dsn) as conn:  # what `onceflow init` does on a user's machine
+        register(conn, get_pipeline(pipeline), create_source=True)
+    meta = recreate_database(server, "onceflow_bench_airflow_meta", migrate=False)
     home = Path(tempfile.mkdtemp(prefix="onceflow-bench-airflow-"))
     api_port = _free_port()
     host, _, port = spark_url.removeprefix("sc://").partition(":")
@@ -134,6 +124,9 @@ def run_airflow(dsn: str, server: str, spark_url: str, folder: Path, pipeline: s
             if time.monotonic() > deadline:
                 raise TimeoutError(f"runs not done: {done} (logs in {logs})")
             time.sleep(0.5)
+        if done.get("failed"):
+            print(f"{done['failed']} Airflow run(s) failed: task logs under {home}/logs",
+                  file=sys.stderr)
         last_commit = _query(dsn, "SELECT max(committed_at) - min(planned_at) FROM "
                                   "transactions")[0][0]
         seconds = time.monotonic() - started

@@ -13,9 +13,6 @@ from __future__ import annotations
 import argparse
 import time
 
-import psycopg2
-from psycopg2 import sql
-
 from helpers import produce
 from onceflow.core import db
 from onceflow.core.begin import begin
@@ -23,20 +20,9 @@ from onceflow.core.commit import commit
 from onceflow.core.registration import register
 from onceflow.core.registry import get_pipeline
 from onceflow.dev.localenv import project_dir
-from onceflow.dev.localpg import ensure_postgres
+from onceflow.dev.localpg import ensure_postgres, recreate_database
 from onceflow.ops.verify import recount as verify
 from tweets_example.data import generate
-
-
-def fresh_database(server_dsn: str, name: str) -> str:
-    admin = psycopg2.connect(db.with_database(server_dsn, "postgres"))
-    admin.autocommit = True
-    with admin.cursor() as cur:
-        cur.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
-    admin.close()
-    dsn = db.with_database(server_dsn, name)
-    db.ensure_database(dsn)
-    return dsn
 
 
 def main() -> None:
@@ -48,7 +34,7 @@ def main() -> None:
     args = parser.parse_args()
 
     server, how = ensure_postgres(project_dir())
-    dsn = fresh_database(server, "onceflow_bench")
+    dsn = recreate_database(server, "onceflow_bench")
     conn = db.connect(dsn)
     db.migrate(conn)
     pipeline = get_pipeline("tweets", batch_size=args.batch_size)

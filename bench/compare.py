@@ -36,6 +36,8 @@ sys.path.insert(0, str(HERE))
 
 import peers  # noqa: E402
 
+from onceflow.dev.localpg import recreate_database  # noqa: E402
+
 
 def loadavg() -> str:
     return " ".join(Path("/proc/loadavg").read_text().split()[:3])
@@ -65,25 +67,6 @@ def prepare(folder: Path, events: int, batches: int, seed: int) -> tuple[list[Pa
     return files, truth
 
 
-def fresh_database(server: str, name: str) -> str:
-    import psycopg2
-    from psycopg2 import sql
-
-    from onceflow.core import db
-
-    admin = psycopg2.connect(db.with_database(server, "postgres"))
-    admin.autocommit = True
-    with admin.cursor() as cur:
-        cur.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
-            sql.Identifier(name)))
-        cur.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    admin.close()
-    dsn = db.with_database(server, name)
-    with db.connection(dsn) as conn:
-        db.migrate(conn)
-    return dsn
-
-
 def onceflow_loop(spark, dsn: str, pipeline, batches: int) -> dict:
     """begin, process, commit until the folder is read: the library path."""
     from onceflow.core.begin import begin
@@ -98,7 +81,8 @@ def onceflow_loop(spark, dsn: str, pipeline, batches: int) -> dict:
     started = time.perf_counter()
     for n in range(batches * 2):
         batch = begin(conn, pipeline, f"bench-{n}")
-        if batch.records == 0 and batch.replayed == 0:
+        if batch.records == 0 and batch.replayed == 0:  # read to the end: close it
+            process_batch(spark, dsn, pipeline, batch.attempt)
             commit(conn, pipeline, batch.attempt)
             break
         t0 = time.perf_counter()
@@ -179,12 +163,12 @@ def main(argv: list[str] | None = None) -> int:
         spark = peers.local_session("onceflow-bench")
         spark.range(1).count()  # the JVM and session are up before any clock starts
     if "raw" in systems:
-        dsn = fresh_database(server, "onceflow_bench_raw")
+        dsn = recreate_database(server, "onceflow_bench_raw")
         r = peers.raw_spark(spark, files, dsn, "raw_")
         r["ok"] = peers.check(dsn, "raw_", truth["urls"], truth["domains"])
         results["raw Spark batch"] = r
     if "streaming" in systems:
-        dsn = fresh_database(server, "onceflow_bench_ss")
+        dsn = recreate_database(server, "onceflow_bench_ss")
         checkpoint = args.folder / "checkpoint"
         shutil.rmtree(checkpoint, ignore_errors=True)
         r = peers.structured_streaming(spark, args.folder / "landing", dsn, "ss_", checkpoint,
@@ -192,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         r["ok"] = peers.check(dsn, "ss_", truth["urls"], truth["domains"])
         results["Structured Streaming"] = r
     if "library" in systems:
-        dsn = fresh_database(server, "onceflow_bench_lib")
+        dsn = recreate_database(server, "onceflow_bench_lib")
         r = onceflow_loop(spark, dsn, w, args.batches)
         r["ok"] = counts_ok(dsn, "w_url_counts", "w_domain_counts", truth)
         results["onceflow library (local session)"] = r
@@ -204,30 +188,32 @@ def main(argv: list[str] | None = None) -> int:
     if {"connect", "airflow"} & set(systems) or args.acker_events:
         from onceflow.dev import localspark
 
-        status = localspark.start(folder=args.folder / "spark-connect")
-        url = status.url
+        ours = not localspark.status(folder=args.folder / "spark-connect").running
+        url = localspark.start(folder=args.folder / "spark-connect").url
     if "connect" in systems:
         from onceflow.airflow.operators import connect_session
 
-        dsn = fresh_database(server, "onceflow_bench_connect")
+        dsn = recreate_database(server, "onceflow_bench_connect")
         with connect_session(url, "onceflow-bench") as remote:
             remote.range(1).count()
             r = onceflow_loop(remote, dsn, w, args.batches)
         r["ok"] = counts_ok(dsn, "w_url_counts", "w_domain_counts", truth)
         results["onceflow library (Spark Connect)"] = r
         results["onceflow library (Spark Connect)"]["fixed_s"] = fixed_cost(
-            url, fresh_database(server, "onceflow_bench_fixed"), get_pipeline(
+            url, recreate_database(server, "onceflow_bench_fixed"), get_pipeline(
                 "bench_w", batch_size=1))
     if "airflow" in systems:
         from airflow_run import run_airflow
 
-        dsn = fresh_database(server, "onceflow_bench_airflow")
+        dsn = recreate_database(server, "onceflow_bench_airflow")
         r = run_airflow(dsn, server, url, args.folder, "bench_w", batch, args.batches)
         r["ok"] = counts_ok(dsn, "w_url_counts", "w_domain_counts", truth)
         results["onceflow through Airflow"] = r
     acker = {}
     if args.acker_events:
         acker = acker_cost(server, url, args)
+    if url and ours:  # the server this run started goes with it
+        localspark.stop(folder=args.folder / "spark-connect")
     report(results, acker, args)
     return 0 if all(r.get("ok") for r in results.values()) else 1
 
@@ -244,7 +230,7 @@ def acker_cost(server: str, url: str, args) -> dict:
         for acker in (False, True, False, True):
             pipeline = get_pipeline("bench_w_idna", batch_size=args.acker_events // share,
                                     acker=acker)
-            dsn = fresh_database(server, "onceflow_bench_acker")
+            dsn = recreate_database(server, "onceflow_bench_acker")
             r = onceflow_loop(remote, dsn, pipeline, share)
             out.setdefault(acker, []).append(r["seconds"])
     return {"events": args.acker_events, "off_s": min(out[False]), "on_s": min(out[True])}

@@ -39,21 +39,11 @@ def say(line: str) -> None:
 
 
 def fresh_database(name: str) -> str:
-    from onceflow.core import db
     from onceflow.dev.localenv import project_dir
-    from onceflow.dev.localpg import ensure_postgres
+    from onceflow.dev.localpg import ensure_postgres, recreate_database
 
     server, _ = ensure_postgres(project_dir())
-    admin = db.connect(db.with_database(server, "postgres"))
-    admin.autocommit = True
-    with admin.cursor() as cur:
-        cur.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        cur.execute(f'CREATE DATABASE "{name}"')
-    admin.close()
-    dsn = db.with_database(server, name)
-    with db.connection(dsn) as conn:
-        db.migrate(conn)
-    return dsn
+    return recreate_database(server, name)
 
 
 def orders_csv(rows: int, start: int = 0) -> io.StringIO:

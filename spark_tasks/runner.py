@@ -329,16 +329,30 @@ class TopologyRun:
                                      "index entry must fit in a third of a page)"))))
 
     def _bad_key(self, shape: Shape | None = None):
+        """Why a tuple's key, or a typed tuple's values, cannot be stored (else null): a
+        record that would break staging fails alone instead of failing its batch for ever."""
         if shape is None:
             return self._bad_text(F.col("key").cast("string"), "state key")
-        if shape.append:
-            return F.lit(None).cast("string")
+        keys = {c for c, _ in shape.key}
         bad = F.lit(None).cast("string")
-        for column, pg_type in reversed(shape.key):
-            if pg_type == "text":
-                why = self._bad_text(F.col(column).cast("string"), f"key column {column}")
+        for column, pg_type in reversed(shape.typed_inputs()):
+            value = F.col(column)
+            if column in keys and pg_type == "text":
+                why = self._bad_text(value.cast("string"), f"key column {column}")
+            elif column in keys:
+                why = F.when(value.isNull(), F.lit(f"key column {column} is null"))
+            elif pg_type == "text":
+                why = F.when(F.instr(value.cast("string"), "\u0000") > 0, F.lit(
+                    f"column {column} holds a NUL character, which PostgreSQL text cannot "
+                    "store"))
             else:
-                why = F.when(F.col(column).isNull(), F.lit(f"key column {column} is null"))
+                why = None
+            if pg_type != "text":  # the value fits the declared type (numeric(p,s): digits)
+                misfit = F.when(value.isNotNull() & value.try_cast(spark_type(pg_type)).isNull(),
+                                F.concat(F.lit(f"column {column} value "),
+                                         value.cast("string"),
+                                         F.lit(f" does not fit {pg_type}")))
+                why = misfit if why is None else F.coalesce(why, misfit)
             bad = F.coalesce(why, bad)
         return bad
 

@@ -3,16 +3,43 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 from onceflow.core.begin import begin
 from onceflow.core.commit import CommitResult, commit
 from onceflow.core.pipeline import Pipeline
 from onceflow.core.registration import register
-from onceflow.core.registry import get_pipeline
+from onceflow.core.registry import clear_cache, get_pipeline
 from onceflow.core.txlog import Batch
 from onceflow.sources import catalog
 from onceflow.sources.pglog import PostgresLog
 from tweets_example.data import generate
+
+OUTSIDE = Path(__file__).parent / "outside"  # the outside pipeline package (pageviews)
+
+
+@contextmanager
+def outside_pipeline(monkeypatch, ref: str, conn=None, name: str = "page_views"
+                     ) -> Iterator[Pipeline | None]:
+    """The outside package reachable the way a user makes it so: its folder on PYTHONPATH and
+    ``ref`` in ONCEFLOW_PIPELINES (this process and every one it starts). With ``conn``:
+    the pipeline ``name`` registered (its source created), yielded."""
+    monkeypatch.syspath_prepend(str(OUTSIDE))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        filter(None, [str(OUTSIDE), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("ONCEFLOW_PIPELINES", ref)
+    clear_cache()
+    found = None
+    if conn is not None:
+        found = get_pipeline(name)
+        register(conn, found, create_source=True)
+    try:
+        yield found
+    finally:
+        clear_cache()
 
 
 def produce(conn, topic: str, payloads) -> int:

@@ -20,9 +20,12 @@ from pathlib import Path
 import pytest
 from airflow.sdk import BaseNotifier
 
-from helpers import run_transaction, table
+from helpers import (
+    outside_pipeline,
+    run_transaction,
+    table,
+)
 
-OUTSIDE = Path(__file__).parent / "outside"
 ALERT = timedelta(seconds=60)
 NOTIFY_FILE = "ONCEFLOW_TEST_NOTIFY_FILE"
 
@@ -64,19 +67,9 @@ def watched():
 
 @pytest.fixture
 def pipeline(monkeypatch, dsn, conn, tmp_path):
-    from onceflow.core.registration import register
-    from onceflow.core.registry import clear_cache, get_pipeline
-
-    monkeypatch.syspath_prepend(str(OUTSIDE))
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
-        filter(None, [str(OUTSIDE), os.environ.get("PYTHONPATH")])))
-    monkeypatch.setenv("ONCEFLOW_PIPELINES", "test_alerts:watched")
     monkeypatch.setenv(NOTIFY_FILE, str(tmp_path / "notified.jsonl"))
-    clear_cache()
-    found = get_pipeline("page_views")
-    register(conn, found, create_source=True)
-    yield found
-    clear_cache()
+    with outside_pipeline(monkeypatch, "test_alerts:watched", conn) as found:
+        yield found
 
 
 def notified() -> list[str]:

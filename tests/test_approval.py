@@ -17,13 +17,15 @@ import os
 import threading
 import time
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 
 import pytest
 
-from helpers import run_transaction, table
+from helpers import (
+    outside_pipeline,
+    run_transaction,
+    table,
+)
 
-OUTSIDE = Path(__file__).parent / "outside"
 DAG_ID = "onceflow_page_views_replay_dead_letters"
 
 
@@ -37,18 +39,8 @@ def approved():
 
 @pytest.fixture
 def pipeline(monkeypatch, dsn, conn):
-    from onceflow.core.registration import register
-    from onceflow.core.registry import clear_cache, get_pipeline
-
-    monkeypatch.syspath_prepend(str(OUTSIDE))
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
-        filter(None, [str(OUTSIDE), os.environ.get("PYTHONPATH")])))
-    monkeypatch.setenv("ONCEFLOW_PIPELINES", "test_approval:approved")
-    clear_cache()
-    found = get_pipeline("page_views")
-    register(conn, found, create_source=True)
-    yield found
-    clear_cache()
+    with outside_pipeline(monkeypatch, "test_approval:approved", conn) as found:
+        yield found
 
 
 @pytest.fixture

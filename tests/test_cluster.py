@@ -39,9 +39,11 @@ from pathlib import Path
 import pytest
 from test_outside_pipeline import oracle, payloads
 
-from helpers import table
+from helpers import (
+    outside_pipeline,
+    table,
+)
 
-OUTSIDE = Path(__file__).parent / "outside"
 REF = "pageviews.pipelines:PAGE_VIEWS"
 SPARK_CLASS = Path(sys.executable).with_name("spark-class")
 
@@ -149,20 +151,10 @@ def cluster(tmp_path_factory):
 @pytest.fixture
 def pageviews(monkeypatch, dsn, conn):
     """The outside pipeline, reachable the way a user makes it so, registered."""
-    from onceflow.core.registration import register
-    from onceflow.core.registry import clear_cache, get_pipeline
-
-    monkeypatch.syspath_prepend(str(OUTSIDE))
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
-        filter(None, [str(OUTSIDE), os.environ.get("PYTHONPATH")])))
-    monkeypatch.setenv("ONCEFLOW_PIPELINES", REF)
     monkeypatch.setenv("SPARK_LOCAL_IP", "127.0.0.1")  # the driver, where executors call back
     monkeypatch.setenv("ONCEFLOW_RETRY_DELAY_SECONDS", "1")
-    clear_cache()
-    pipeline = get_pipeline("page_views")
-    register(conn, pipeline, create_source=True)
-    yield pipeline
-    clear_cache()
+    with outside_pipeline(monkeypatch, REF, conn) as pipeline:
+        yield pipeline
 
 
 def spark_connection(master: str) -> str:

@@ -19,7 +19,6 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-import psycopg2
 import pytest
 
 from onceflow.core import db
@@ -29,7 +28,7 @@ from onceflow.core.errors import StagingIncomplete
 from onceflow.core.registration import register
 from onceflow.core.registry import get_pipeline
 from onceflow.dev.faults import FaultRun, run_and_kill
-from onceflow.dev.localpg import crash_restart, start_private, stop_private
+from onceflow.dev.localpg import crash_restart, recreate_database, start_private, stop_private
 from tweets_example.data import generate
 
 SEED = int(os.environ.get("ONCEFLOW_FAULT_SEED", "20261123"))
@@ -107,15 +106,7 @@ def crashable(private_pg, request):
     """A fresh migrated database on the private cluster, and how to crash the cluster."""
     server, data_dir = private_pg
     name = f"faults_{abs(hash(request.node.name)) % 10**8}"
-    dsn = db.with_database(server, name)
-    admin = psycopg2.connect(db.with_database(server, "postgres"))
-    admin.autocommit = True
-    with admin.cursor() as cur:
-        cur.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        cur.execute(f'CREATE DATABASE "{name}"')
-    admin.close()
-    with db.connection(dsn) as conn:
-        db.migrate(conn)
+    dsn = recreate_database(server, name)
     return dsn, lambda: crash_restart(data_dir)
 
 

@@ -6,19 +6,19 @@ the test's own counts what the payloads hold, from the list the test wrote."""
 from __future__ import annotations
 
 import json
-import os
 import random
 import subprocess
 import sys
 from collections import Counter
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 
 import pytest
 
-from helpers import table
+from helpers import (
+    outside_pipeline,
+    table,
+)
 
-OUTSIDE = Path(__file__).parent / "outside"
 REF = "pageviews.pipelines:PAGE_VIEWS"
 COUNTRIES = ["de", "fr", "DE", " nl ", "us", "zz"]  # "zz": unknown, fails every try
 PAGES = ["/", "/home", "/pricing", "/docs/a,b", '/q?"x"']
@@ -62,15 +62,8 @@ def oracle(records: list[str]) -> tuple[Counter, Counter, int, int]:
 def outside(monkeypatch):
     """The user's package reachable the way a user makes it so: its folder on PYTHONPATH and
     its reference in ONCEFLOW_PIPELINES (this process and every one it starts)."""
-    from onceflow.core.registry import clear_cache
-
-    monkeypatch.syspath_prepend(str(OUTSIDE))
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
-        filter(None, [str(OUTSIDE), os.environ.get("PYTHONPATH")])))
-    monkeypatch.setenv("ONCEFLOW_PIPELINES", REF)
-    clear_cache()
-    yield
-    clear_cache()
+    with outside_pipeline(monkeypatch, REF):
+        yield
 
 
 def cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:

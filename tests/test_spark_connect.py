@@ -17,11 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from helpers import table
+from helpers import (
+    outside_pipeline,
+    table,
+)
 from onceflow.dev import localspark
 from onceflow.dev.localenv import spark_connection
 
-OUTSIDE = Path(__file__).parent / "outside"
 RUNNER = Path(__file__).with_name("dag_runner.py")
 
 
@@ -51,18 +53,8 @@ def test_the_server_starts_answers_and_stops_from_the_cli(tmp_path):
 
 @pytest.fixture
 def pageviews(monkeypatch, dsn, conn):
-    from onceflow.core.registration import register
-    from onceflow.core.registry import clear_cache, get_pipeline
-
-    monkeypatch.syspath_prepend(str(OUTSIDE))
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
-        filter(None, [str(OUTSIDE), os.environ.get("PYTHONPATH")])))
-    monkeypatch.setenv("ONCEFLOW_PIPELINES", "pageviews.pipelines:PAGE_VIEWS")
-    clear_cache()
-    pipeline = get_pipeline("page_views")
-    register(conn, pipeline, create_source=True)
-    yield pipeline
-    clear_cache()
+    with outside_pipeline(monkeypatch, "pageviews.pipelines:PAGE_VIEWS", conn) as found:
+        yield found
 
 
 def run_dag(env: dict, timeout: float = 400) -> dict:

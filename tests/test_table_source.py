@@ -215,9 +215,12 @@ def test_concurrent_writers_committing_out_of_order(spark, conn, dsn, orders):
     for t in threads:
         t.start()
     try:
-        for i in range(5):
+        i = 0  # batches while the writers write: at least 5, and until 60 rows committed
+        while i < 5 or len(committed_urls(dsn)) < 60:
             batch, result = run_transaction(spark, dsn, conn, pipeline, f"busy-{i}")
             assert result.status == "committed"
+            i += 1
+            assert i < 200, "the writers committed too few rows"
     finally:
         stop.set()
         for t in threads:

@@ -179,3 +179,36 @@ def test_a_stream_with_several_consumers_gives_each_a_copy(spark):
                                                attempt=2))
     assert deltas == {("raw", "a"): 1, ("raw", "b"): 1, ("upper", "A"): 1, ("upper", "B"): 1}
     assert failures == {(1, 1): "bolt upper: RuntimeError: boom"}
+
+
+def test_a_typed_value_that_cannot_be_stored_fails_its_record_alone(spark):
+    """A value over its declared numeric(p,s), or text with a NUL, would break the COPY into
+    staging on every attempt (the whole batch stalled): the record fails alone, named."""
+    from onceflow import Count, Last, StateSpec, Sum
+
+    spec = StateSpec("totals", key={"k": "text"},
+                     measures={"total": Sum("amount", "numeric(6,2)"), "n": Count(),
+                               "note": Last("note", "text")})
+
+    def parse(df):
+        d = F.from_json("payload", "k string, amount double, note string").alias("d")
+        return df.select(*ANCHORS, d).select(*ANCHORS, "d.*")
+
+    topology = (Topology("typed")
+                .bolt("parse", input=SPOUT, fn=parse,
+                      outputs={"s": "k string, amount double, note string"})
+                .sink("s", "totals"))
+    payloads = ['{"k": "a", "amount": 1.5, "note": "x"}',
+                '{"k": "b", "amount": 123456.0, "note": "y"}',
+                '{"k": "c", "amount": 2.0, "note": "bad\\u0000"}',
+                '{"k": "a", "amount": 2.25, "note": "z"}']
+    out = run_topology(topology, records(spark, payloads), attempt=1,
+                       shapes={"totals": spec.shape()}).collect()
+    failures = {(p, o): error for (p, o, _), error in out.failed.items()}
+    assert failures == {
+        (1, 1): "sink totals: column amount value 123456.0 does not fit numeric(6,2)",
+        (2, 2): "sink totals: column note holds a NUL character, which PostgreSQL text "
+                "cannot store"}
+    rows = out.tables["totals"].to_pylist()
+    assert [(r["k"], str(r["total"]), r["n"], r["note"]) for r in rows] == [
+        ("a", "3.75", 2, "z")]

@@ -20,15 +20,8 @@ import sys
 import time
 from pathlib import Path
 
-from onceflow.core.errors import OnceflowError, Permanent
+from onceflow.dev.demo import command_main, positive_int
 from orders_example import data
-
-
-def _count(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value}: give 1 or more")
-    return value
 
 
 def _setup(name: str):
@@ -144,30 +137,22 @@ def build_parser() -> argparse.ArgumentParser:
                     "Parquet files.")
     parser.add_argument("--variant", choices=("table", "files"), default="table",
                         help="read the orders table (table) or Parquet files (files)")
-    parser.add_argument("--orders", type=_count, default=20_000, help="orders to write (20000)")
-    parser.add_argument("--writers", type=_count, default=4,
+    parser.add_argument("--orders", type=positive_int, default=20_000,
+                        help="orders to write (20000)")
+    parser.add_argument("--writers", type=positive_int, default=4,
                         help="concurrent writers of the table variant (4)")
-    parser.add_argument("--files", type=_count, default=4,
+    parser.add_argument("--files", type=positive_int, default=4,
                         help="Parquet files of the files variant (4)")
-    parser.add_argument("--batch-size", type=_count, default=10_000,
+    parser.add_argument("--batch-size", type=positive_int, default=10_000,
                         help="key values (table) or records (files) per transaction (10000)")
-    parser.add_argument("--max-runs", type=_count, default=10,
+    parser.add_argument("--max-runs", type=positive_int, default=10,
                         help="runs after the writing, until one reads nothing new (10)")
+    parser.set_defaults(func=run)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        return run(args)
-    except Permanent as error:
-        print(f"orders-demo: error: {error}", file=sys.stderr)
-        return 2
-    except OnceflowError as error:
-        print(f"orders-demo: failed: {type(error).__name__}: {error}", file=sys.stderr)
-        return 1
+    return command_main("orders-demo", build_parser(), argv)
 
 
 if __name__ == "__main__":

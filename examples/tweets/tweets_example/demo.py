@@ -15,7 +15,7 @@ import logging
 import sys
 import time
 
-from onceflow.core.errors import OnceflowError, Permanent
+from onceflow.dev.demo import command_main, positive_int
 from tweets_example.data import generate
 from tweets_example.pipelines import PIPELINES
 
@@ -26,13 +26,6 @@ def _share(text: str) -> float:
     value = float(text)
     if not 0.0 <= value <= 1.0:
         raise argparse.ArgumentTypeError(f"{value} is not a share: give 0 to 1")
-    return value
-
-
-def _count(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value}: give 1 or more")
     return value
 
 
@@ -119,7 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--pipeline", choices=NAMES, default="tweets",
                        help="which example pipeline (tweets: PostgreSQL log; tweets_files: "
                             "Parquet segments; tweets_first_seen: a stateful bolt)")
-        p.add_argument("--events", type=_count, default=60_000, help="how many tweets (60000)")
+        p.add_argument("--events", type=positive_int, default=60_000,
+                       help="how many tweets (60000)")
         p.add_argument("--seed", type=int, default=42, help="random seed (42)")
         p.add_argument("--malformed-share", type=_share, default=0.02,
                        help="share of malformed payloads, 0..1 (0.02)")
@@ -131,8 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "succeeds on replay (0.001)")
         p.add_argument("--start-id", type=int, default=0, help="first tweet id (0)")
     for p in (parser, run):
-        p.add_argument("--transactions", type=_count, default=3, help="DAG runs (3)")
-        p.add_argument("--batch-size", type=_count, default=20_000,
+        p.add_argument("--transactions", type=positive_int, default=3, help="DAG runs (3)")
+        p.add_argument("--batch-size", type=positive_int, default=20_000,
                        help="records per transaction (20000)")
     run.set_defaults(func=cmd_run)
     produce.set_defaults(func=cmd_produce)
@@ -141,17 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        return args.func(args)
-    except Permanent as error:
-        print(f"tweets-demo: error: {error}", file=sys.stderr)
-        return 2
-    except OnceflowError as error:
-        print(f"tweets-demo: failed: {type(error).__name__}: {error}", file=sys.stderr)
-        return 1
+    return command_main("tweets-demo", build_parser(), argv)
 
 
 if __name__ == "__main__":

@@ -188,6 +188,17 @@ class Shape:
                 out.append(column)
         return out
 
+    def typed_inputs(self) -> list[tuple[str, str]]:
+        """(stream column, the PostgreSQL type it is stored as) of the key, measure and
+        append columns: what each record's values must fit."""
+        if self.append:
+            return list(self.columns)
+        out = dict(self.key)
+        for _, measure in self.measures:
+            if measure.column and measure.column not in out:
+                out[measure.column] = measure.type
+        return list(out.items())
+
     def staged(self) -> list[tuple[str, str]]:
         """(column, PostgreSQL type) of the staging rows, after the key columns' order."""
         if self.append:

@@ -59,15 +59,32 @@ def chunk_ranges(ranges: Iterable[PartitionRange], chunk: int = DEFAULT_CHUNK
     return pieces
 
 
+def copy_records(cur, statement: str):
+    """In a Spark task: run one ``COPY (SELECT partition, offset, payload ...) TO STDOUT
+    (FORMAT csv)`` and parse its CSV with Arrow. The records as an Arrow table, None when
+    there are none."""
+    import pyarrow as pa
+    from pyarrow import csv as pacsv
+
+    buf = io.BytesIO()
+    cur.copy_expert(statement, buf)
+    if not buf.tell():
+        return None
+    buf.seek(0)
+    types = {"partition": pa.int32(), "offset": pa.int64(), "payload": pa.string()}
+    return pacsv.read_csv(
+        buf,
+        read_options=pacsv.ReadOptions(column_names=list(types)),
+        parse_options=pacsv.ParseOptions(newlines_in_values=True),
+        convert_options=pacsv.ConvertOptions(column_types=types, strings_can_be_null=False,
+                                             quoted_strings_can_be_null=False),
+    )
+
+
 def _copy_reader(dsn: str, topic: str):
     def read(batches: Iterator) -> Iterator:
-        import io
-
         import psycopg2
-        import pyarrow as pa
-        from pyarrow import csv as pacsv
 
-        types = {"partition": pa.int32(), "offset": pa.int64(), "payload": pa.string()}
         conn = psycopg2.connect(dsn, application_name="onceflow-reader")
         try:
             with conn.cursor() as cur:
@@ -82,26 +99,15 @@ def _copy_reader(dsn: str, topic: str):
                                TO STDOUT (FORMAT csv)""",
                             (topic, partition, start, end),
                         ).decode()
-                        buf = io.BytesIO()
-                        cur.copy_expert(query, buf)
-                        rows = 0
-                        if buf.tell():
-                            buf.seek(0)
-                            table = pacsv.read_csv(
-                                buf,
-                                read_options=pacsv.ReadOptions(column_names=list(types)),
-                                parse_options=pacsv.ParseOptions(newlines_in_values=True),
-                                convert_options=pacsv.ConvertOptions(
-                                    column_types=types, strings_can_be_null=False,
-                                    quoted_strings_can_be_null=False),
-                            )
-                            rows = table.num_rows
+                        table = copy_records(cur, query)
+                        rows = 0 if table is None else table.num_rows
                         if rows != end - start:
                             raise RuntimeError(
                                 f"SourceShortfall: topic {topic!r} partition {partition} "
                                 f"offsets [{start}, {end}) returned {rows} of {end - start} "
                                 "records: records were deleted under a planned batch")
-                        yield from table.to_batches()
+                        if table is not None:
+                            yield from table.to_batches()
             conn.rollback()
         finally:
             conn.close()

@@ -88,7 +88,7 @@ from onceflow.core.db import connection
 from onceflow.core.errors import ConfigError
 from onceflow.core.planner import PartitionRange
 from onceflow.sources.base import Position, Source
-from onceflow.sources.pglog import chunk_ranges
+from onceflow.sources.pglog import chunk_ranges, copy_records
 
 log = logging.getLogger(__name__)
 
@@ -489,31 +489,16 @@ def _copy_reader(dsn: str):
     """The Spark task: each chunk row's COPY statement, its CSV parsed by Arrow."""
 
     def read(batches: Iterator) -> Iterator:
-        import io
-
         import psycopg2
-        import pyarrow as pa
-        from pyarrow import csv as pacsv
 
-        types = {"partition": pa.int32(), "offset": pa.int64(), "payload": pa.string()}
         conn = psycopg2.connect(dsn, application_name="onceflow-table-reader")
         try:
             with conn.cursor() as cur:
                 for batch in batches:
                     for copy in batch.column("copy").to_pylist():
-                        buf = io.BytesIO()
-                        cur.copy_expert(copy, buf)
-                        if not buf.tell():
-                            continue
-                        buf.seek(0)
-                        yield from pacsv.read_csv(
-                            buf,
-                            read_options=pacsv.ReadOptions(column_names=list(types)),
-                            parse_options=pacsv.ParseOptions(newlines_in_values=True),
-                            convert_options=pacsv.ConvertOptions(
-                                column_types=types, strings_can_be_null=False,
-                                quoted_strings_can_be_null=False),
-                        ).to_batches()
+                        table = copy_records(cur, copy)
+                        if table is not None:
+                            yield from table.to_batches()
             conn.rollback()
         finally:
             conn.close()
