@@ -95,6 +95,7 @@ def one_run(spark, args, seed: int, mode: str) -> bool:
     started = time.monotonic()
     dsn = start_private(data_dir, free_port())
     try:
+        db.ensure_database(dsn)
         with db.connection(dsn) as conn:
             db.migrate(conn)
         os.environ["ONCEFLOW_PG_DSN"] = dsn  # the agents (killed processes) connect with it

@@ -93,7 +93,12 @@ def staging_of(out, topic: str, payload_of, ta: TransactionAttempt | None = None
         return table.filter(pc.equal(kind, n)).select(names)
 
     deltas = part(DELTA, ["state_name", "key", "delta"])
-    rejects = _printable(part(REJECT, ["partition", "offset", "error"]))
+    rejects = part(REJECT, ["partition", "offset", "error"])
+    if rejects.num_rows:  # a record two sinks rejected for two reasons: once, the least
+        rejects = rejects.group_by(["partition", "offset"]).aggregate([("error", "min")]) \
+            .select(["partition", "offset", "error_min"]) \
+            .rename_columns(["partition", "offset", "error"])
+    rejects = _printable(rejects)
     rejects = rejects.add_column(0, "topic", pa.array([topic] * rejects.num_rows, pa.string()))
     failed = sorted(out.failed.items())
     failures = _printable(pa.table({

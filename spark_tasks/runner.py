@@ -16,9 +16,10 @@ name has one type in the whole topology).
   otherwise the frame is cached there (a split point) and the rest joins the output again.
 - A stream with several consumers is teed: each tuple becomes one copy per consumer.
 - At the end one projection turns every row into an output: a delta of a count sink (state,
-  key, delta), a rejected record, or a note. With the acker, one aggregation by record
-  (root) decides all or nothing: a record whose tree failed anywhere contributes nothing and
-  becomes a failure (for the backflow); then one aggregation by (state, key) sums the deltas.
+  key, delta), a rejected record, or a note. With the acker the verdict is all or nothing: the
+  records with a failure note are found (few; cached) and every other output passes an
+  anti-join with them, so a record whose tree failed anywhere contributes nothing and becomes
+  a failure (for the backflow); then one aggregation by (state, key) sums the deltas.
 
 Why this is still Storm's acker: every tuple is emitted and acked by onceflow's own code in
 the same pass, so the two XOR halves of each tuple id are formed together and cancel (Storm
@@ -27,8 +28,8 @@ failures, and the per-record aggregation applies it. The reference acker (spark_
 states the rule it implements.
 
 Stateful bolts read and write key-value state, so they run on records that completed
-everywhere else: the per-record aggregation is cached, the stateful bolts run on the inputs
-of complete records, and a record that fails there is dropped as a whole.
+everywhere else: there the verdict is one aggregation by record (cached), the stateful bolts
+run on the inputs of complete records, and a record that fails there is dropped as a whole.
 """
 
 from __future__ import annotations
@@ -419,7 +420,10 @@ class TopologyRun:
             return self._finish(rows.where(F.col("kind").isin(DELTA, REJECT)).select(
                 "kind", "state_name", F.col("out_key").alias("key"), "delta",
                 F.when(F.col("kind") == REJECT, F.col("_root")).alias("root"), "error"))
-        # The verdict: one aggregation by record, all or nothing.
+        if not stateful:
+            return self._finish(self._verdict(rows))
+        # With stateful bolts, the verdict is one aggregation by record that also gathers
+        # each complete record's pending tuples for them.
         aggs = [
             F.bool_or(F.col("kind") == FAILED).alias("failed"),
             F.min(F.when(F.col("kind") == FAILED, F.col("error"))).alias("why"),
@@ -431,9 +435,28 @@ class TopologyRun:
             aggs.append(F.collect_list(F.when(F.col("_pending"), F.struct(
                 "_tid", "_replays", "_stream", *inputs))).alias("waiting"))
         per_root = rows.groupBy("_root").agg(*aggs)
-        if not stateful:
-            return self._finish(self._explode(per_root))
         return self._with_stateful(chain.cache(per_root), stateful)
+
+    def _verdict(self, rows: DataFrame) -> DataFrame:
+        """All or nothing without grouping every tuple by its record: the records with a
+        failure note are found first (an aggregation of the notes alone: few, usually none),
+        and every delta and rejection passes an anti-join with them (broadcast),
+        so a failed record contributes nothing and becomes one failure row. Spark computes
+        the frame twice (once for the notes, which are cached), which costs less than
+        shuffling every tuple by record."""
+        failed = self.chain.cache(rows.where(F.col("kind") == FAILED).groupBy("_root").agg(
+            F.min("error").alias("why")))
+        kept = rows.where(F.col("kind").isin(DELTA, REJECT)).join(
+            F.broadcast(failed.select("_root")), "_root", "left_anti")
+        return kept.select(
+            "kind", "state_name", F.col("out_key").alias("key"),
+            F.coalesce("delta", F.lit(0).cast("long")).alias("delta"),
+            F.col("_root").alias("root"), "error",
+        ).unionByName(failed.select(
+            F.lit(FAILED).alias("kind"), F.lit(None).cast("string").alias("state_name"),
+            F.lit(None).cast("string").alias("key"), F.lit(0).cast("long").alias("delta"),
+            F.col("_root").alias("root"),
+            F.coalesce("why", F.lit("tuple tree incomplete")).alias("error")))
 
     def _explode(self, per_root: DataFrame, also_failed=None) -> DataFrame:
         """One output row per delta of a complete record, per rejected record, per failed
@@ -661,8 +684,10 @@ def split(table, by_root: bool = False, seconds: float = 0.0,
         if kind == DELTA:
             k = (row["state_name"], row["key"], row["root"])
             out.deltas[k] = out.deltas.get(k, 0) + row["delta"]
-        elif kind == REJECT:
-            out.rejected[(row["partition"], row["offset"])] = row["error"]
+        elif kind == REJECT:  # a record rejected for two reasons: the least, as ever
+            position = (row["partition"], row["offset"])
+            if position not in out.rejected or row["error"] < out.rejected[position]:
+                out.rejected[position] = row["error"]
         elif kind == FAILED:
             out.failed[(row["partition"], row["offset"], row["replayed"])] = row["error"]
         elif kind == CHANGE:

@@ -212,3 +212,27 @@ def test_a_typed_value_that_cannot_be_stored_fails_its_record_alone(spark):
     rows = out.tables["totals"].to_pylist()
     assert [(r["k"], str(r["total"]), r["n"], r["note"]) for r in rows] == [
         ("a", "3.75", 2, "z")]
+
+
+def test_a_record_rejected_twice_is_staged_once_with_the_least_reason(spark):
+    from spark_tasks.processing import staging_of
+
+    def split(df):
+        return {"too_short": df.where(F.length("payload") < 3).select(
+                    *ANCHORS, F.lit("z: too short").alias("error")),
+                "no_space": df.where(~F.col("payload").contains(" ")).select(
+                    *ANCHORS, F.lit("a: no space").alias("error")),
+                "ok": df.where(F.col("payload").contains(" ")).select(
+                    *ANCHORS, F.col("payload").alias("key"))}
+
+    topology = (Topology("rejects")
+                .bolt("split", input=SPOUT, fn=split, outputs={
+                    "too_short": "error string", "no_space": "error string",
+                    "ok": "key string"})
+                .count("ok", "ok").reject("too_short").reject("no_space"))
+    for acker in (True, False):
+        out = run_topology(topology, records(spark, ["ab", "a b", "abcd"]), attempt=1,
+                           acker=acker).collect()
+        lines = staging_of(out, "t", lambda position: "").rejects.read().decode().splitlines()
+        assert sorted(lines) == ['"t",0,0,"a: no space"', '"t",2,2,"a: no space"'], acker
+        assert out.deltas == {("ok", "a b"): 1}

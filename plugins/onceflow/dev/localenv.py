@@ -16,9 +16,7 @@ from pathlib import Path
 
 from psycopg2.extensions import parse_dsn
 
-
-def project_dir() -> Path:
-    return Path(os.environ.get("ONCEFLOW_HOME") or Path.cwd())
+from onceflow.dev import project_dir
 
 
 def airflow_connection_json(dsn: str) -> str:

@@ -50,7 +50,7 @@ class ServerStatus:
 def _dir(folder: Path | None = None) -> Path:
     if folder is not None:
         return Path(folder)
-    from onceflow.dev.localenv import project_dir
+    from onceflow.dev import project_dir
 
     return project_dir() / ".run" / "spark-connect"
 
