@@ -56,12 +56,26 @@ def dead_letters(pipeline, conn, dsn, spark):
 
 # -- answering the request, as the UI does --------------------------------------------------------
 _api: dict = {}
+ALL_ADMINS = "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _all_admins():
+    """Airflow's API app in this process lets every request in as an admin (no login), for
+    this module's tests only: an api-server that a later test starts must ask for a login."""
+    before = os.environ.get(ALL_ADMINS)
+    os.environ[ALL_ADMINS] = "True"
+    yield
+    _api.clear()
+    if before is None:
+        os.environ.pop(ALL_ADMINS, None)
+    else:
+        os.environ[ALL_ADMINS] = before
 
 
 def api():
     """A client of Airflow's API app (all users admins: no login) on this run's database."""
     if "client" not in _api:
-        os.environ["AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_ALL_ADMINS"] = "True"
         from airflow.api_fastapi.app import create_app
         from fastapi.testclient import TestClient
 
