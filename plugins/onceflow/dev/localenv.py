@@ -95,7 +95,9 @@ def embedded_env(*, warm_spark: bool = True) -> str:
     dsn, how = ensure_postgres(root)
     print(f"onceflow: PostgreSQL: using {how}", file=sys.stderr)
     port = None
-    if warm_spark and os.environ.get("ONCEFLOW_SPARK", "connect") == "connect":
+    # a Spark connection given in the environment wins: no local server to start for it
+    if warm_spark and os.environ.get("ONCEFLOW_SPARK", "connect") == "connect" \
+            and "AIRFLOW_CONN_SPARK_DEFAULT" not in os.environ:
         from onceflow.dev import localspark
 
         server = localspark.start()
