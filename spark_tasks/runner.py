@@ -42,7 +42,7 @@ from pyspark import StorageLevel
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
-from onceflow.core.tables import ORDER, Shape, spark_type
+from onceflow.core.tables import ORDER, SPARK_JSON, Shape, spark_type
 from spark_tasks.ids import origin, root_id
 from spark_tasks.topology import (
     ANCHORS,
@@ -69,9 +69,8 @@ OUTPUT = ("kind int, state_name string, key string, delta long, partition int, o
           "root long")
 
 
-# Typed tuples travel as JSON through the verdict: timestamps keep their microseconds.
-JSON_OPTIONS = {"timestampFormat": "yyyy-MM-dd'T'HH:mm:ss.SSSSSSXXX",
-                "timestampNTZFormat": "yyyy-MM-dd'T'HH:mm:ss.SSSSSS"}
+# Typed tuples travel as JSON through the verdict (timestamps keep their microseconds).
+JSON_OPTIONS = SPARK_JSON
 
 
 def pa_array(values: list):

@@ -39,6 +39,12 @@ _TYPES = {
 _SUMMABLE = ("bigint", "integer", "smallint", "double precision")  # and numeric(p,s)
 
 
+# Spark's JSON of a row (typed tuples through the verdict, Parquet rows as payloads):
+# timestamps keep their microseconds.
+SPARK_JSON = {"timestampFormat": "yyyy-MM-dd'T'HH:mm:ss.SSSSSSXXX",
+              "timestampNTZFormat": "yyyy-MM-dd'T'HH:mm:ss.SSSSSS"}
+
+
 def spark_type(pg_type: str) -> str:
     match = _NUMERIC.match(pg_type)
     if match:

@@ -311,6 +311,8 @@ class LandingFolder(Source):
         from pyarrow import fs
         from pyspark.sql import functions as F
 
+        from onceflow.core.tables import SPARK_JSON
+
         filesystem, _ = _filesystem(self.path)
         files = {}
         for path, size, mtime, _, _, _, _, partition in chunks:
@@ -332,7 +334,7 @@ class LandingFolder(Source):
                 if r.partition == partition])
             parts.append(df.select(
                 F.lit(partition).cast("int").alias("partition"), offset.alias("offset"),
-                F.to_json(F.struct("*"), PARQUET_JSON).alias("payload")).where(keep))
+                F.to_json(F.struct("*"), SPARK_JSON).alias("payload")).where(keep))
         if not parts:
             return spark.createDataFrame([], "partition int, offset long, payload string")
         return reduce(lambda a, b: a.unionByName(b), parts)
@@ -353,11 +355,6 @@ class LandingFolder(Source):
 
     def describe(self) -> str:
         return f"landing folder {self.path!r} ({self.format}, topic {self.topic!r})"
-
-
-# Parquet rows as JSON payloads in Spark: timestamps keep their microseconds.
-PARQUET_JSON = {"timestampFormat": "yyyy-MM-dd'T'HH:mm:ss.SSSSSSXXX",
-                "timestampNTZFormat": "yyyy-MM-dd'T'HH:mm:ss.SSSSSS"}
 
 
 def _spark_path(root: str, path: str) -> str:
