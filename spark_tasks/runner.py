@@ -16,15 +16,18 @@ name has one type in the whole topology).
   otherwise the frame is cached there (a split point) and the rest joins the output again.
 - A stream with several consumers is teed: each tuple becomes one copy per consumer.
 - At the end one projection turns every row into an output: a delta of a count sink (state,
-  key, delta), a rejected record, or a note. With the acker the verdict is all or nothing: the
-  records with a failure note are found (few; cached) and every other output passes an
-  anti-join with them, so a record whose tree failed anywhere contributes nothing and becomes
-  a failure (for the backflow); then one aggregation by (state, key) sums the deltas.
+  key, delta), a rejected record, or a note; one aggregation by (state, key) sums the deltas.
+  With the acker the verdict is all or nothing, settled by passes: the first computes every
+  output as if nothing failed, and when it holds no failure note (the usual batch) it is the
+  answer. Otherwise the records with a note are left out whole (a broadcast anti-join) and
+  the batch is computed again, until no pass finds a failure outside them; each becomes one
+  failure (for the backflow). So a record whose tree failed anywhere contributes nothing, and
+  no tuple is ever shuffled by its record.
 
 Why this is still Storm's acker: every tuple is emitted and acked by onceflow's own code in
 the same pass, so the two XOR halves of each tuple id are formed together and cancel (Storm
 folds a bolt's ack into one message in the same way); the verdict keeps the other half, the
-failures, and the per-record aggregation applies it. The reference acker (spark_tasks.acker)
+failures, and the passes apply them per record. The reference acker (spark_tasks.acker)
 states the rule it implements.
 
 Stateful bolts read and write key-value state, so they run on records that completed
@@ -35,15 +38,17 @@ run on the inputs of complete records, and a record that fails there is dropped 
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import pyarrow as pa
 from pyspark import StorageLevel
-from pyspark.sql import DataFrame
+from pyspark.sql import DataFrame, Observation
 from pyspark.sql import functions as F
 
 from onceflow.core.tables import ORDER, SPARK_JSON, Shape, spark_type
-from spark_tasks.ids import origin, root_id
+from spark_tasks.ids import MAX_OFFSET, MAX_PARTITION, OFFSET_BITS, origin, root_id
 from spark_tasks.topology import (
     ANCHORS,
     SPOUT,
@@ -69,6 +74,8 @@ OUTPUT = ("kind int, state_name string, key string, delta long, partition int, o
           "root long")
 
 
+# The acker's verdict: at most this many passes over a batch (see TopologyRun._settle).
+MAX_PASSES = 4
 # Typed tuples travel as JSON through the verdict (timestamps keep their microseconds).
 JSON_OPTIONS = SPARK_JSON
 
@@ -265,13 +272,15 @@ def run_topology(topology: Topology, source: DataFrame, *, attempt: int, acker: 
         F.lit(f" bytes, over max_record_bytes={max_record_bytes})")))
         .when(F.instr("payload", "\u0000") > 0,
               F.lit("payload holds a NUL character, which PostgreSQL text cannot store")))
-    # The spout: read once, cached, because it is read twice (the records for the bolts,
-    # the records the spout refuses).
-    spout = chain.cache(source.select(
+    # The spout, read once: the records it refuses are counted on the way (an observed
+    # metric) and read again only when there are some (rare).
+    spout = source.select(
         root.alias("_root"), F.xxhash64(root, F.lit("$spout"), F.lit(attempt)).alias("_tid"),
         F.col("replays").cast("int").alias("_replays"), "partition", "offset", "payload",
-        problem.alias("_problem")))
-    chain.frame = spout.where(F.col("_problem").isNull()).select(*_typed(chain.cols, {
+        problem.alias("_problem"))
+    observed = Observation(f"onceflow_spout_{uuid.uuid4().hex}")
+    counted = spout.observe(observed, F.count("_problem").alias("refused"))
+    chain.frame = counted.where(F.col("_problem").isNull()).select(*_typed(chain.cols, {
         "_kind": F.lit(TUPLE), "_stream": F.lit(SPOUT), "_root": F.col("_root"),
         "_tid": F.col("_tid"), "_replays": F.col("_replays"), "partition": F.col("partition"),
         "offset": F.col("offset"), "payload": F.col("payload")}))
@@ -287,7 +296,7 @@ def run_topology(topology: Topology, source: DataFrame, *, attempt: int, acker: 
     refused = spout.where(F.col("_problem").isNotNull()).select(
         F.lit(REJECT).alias("kind"), *origin(), F.lit(False).alias("replayed"),
         F.col("_problem").alias("error"), F.col("_root").alias("root"))
-    return TopologyRun(chain, refused, max_key_bytes, by_root, shapes)
+    return TopologyRun(chain, refused, observed, max_key_bytes, by_root, shapes)
 
 
 @dataclass
@@ -309,12 +318,17 @@ class Collected:
 class TopologyRun:
     """A planned run: ``output`` (one DataFrame, the OUTPUT columns) and ``collect()``."""
 
-    def __init__(self, chain: _Chain, refused: DataFrame, max_key_bytes: int, by_root: bool,
+    def __init__(self, chain: _Chain, refused: DataFrame, observed: Observation,
+                 max_key_bytes: int, by_root: bool,
                  shapes: Mapping[str, Shape] | None = None):
-        self.chain, self.refused = chain, refused
+        self.chain, self.refused, self.observed = chain, refused, observed
         self.max_key_bytes, self.by_root = max_key_bytes, by_root
         self.shapes = dict(shapes or {})
+        self.verdict_rows: DataFrame | None = None  # what the verdict's passes read
         self.output = self._plan()
+        # The acker's verdict on a topology without stateful bolts is settled by passes
+        # (_settle); with stateful bolts it is one aggregation by record, in the plan.
+        self.settles = chain.acker and not chain.topology.stateful()
 
     def _bad_text(self, key, what: str):
         """Why a text key PostgreSQL cannot store or index fails its record (else null)."""
@@ -407,7 +421,7 @@ class TopologyRun:
             error.alias("error"), "_sval", "_seq",
             *[F.col(c).alias(f"in_{c}") for c in extra])
 
-    def _plan(self) -> DataFrame:
+    def _plan(self, excluded: DataFrame | None = None) -> DataFrame:
         chain = self.chain
         topology = chain.topology
         stateful = {chain.name_for(b.input, b.name): b for b in topology.stateful()}
@@ -420,7 +434,14 @@ class TopologyRun:
                 "kind", "state_name", F.col("out_key").alias("key"), "delta",
                 F.when(F.col("kind") == REJECT, F.col("_root")).alias("root"), "error"))
         if not stateful:
-            return self._finish(self._verdict(rows))
+            if self.verdict_rows is None:
+                self.verdict_rows = rows.where(F.col("kind").isin(DELTA, REJECT, FAILED)) \
+                    .select("_root", "kind", "state_name", "out_key", "delta", "error")
+                if any(b.per_record for b in topology.bolts):
+                    # A later pass (after a failure) then reads the outputs kept by the
+                    # first instead of running the Python bolts over the batch again.
+                    self.verdict_rows = chain.cache(self.verdict_rows)
+            return self._finish(self._verdict(self.verdict_rows, excluded))
         # With stateful bolts, the verdict is one aggregation by record that also gathers
         # each complete record's pending tuples for them.
         aggs = [
@@ -436,26 +457,63 @@ class TopologyRun:
         per_root = rows.groupBy("_root").agg(*aggs)
         return self._with_stateful(chain.cache(per_root), stateful)
 
-    def _verdict(self, rows: DataFrame) -> DataFrame:
-        """All or nothing without grouping every tuple by its record: the records with a
-        failure note are found first (an aggregation of the notes alone: few, usually none),
-        and every delta and rejection passes an anti-join with them (broadcast),
-        so a failed record contributes nothing and becomes one failure row. Spark computes
-        the frame twice (once for the notes, which are cached), which costs less than
-        shuffling every tuple by record."""
-        failed = self.chain.cache(rows.where(F.col("kind") == FAILED).groupBy("_root").agg(
-            F.min("error").alias("why")))
-        kept = rows.where(F.col("kind").isin(DELTA, REJECT)).join(
-            F.broadcast(failed.select("_root")), "_root", "left_anti")
+    def _verdict(self, rows: DataFrame, excluded: DataFrame | None) -> DataFrame:
+        """Every delta, rejection and failure note of the records not ``excluded`` (a
+        DataFrame of ``_root``: the records already found failed, left out whole by a
+        broadcast anti-join). A failure note keeps its root and reason, not its state."""
+        kept = rows.where(F.col("kind").isin(DELTA, REJECT, FAILED))
+        if excluded is not None:
+            kept = kept.join(F.broadcast(excluded), "_root", "left_anti")
         return kept.select(
-            "kind", "state_name", F.col("out_key").alias("key"),
+            "kind", F.when(F.col("kind") != FAILED, F.col("state_name")).alias("state_name"),
+            F.col("out_key").alias("key"),
             F.coalesce("delta", F.lit(0).cast("long")).alias("delta"),
-            F.col("_root").alias("root"), "error",
-        ).unionByName(failed.select(
-            F.lit(FAILED).alias("kind"), F.lit(None).cast("string").alias("state_name"),
-            F.lit(None).cast("string").alias("key"), F.lit(0).cast("long").alias("delta"),
-            F.col("_root").alias("root"),
-            F.coalesce("why", F.lit("tuple tree incomplete")).alias("error")))
+            F.col("_root").alias("root"), "error")
+
+    def _settle(self) -> object:
+        """The acker's verdict, all or nothing per record, in as few passes as the data
+        allows. Pass 1 computes every output as if nothing failed. When it holds no
+        failure note, that is the answer: one pass, no shuffle by record. Otherwise the
+        failed records are left out whole and the batch is computed again, until a pass
+        finds no failure outside the records already left out (a bolt may fail a record
+        in one pass and not in another: a timeout); the failed records then become one
+        failure row each, with their least reason."""
+        import pyarrow.compute as pc
+
+        failed: dict[int, str] = {}
+        plan = self.output
+        for _ in range(MAX_PASSES):
+            table = plan.toArrow()
+            notes = table.filter(pc.equal(table.column("kind"), FAILED))
+            new: dict[int, str] = {}
+            for root, error in zip(notes.column("root").to_pylist(),
+                                   notes.column("error").to_pylist(), strict=True):
+                why = error or "tuple tree incomplete"
+                if root not in failed and (root not in new or why < new[root]):
+                    new[root] = why
+            if not new:
+                break
+            failed.update(new)
+            spark = self.chain.frame.sparkSession
+            plan = self._plan(spark.createDataFrame(pa.table(
+                {"_root": pa.array(list(failed), pa.int64())})))
+        else:
+            raise RuntimeError(
+                f"the topology's bolts failed new records on each of {MAX_PASSES} passes over "
+                "the batch: the attempt fails and is retried")
+        if not failed:
+            return table
+        roots = sorted(failed)
+        columns = {
+            "kind": pa.array([FAILED] * len(roots), pa.int32()),
+            "delta": pa.array([0] * len(roots), pa.int64()),
+            "partition": pa.array([(r >> OFFSET_BITS) & MAX_PARTITION for r in roots],
+                                  pa.int32()),
+            "offset": pa.array([r & MAX_OFFSET for r in roots], pa.int64()),
+            "replayed": pa.array([bool((r >> 62) & 1) for r in roots], pa.bool_()),
+            "error": pa.array([failed[r] for r in roots], pa.string()),
+            "root": pa.array(roots, pa.int64())}
+        return pa.concat_tables([table, _rows_like(table.schema, columns)])
 
     def _explode(self, per_root: DataFrame, also_failed=None) -> DataFrame:
         """One output row per delta of a complete record, per rejected record, per failed
@@ -539,7 +597,7 @@ class TopologyRun:
 
     def _finish(self, outputs: DataFrame) -> DataFrame:
         """Sum the deltas by (state, key) (and record, with by_root); rejected and failed
-        records stay one row each; add the records the spout refused.
+        records stay one row each (collect adds the records the spout refused).
 
         A typed state's tuples (JSON in ``key``) are decoded first into its own columns
         ``_t<i>_<column>`` and grouped by their key columns in the same aggregation as the
@@ -563,14 +621,8 @@ class TopologyRun:
             F.lit(None).cast("string").alias("bolt"),
             F.lit(None).cast("string").alias("namespace"),
             F.lit(None).cast("string").alias("value"), "root", *typed)
-        refused = self.refused.select(
-            "kind", F.lit(None).cast("string").alias("state_name"),
-            F.lit(None).cast("string").alias("key"), F.lit(0).cast("long").alias("delta"),
-            "partition", "offset", "replayed", "error",
-            F.lit(None).cast("string").alias("bolt"),
-            F.lit(None).cast("string").alias("namespace"),
-            F.lit(None).cast("string").alias("value"), "root")
-        return out.unionByName(refused, allowMissingColumns=True)  # typed states' columns
+        return out
+
 
     def _decode_typed(self, rows: DataFrame, aggs: list):
         """Each typed state's JSON tuples decoded into its columns, ``key`` replaced by its
@@ -633,7 +685,11 @@ class TopologyRun:
         """Run it (one Spark job) and split the outputs."""
         started = time.monotonic()
         try:
-            table = self.output.toArrow()
+            table = self._settle() if self.settles else self.output.toArrow()
+            if self.observed.get.get("refused"):  # read again for them: few, named
+                refused = self.refused.toArrow()
+                table = pa.concat_tables([table, _rows_like(table.schema, {
+                    c: refused.column(c) for c in refused.column_names})])
         finally:
             self.unpersist()
         return split(table, self.by_root, time.monotonic() - started, self.shapes)
@@ -642,6 +698,14 @@ class TopologyRun:
         for df in self.chain.cached:
             df.unpersist()
         self.chain.cached.clear()
+
+
+def _rows_like(schema, columns: Mapping[str, object]):
+    """Output rows made in Python (Arrow arrays by column) with ``schema``: the other
+    columns null."""
+    n = len(next(iter(columns.values())))
+    return pa.table({f.name: columns[f.name].cast(f.type) if f.name in columns
+                     else pa.nulls(n, f.type) for f in schema}, schema=schema)
 
 
 def typed_rows(table, shapes: Mapping[str, Shape], by_root: bool = False) -> dict:

@@ -110,6 +110,59 @@ def test_a_tuple_over_its_time_budget_fails(spark):
     assert failures == {}
 
 
+def test_a_failure_seen_on_a_later_pass_still_fails_its_record_whole(spark, tmp_path):
+    """The verdict is settled by passes over the batch (the failed records left out whole).
+    A bolt whose failures differ between passes (a timeout, a flaky service) must not let a
+    record count in part: here a DataFrame bolt (recomputed on every pass) fails "late" the
+    second time it sees it only, after the record's length was counted on another branch,
+    so the record fails as a whole."""
+    seen = tmp_path / "seen"
+    seen.mkdir()
+
+    def why(word):
+        marks = len(list(seen.glob(f"{word}.*")))
+        (seen / f"{word}.{marks}").touch()
+        if word == "bad" or (word == "late" and marks == 1):
+            return f"{word} on sighting {marks + 1}"
+        return None
+
+    flaky = F.udf(why, "string").asNondeterministic()
+
+    def check(df):
+        return df.select(*ANCHORS, F.col("key"), flaky("key").alias("_fail"))
+
+    topology = (
+        Topology("late")
+        .bolt("split", input=SPOUT, fn=split_words, outputs={
+            "words": "key string", "lengths": "key string", "empty": "error string"})
+        .bolt("check", input="words", fn=check, outputs={"checked": "key string"})
+        .count("checked", "words")
+        .count("lengths", "lengths")
+        .reject("empty")
+    )
+    src = records(spark, ["ok", "x bad", "late y", "ok z"])
+    deltas, _, failures = collect(run_topology(topology, src, attempt=1))
+    assert failures == {(1, 1): "bolt check: bad on sighting 1",
+                        (2, 2): "bolt check: late on sighting 2"}
+    assert deltas == {("words", "ok"): 2, ("words", "z"): 1, ("lengths", "2"): 1,
+                      ("lengths", "4"): 1}
+    assert len(list(seen.glob("late.*"))) == 3  # three passes: nothing, bad, bad and late
+
+
+def test_a_record_the_spout_refuses_is_read_again_only_then(spark):
+    """Oversized payloads are refused at the spout (counted in the same pass, then read
+    again); a batch with none makes no second read."""
+    topology = words_topology(lambda values: [{"key": values["key"].upper()}])
+    src = records(spark, ["a b", "x" * 100, "c"])
+    out = run_topology(topology, src, attempt=1, max_record_bytes=50).collect()
+    assert out.rejected == {(1, 1): "oversized record (100 bytes, over max_record_bytes=50)"}
+    assert out.deltas == {("words", "A"): 1, ("words", "B"): 1, ("words", "C"): 1,
+                          ("lengths", "3"): 1, ("lengths", "1"): 1}
+    run = run_topology(topology, records(spark, ["a"]), attempt=1, max_record_bytes=50)
+    assert run.collect().rejected == {}
+    assert run.observed.get == {"refused": 0}
+
+
 def test_a_dataframe_bolt_fails_tuples_with_fail_column(spark):
     def check(df):
         return df.select(*ANCHORS, F.col("payload").alias("key"),

@@ -388,25 +388,27 @@ def _read_chunk(filesystem, fmt: str, path: str, size: int, mtime: float, start:
 
 def _chunk_reader(fmt: str, header: bool, root: str):
     def read(batches):
+        import numpy as np
         import pyarrow as pa
 
         filesystem, _ = _filesystem(root)
         for batch in batches:
             for task in batch.to_pylist():
                 wanted = json.loads(task["wanted"])
-                payloads = _read_chunk(filesystem, fmt, task["path"], task["size"],
-                                       task["mtime"], task["byte_start"], task["byte_end"])
-                partition, first = task["partition"], task["first"]
-                keep = [(p, s, e) for p, s, e in wanted if p == partition]
-                offsets, out = [], []
-                for i, payload in enumerate(payloads):
-                    offset = first + i
-                    if any(s <= offset < e for _, s, e in keep):
-                        offsets.append(offset)
-                        out.append(payload)
-                yield pa.RecordBatch.from_pydict(
-                    {"partition": pa.array([partition] * len(out), pa.int32()),
-                     "offset": pa.array(offsets, pa.int64()),
-                     "payload": pa.array(out, pa.string())})
+                payloads = pa.array(_read_chunk(
+                    filesystem, fmt, task["path"], task["size"], task["mtime"],
+                    task["byte_start"], task["byte_end"]), pa.string())
+                partition = task["partition"]
+                offsets = np.arange(task["first"], task["first"] + len(payloads),
+                                    dtype=np.int64)
+                keep = np.zeros(len(offsets), dtype=bool)
+                for p, s, e in wanted:
+                    if p == partition:
+                        keep |= (offsets >= s) & (offsets < e)
+                if not keep.all():  # the chunk's ends outside the planned ranges
+                    offsets, payloads = offsets[keep], payloads.filter(pa.array(keep))
+                yield pa.RecordBatch.from_arrays(
+                    [pa.array(np.full(len(offsets), partition, dtype=np.int32)),
+                     pa.array(offsets), payloads], names=["partition", "offset", "payload"])
 
     return read
