@@ -48,10 +48,19 @@ REF = "pageviews.pipelines:PAGE_VIEWS"
 SPARK_CLASS = Path(sys.executable).with_name("spark-class")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free ports (each held until all are chosen: the daemons bind them
+    later, so two picks one after the other could return the same port)."""
+    held = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            held.append(s)
+        return [s.getsockname()[1] for s in held]
+    finally:
+        for s in held:
+            s.close()
 
 
 class Cluster:
@@ -59,7 +68,7 @@ class Cluster:
 
     def __init__(self, folder: Path):
         self.folder = folder
-        self.port, self.ui_port = free_port(), free_port()
+        self.port, self.ui_port, self.worker_port, self.worker_ui_port = free_ports(4)
         self.procs: list[subprocess.Popen] = []
         self.env = {
             **os.environ,
@@ -89,8 +98,8 @@ class Cluster:
         self._start("master", "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1",
                     "--port", str(self.port), "--webui-port", str(self.ui_port))
         self._start("worker", "org.apache.spark.deploy.worker.Worker", self.url,
-                    "--host", "127.0.0.1", "--port", str(free_port()),
-                    "--webui-port", str(free_port()), "--cores", "2", "--memory", "2g",
+                    "--host", "127.0.0.1", "--port", str(self.worker_port),
+                    "--webui-port", str(self.worker_ui_port), "--cores", "2", "--memory", "2g",
                     "--work-dir", str(self.folder / "work"))
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
@@ -100,7 +109,7 @@ class Cluster:
             try:
                 if self.state().get("aliveworkers", 0) >= 1:
                     return
-            except OSError:
+            except (OSError, ValueError):  # not up yet, or not the master's page yet
                 pass
             time.sleep(0.3)
         raise RuntimeError(f"the cluster had no alive worker within {wait_s:.0f}s:\n"
@@ -207,7 +216,7 @@ def test_a_spark_connect_server_on_the_cluster(cluster, pageviews, conn, dsn, ai
     from onceflow.dev import localspark
     from onceflow.dev.localenv import spark_connection as connect_connection
 
-    port = free_port()
+    port, = free_ports(1)
     folder = tmp_path / "connect"
     localspark.start(port, master=cluster.url, driver_memory="1g", folder=folder)
     reap(localspark.status(port, folder=folder).pid)
