@@ -324,7 +324,6 @@ class TopologyRun:
         self.chain, self.refused, self.observed = chain, refused, observed
         self.max_key_bytes, self.by_root = max_key_bytes, by_root
         self.shapes = dict(shapes or {})
-        self.verdict_rows: DataFrame | None = None  # what the verdict's passes read
         self.output = self._plan()
         # The acker's verdict on a topology without stateful bolts is settled by passes
         # (_settle); with stateful bolts it is one aggregation by record, in the plan.
@@ -434,14 +433,7 @@ class TopologyRun:
                 "kind", "state_name", F.col("out_key").alias("key"), "delta",
                 F.when(F.col("kind") == REJECT, F.col("_root")).alias("root"), "error"))
         if not stateful:
-            if self.verdict_rows is None:
-                self.verdict_rows = rows.where(F.col("kind").isin(DELTA, REJECT, FAILED)) \
-                    .select("_root", "kind", "state_name", "out_key", "delta", "error")
-                if any(b.per_record for b in topology.bolts):
-                    # A later pass (after a failure) then reads the outputs kept by the
-                    # first instead of running the Python bolts over the batch again.
-                    self.verdict_rows = chain.cache(self.verdict_rows)
-            return self._finish(self._verdict(self.verdict_rows, excluded))
+            return self._finish(self._verdict(rows, excluded))
         # With stateful bolts, the verdict is one aggregation by record that also gathers
         # each complete record's pending tuples for them.
         aggs = [
