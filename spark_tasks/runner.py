@@ -316,7 +316,8 @@ class Collected:
 
 
 class TopologyRun:
-    """A planned run: ``output`` (one DataFrame, the OUTPUT columns) and ``collect()``."""
+    """A planned run: ``output`` (one DataFrame, the OUTPUT columns, without the records
+    the spout refused) and ``collect()``."""
 
     def __init__(self, chain: _Chain, refused: DataFrame, observed: Observation,
                  max_key_bytes: int, by_root: bool,
@@ -462,7 +463,7 @@ class TopologyRun:
             F.coalesce("delta", F.lit(0).cast("long")).alias("delta"),
             F.col("_root").alias("root"), "error")
 
-    def _settle(self) -> object:
+    def _settle(self) -> pa.Table:
         """The acker's verdict, all or nothing per record, in as few passes as the data
         allows. Pass 1 computes every output as if nothing failed. When it holds no
         failure note, that is the answer: one pass, no shuffle by record. Otherwise the
@@ -615,7 +616,6 @@ class TopologyRun:
             F.lit(None).cast("string").alias("value"), "root", *typed)
         return out
 
-
     def _decode_typed(self, rows: DataFrame, aggs: list):
         """Each typed state's JSON tuples decoded into its columns, ``key`` replaced by its
         key columns' JSON (what the aggregation groups by), and the aggregations of its
@@ -674,7 +674,8 @@ class TopologyRun:
         return rows, aggs, appended
 
     def collect(self) -> Collected:
-        """Run it (one Spark job) and split the outputs."""
+        """Run it (one Spark job; with the acker, one more per pass after a failure, see
+        _settle; one more when the spout refused records) and split the outputs."""
         started = time.monotonic()
         try:
             table = self._settle() if self.settles else self.output.toArrow()
