@@ -325,6 +325,7 @@ class TopologyRun:
         self.chain, self.refused, self.observed = chain, refused, observed
         self.max_key_bytes, self.by_root = max_key_bytes, by_root
         self.shapes = dict(shapes or {})
+        self.kept: DataFrame | None = None  # the outputs later passes read (cached)
         self.output = self._plan()
         # The acker's verdict on a topology without stateful bolts is settled by passes
         # (_settle); with stateful bolts it is one aggregation by record, in the plan.
@@ -434,6 +435,12 @@ class TopologyRun:
                 "kind", "state_name", F.col("out_key").alias("key"), "delta",
                 F.when(F.col("kind") == REJECT, F.col("_root")).alias("root"), "error"))
         if not stateful:
+            if excluded is not None:  # a later pass: see _settle
+                if self.kept is None:
+                    self.kept = chain.cache(rows.where(
+                        F.col("kind").isin(DELTA, REJECT, FAILED)).select(
+                        "_root", "kind", "state_name", "out_key", "delta", "error"))
+                rows = self.kept
             return self._finish(self._verdict(rows, excluded))
         # With stateful bolts, the verdict is one aggregation by record that also gathers
         # each complete record's pending tuples for them.
@@ -470,7 +477,9 @@ class TopologyRun:
         failed records are left out whole and the batch is computed again, until a pass
         finds no failure outside the records already left out (a bolt may fail a record
         in one pass and not in another: a timeout); the failed records then become one
-        failure row each, with their least reason."""
+        failure row each, with their least reason. The second pass caches the outputs it
+        computes, and any later pass reads them: the bolts run at most twice, and the
+        passes end by the third (a fourth happens only if the cache was lost)."""
         import pyarrow.compute as pc
 
         failed: dict[int, str] = {}
