@@ -137,3 +137,34 @@ def test_an_empty_batch_commits_nothing_and_moves_nothing(spark, conn, dsn, land
     pipeline, _ = landed
     batch, result = run_transaction(spark, dsn, conn, pipeline, "run-1")
     assert batch.records == 0 and result.status == "committed" and result.rows_applied == 0
+
+
+def test_lines_are_cut_in_spark_as_python_cuts_them(spark, conn, dsn, landed):
+    """The JVM cuts each chunk into records; the Python reader (used by verify and the
+    backflow) must see the same records at the same offsets: CRLF, empty lines, bytes that
+    are not UTF-8, a last line without a newline, chunks cut mid-file, a range that starts
+    and ends inside chunks."""
+    from onceflow.core.planner import PartitionRange
+
+    pipeline, folder = landed
+    lines = [f'{{"n": {i}, "pad": "{"x" * (i % 97)}"}}'.encode() for i in range(400)]
+    lines[3] = b""
+    lines[5] = b'{"n": 5, "bad": "\xff\xfe"}'
+    lines[7] = b"\xc3"  # a truncated two-byte sequence
+    data = b"".join(line + (b"\r\n" if i % 3 == 0 else b"\n") for i, line in enumerate(lines))
+    path = folder / "mixed.jsonl"
+    path.write_bytes(data + b'{"n": "last, no newline"}\r')
+    os.utime(path, (time.time() - 5, time.time() - 5))
+    source = pipeline.source
+    with conn, conn.cursor() as cur:
+        source.positions(cur)
+        assert table(conn, "SELECT count(*) FROM landing_chunks")[0][0] > 3  # cut mid-file
+    ranges = [PartitionRange(0, 2, 390)]
+    read = [tuple(r) for r in source.read(spark, dsn, ranges).orderBy("offset").collect()]
+    expected = [(0, o, line) for o, line in enumerate(
+        data.decode("utf-8", errors="replace").replace("\r\n", "\n").split("\n"))][2:390]
+    assert read == expected == list(source.payloads(conn, ranges))
+    assert read[3][2] == '{"n": 5, "bad": "\ufffd\ufffd"}' and read[5][2] == "\ufffd"
+    last = source.read(spark, dsn, [PartitionRange(0, 398, 401)]).orderBy("offset").collect()
+    assert [r.payload for r in last] == [lines[398].decode(), lines[399].decode(),
+                                         '{"n": "last, no newline"}']
