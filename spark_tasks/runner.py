@@ -384,29 +384,32 @@ class TopologyRun:
         """Every row of ``frame`` as an output row: a delta of a count sink (a key PostgreSQL
         cannot store fails its record), a rejected record, a failure note, a state change,
         or a pending tuple of a stateful bolt's input (``_pending``, with its columns).
-        ``sinks``: (stream, Sink) pairs."""
+        ``sinks``: (stream, Sink) pairs.
+
+        Two projections: the first finds, once per row, what is wrong with a sink tuple's key
+        (``_bad``) and the key itself (a typed tuple's JSON); the second reads them. Written
+        as one, the checks would be evaluated again inside every expression that tests the
+        row's kind (Spark keeps a projection of a costly column referenced several times)."""
         chain = self.chain
-        kind, state, error = F.lit(None).cast("int"), F.lit(None).cast("string"), F.col("_error")
+        bad, state = F.lit(None).cast("string"), F.lit(None).cast("string")
+        counted, rejected = F.lit(False), F.lit(False)
         key = F.col("key").cast("string") if "key" in chain.cols else F.lit(None).cast("string")
         typed_tuple = F.lit(False)  # a typed state's tuple counts once: no delta column
+        error = F.col("_error")
         for stream, sink in sinks:
             mine = (F.col("_kind") == TUPLE) & (F.col("_stream") == stream)
             if sink.state:
                 shape = self.shapes.get(sink.state)
-                bad_key = self._bad_key(shape)
-                kind = F.when(mine & bad_key.isNull(), F.lit(DELTA)).when(
-                    mine, F.lit(FAILED if chain.acker else REJECT)).otherwise(kind)
+                bad = F.when(mine, F.concat(F.lit(f"sink {sink.state}: "),
+                                            self._bad_key(shape))).otherwise(bad)
                 state = F.when(mine, F.lit(sink.state)).otherwise(state)
-                error = F.when(mine & bad_key.isNotNull(), F.concat(
-                    F.lit(f"sink {sink.state}: "), bad_key)).otherwise(error)
+                counted = counted | mine
                 if shape is not None:
                     key = F.when(mine, self._typed_row(shape)).otherwise(key)
                     typed_tuple = typed_tuple | mine
             else:
-                kind = F.when(mine, F.lit(REJECT)).otherwise(kind)
+                rejected = rejected | mine
                 error = F.when(mine, F.col("error").cast("string")).otherwise(error)
-        kind = (F.when(F.col("_kind") == FAIL, F.lit(FAILED))
-                .when(F.col("_kind") == STATE, F.lit(CHANGE)).otherwise(kind))
         waiting = F.lit(False)
         for stream in pending:
             waiting = waiting | ((F.col("_kind") == TUPLE) & (F.col("_stream") == stream))
@@ -414,13 +417,27 @@ class TopologyRun:
         delta = F.when(typed_tuple, F.lit(1).cast("long")).otherwise(delta)
         extra = sorted({c for b in pending.values()
                         for c in columns(chain.topology.streams()[b.input])})
-        return frame.select(
-            "_root", "_tid", "_replays", "_stream", waiting.alias("_pending"),
-            kind.alias("kind"), state.alias("state_name"),
-            F.when(kind == DELTA, key).when(kind == CHANGE, F.col("_skey")).alias("out_key"),
-            F.when(kind == DELTA, F.coalesce(delta, F.lit(1).cast("long"))).alias("delta"),
-            error.alias("error"), "_sval", "_seq",
+        first = frame.select(
+            "_root", "_tid", "_replays", "_stream", "_kind", "_skey", "_sval", "_seq",
+            waiting.alias("_pending"), counted.alias("_counted"), rejected.alias("_rejected"),
+            state.alias("state_name"), bad.alias("_bad"), key.alias("_key"),
+            delta.alias("_delta"), error.alias("_err"),
             *[F.col(c).alias(f"in_{c}") for c in extra])
+        is_bad = F.col("_bad").isNotNull()
+        kind = (F.when(F.col("_kind") == FAIL, F.lit(FAILED))
+                .when(F.col("_kind") == STATE, F.lit(CHANGE))
+                .when(F.col("_counted") & ~is_bad, F.lit(DELTA))
+                .when(F.col("_counted"), F.lit(FAILED if chain.acker else REJECT))
+                .when(F.col("_rejected"), F.lit(REJECT)))
+        return first.select(
+            "_root", "_tid", "_replays", "_stream", "_pending", kind.alias("kind"),
+            "state_name",
+            F.when(F.col("_kind") == STATE, F.col("_skey"))
+            .when(F.col("_counted") & ~is_bad, F.col("_key")).alias("out_key"),
+            F.when(F.col("_counted") & ~is_bad,
+                   F.coalesce("_delta", F.lit(1).cast("long"))).alias("delta"),
+            F.when(F.col("_counted") & is_bad, F.col("_bad")).otherwise(F.col("_err"))
+            .alias("error"), "_sval", "_seq", *[f"in_{c}" for c in extra])
 
     def _plan(self, excluded: DataFrame | None = None) -> DataFrame:
         chain = self.chain
@@ -431,9 +448,10 @@ class TopologyRun:
                  for i, s in enumerate(topology.sinks) if s.stream not in fed]
         rows = self._rows(chain.frame, sinks, stateful)
         if not chain.acker:
-            return self._finish(rows.where(F.col("kind").isin(DELTA, REJECT)).select(
+            return self._finish(rows.select(
                 "kind", "state_name", F.col("out_key").alias("key"), "delta",
-                F.when(F.col("kind") == REJECT, F.col("_root")).alias("root"), "error"))
+                F.when(F.col("kind") == REJECT, F.col("_root")).alias("root"), "error"),
+                kinds=(DELTA, REJECT))
         if not stateful:
             if excluded is not None:  # a later pass: see _settle
                 if self.kept is None:
@@ -461,7 +479,7 @@ class TopologyRun:
         """Every delta, rejection and failure note of the records not ``excluded`` (a
         DataFrame of ``_root``: the records already found failed, left out whole by a
         broadcast anti-join). A failure note keeps its root and reason, not its state."""
-        kept = rows.where(F.col("kind").isin(DELTA, REJECT, FAILED))
+        kept = rows  # rows of no kind (a tuple no sink reads) go after the aggregation
         if excluded is not None:
             kept = kept.join(F.broadcast(excluded), "_root", "left_anti")
         return kept.select(
@@ -597,7 +615,7 @@ class TopologyRun:
         return self._finish(first.unionByName(more)).unionByName(change_rows,
                                                                  allowMissingColumns=True)
 
-    def _finish(self, outputs: DataFrame) -> DataFrame:
+    def _finish(self, outputs: DataFrame, kinds=(DELTA, REJECT, FAILED)) -> DataFrame:
         """Sum the deltas by (state, key) (and record, with by_root); rejected and failed
         records stay one row each (collect adds the records the spout refused).
 
@@ -611,7 +629,10 @@ class TopologyRun:
         appended = F.lit(False)
         if self.shapes:
             rows, aggs, appended = self._decode_typed(rows, aggs)
-        grouped = rows.groupBy("kind", "state_name", "key", "root", "error").agg(*aggs)
+        # Rows of other kinds (a tuple no sink reads) are dropped after the aggregation, where
+        # they are one group: a filter before it would evaluate the kind twice per row.
+        grouped = rows.groupBy("kind", "state_name", "key", "root", "error").agg(*aggs) \
+            .where(F.col("kind").isin(*kinds))
         if self.shapes:  # an append table's rows come back as many times as they were
             copies = F.when(appended, F.array_repeat(F.lit(1), F.col("delta").cast("int")))
             grouped = grouped.withColumn("_copy", F.explode(F.coalesce(
