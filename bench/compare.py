@@ -108,7 +108,8 @@ def counts_ok(dsn: str, url_table: str, domain_table: str, truth: dict) -> bool:
 
 def fixed_cost(url: str, dsn: str, pipeline) -> float:
     """What a processing task costs beyond its data: a one-record batch, processed the way the
-    Airflow task does (a new Spark Connect session, the fence, the lease, staging)."""
+    Airflow task does (its pipeline's shared Spark Connect session, the fence, the lease,
+    staging)."""
     from onceflow.airflow.operators import connect_session
     from onceflow.core.begin import begin
     from onceflow.core.commit import commit
@@ -122,7 +123,7 @@ def fixed_cost(url: str, dsn: str, pipeline) -> float:
     for n in range(3):
         batch = begin(conn, pipeline, f"fixed-{n}")
         t0 = time.perf_counter()
-        with connect_session(url, "onceflow-bench-fixed") as spark:
+        with connect_session(url, "onceflow-bench-fixed", shared=pipeline.name) as spark:
             process_batch(spark, dsn, pipeline, batch.attempt)
         costs.append(time.perf_counter() - t0)
         commit(conn, pipeline, batch.attempt)

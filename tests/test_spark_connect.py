@@ -116,3 +116,51 @@ def test_a_server_killed_in_the_middle_of_a_batch(pageviews, conn, airflow_db, t
         "DE": 2, "FR": 1, "HOLD": 1}
     assert table(conn, "SELECT txid, attempt, state FROM transactions") == [
         (1, 1, "committed")]
+
+
+def _worker_pids(spark) -> set[int]:
+    def pids(batches):
+        import os
+
+        import pyarrow as pa
+
+        for _ in batches:
+            yield pa.RecordBatch.from_pydict({"pid": [os.getpid()]})
+
+    return {row["pid"] for row in spark.range(2, numPartitions=1)
+            .mapInArrow(pids, "pid long").collect()}
+
+
+@pytest.mark.timeout(300)
+def test_tasks_of_a_pipeline_share_one_session_and_its_warm_python_workers(tmp_path):
+    from pyspark.sql import SparkSession
+
+    from onceflow.airflow.operators import connect_session, shared_session_id
+
+    port = free_port()
+    folder = tmp_path / "server"
+    url = localspark.start(port, driver_memory="1g", folder=folder).url
+    try:
+        with connect_session(url, "first", shared="views") as spark:
+            assert spark.session_id == shared_session_id("views")
+            spark.range(3).createOrReplaceTempView("left_by_the_first")
+            first = _worker_pids(spark)
+        with connect_session(url, "second", shared="views") as spark:
+            assert spark.range(0).sparkSession.table("left_by_the_first").count() == 3
+            assert _worker_pids(spark) == first  # the same Python worker, warm
+        with connect_session(url, "own") as spark:  # a session of its own: a new worker
+            own = spark.session_id
+            assert own != shared_session_id("views")
+            assert _worker_pids(spark).isdisjoint(first)
+        # the server closed the shared session (an idle timeout): a task takes its own
+        closing = SparkSession.builder.remote(
+            f"{url}/;session_id={shared_session_id('views')}").create()
+        closing.stop()
+        with connect_session(url, "after", shared="views") as spark:
+            assert spark.session_id != shared_session_id("views")
+            assert spark.range(5).count() == 5
+    finally:
+        localspark.stop(port, folder=folder)
+    assert shared_session_id("views", now=0) == shared_session_id("views", now=1799)
+    assert shared_session_id("views", now=0) != shared_session_id("views", now=1800)
+    assert shared_session_id("views", now=0) != shared_session_id("clicks", now=0)
