@@ -43,6 +43,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import pyarrow as pa
+import pyarrow.compute as pc
 from pyspark import StorageLevel
 from pyspark.sql import DataFrame, Observation
 from pyspark.sql import functions as F
@@ -270,7 +271,7 @@ def run_topology(topology: Topology, source: DataFrame, *, attempt: int, acker: 
     problem = (F.when(size > max_record_bytes, F.concat(
         F.lit("oversized record ("), size.cast("string"),
         F.lit(f" bytes, over max_record_bytes={max_record_bytes})")))
-        .when(F.instr("payload", "\u0000") > 0,
+        .when(F.col("payload").contains("\u0000"),
               F.lit("payload holds a NUL character, which PostgreSQL text cannot store")))
     # The spout, read once: the records it refuses are counted on the way (an observed
     # metric) and read again only when there are some (rare).
@@ -326,6 +327,7 @@ class TopologyRun:
         self.max_key_bytes, self.by_root = max_key_bytes, by_root
         self.shapes = dict(shapes or {})
         self.kept: DataFrame | None = None  # the outputs later passes read (cached)
+        self.kinds: tuple[int, ...] = (DELTA, REJECT, FAILED)  # what _finish keeps
         self.output = self._plan()
         # The acker's verdict on a topology without stateful bolts is settled by passes
         # (_settle); with stateful bolts it is one aggregation by record, in the plan.
@@ -335,7 +337,7 @@ class TopologyRun:
         """Why a text key PostgreSQL cannot store or index fails its record (else null)."""
         limit = self.max_key_bytes
         return (F.when(key.isNull(), F.lit(f"{what} is null"))
-                .when(F.instr(key, "\u0000") > 0,
+                .when(key.contains("\u0000"),
                       F.lit(f"{what} holds a NUL character, which PostgreSQL text cannot "
                             "store"))
                 .when(F.octet_length(key) > limit,
@@ -357,7 +359,7 @@ class TopologyRun:
             elif column in keys:
                 why = F.when(value.isNull(), F.lit(f"key column {column} is null"))
             elif pg_type == "text":
-                why = F.when(F.instr(value.cast("string"), "\u0000") > 0, F.lit(
+                why = F.when(value.cast("string").contains("\u0000"), F.lit(
                     f"column {column} holds a NUL character, which PostgreSQL text cannot "
                     "store"))
             else:
@@ -498,7 +500,6 @@ class TopologyRun:
         failure row each, with their least reason. The second pass caches the outputs it
         computes, and any later pass reads them: the bolts run at most twice, and the
         passes end by the third (a fourth happens only if the cache was lost)."""
-        import pyarrow.compute as pc
 
         failed: dict[int, str] = {}
         plan = self.output
@@ -627,17 +628,18 @@ class TopologyRun:
         rows = outputs.withColumn("root", root)
         aggs = [F.sum("delta").alias("delta")]
         appended = F.lit(False)
+        typed: list[str] = []  # the typed states' columns (no schema round trip to find them)
         if self.shapes:
-            rows, aggs, appended = self._decode_typed(rows, aggs)
-        # Rows of other kinds (a tuple no sink reads) are dropped after the aggregation, where
-        # they are one group: a filter before it would evaluate the kind twice per row.
-        grouped = rows.groupBy("kind", "state_name", "key", "root", "error").agg(*aggs) \
-            .where(F.col("kind").isin(*kinds))
+            rows, aggs, appended, typed = self._decode_typed(rows, aggs)
+        # Rows of other kinds (a tuple no sink reads) are one group here, dropped from the
+        # collected table (collect): a filter on the kind would be pushed below the
+        # aggregation and evaluate the kind (the key checks) twice per row.
+        self.kinds = kinds
+        grouped = rows.groupBy("kind", "state_name", "key", "root", "error").agg(*aggs)
         if self.shapes:  # an append table's rows come back as many times as they were
             copies = F.when(appended, F.array_repeat(F.lit(1), F.col("delta").cast("int")))
             grouped = grouped.withColumn("_copy", F.explode(F.coalesce(
                 copies, F.array(F.lit(1))))).drop("_copy")
-        typed = [c for c in grouped.columns if c.startswith("_t")]
         out = grouped.select(
             "kind", "state_name", "key", "delta", *origin("root"),
             (F.shiftright("root", 62).bitwiseAND(F.lit(1)) == 1).alias("replayed"), "error",
@@ -649,7 +651,8 @@ class TopologyRun:
     def _decode_typed(self, rows: DataFrame, aggs: list):
         """Each typed state's JSON tuples decoded into its columns, ``key`` replaced by its
         key columns' JSON (what the aggregation groups by), and the aggregations of its
-        measures (see onceflow.core.tables: sum, count, min, max, last)."""
+        measures (see onceflow.core.tables: sum, count, min, max, last), and the names of
+        the columns these aggregations give."""
         cols = self.chain.cols
         decoded, key = [], F.col("key")
         appended = F.lit(False)
@@ -663,6 +666,7 @@ class TopologyRun:
                 appended = appended | (F.col("state_name") == name)
         rows = rows.select("*", *decoded)  # parsed once per row, then read by column
         keyed = []
+        names: list[str] = []
         for i, (name, shape) in enumerate(self.shapes.items()):
             j = F.col(f"_j{i}")
 
@@ -675,9 +679,11 @@ class TopologyRun:
             if shape.append:
                 keyed += [col(c, t).alias(out(c)) for c, t in shape.columns]
                 aggs += [F.first(out(c)).alias(out(c)) for c, _ in shape.columns]
+                names += [out(c) for c, _ in shape.columns]
                 continue
             keyed += [col(c, t).alias(out(c)) for c, t in shape.key]
             aggs += [F.first(out(c)).alias(out(c)) for c, _ in shape.key]
+            names += [out(c) for c, _ in shape.key]
             key = F.when(F.col("state_name") == name, F.to_json(F.struct(
                 *[j[c] for c, _ in shape.key]), JSON_OPTIONS)).otherwise(key)
             for measure_name, measure in shape.measures:
@@ -696,12 +702,14 @@ class TopologyRun:
                 else:
                     agg = F.max_by(value, F.col(out(ORDER)))
                 aggs.append(agg.alias(out(measure_name)))
+                names.append(out(measure_name))
             if shape.ordered:
                 keyed.append(j[ORDER].alias(out(ORDER)))
                 aggs.append(F.max(out(ORDER)).alias(out(ORDER)))
+                names.append(out(ORDER))
         rows = rows.select("kind", "state_name", key.alias("key"), "root", "error", "delta",
                            *keyed)
-        return rows, aggs, appended
+        return rows, aggs, appended, names
 
     def collect(self) -> Collected:
         """Run it (one Spark job; with the acker, one more per pass after a failure, see
@@ -709,6 +717,8 @@ class TopologyRun:
         started = time.monotonic()
         try:
             table = self._settle() if self.settles else self.output.toArrow()
+            table = table.filter(pc.is_in(table.column("kind"), pa.array(
+                [*self.kinds, *([CHANGE] if self.chain.acker else [])], pa.int32())))
             if self.observed.get.get("refused"):  # read again for them: few, named
                 refused = self.refused.toArrow()
                 table = pa.concat_tables([table, _rows_like(table.schema, {
@@ -734,7 +744,6 @@ def _rows_like(schema, columns: Mapping[str, object]):
 def typed_rows(table, shapes: Mapping[str, Shape], by_root: bool = False) -> dict:
     """Each typed state's rows in an OUTPUT table: Arrow tables with the state's staging
     columns (and ``root``, by_root)."""
-    import pyarrow.compute as pc
 
     out = {}
     for i, (name, shape) in enumerate(shapes.items()):
@@ -749,7 +758,6 @@ def typed_rows(table, shapes: Mapping[str, Shape], by_root: bool = False) -> dic
 def split(table, by_root: bool = False, seconds: float = 0.0,
           shapes: Mapping[str, Shape] | None = None) -> Collected:
     """An OUTPUT table as Python values (see Collected)."""
-    import pyarrow.compute as pc
 
     out = Collected(table, {}, {}, {}, {}, seconds)
     if shapes:

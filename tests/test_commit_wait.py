@@ -119,3 +119,36 @@ def test_trigger_fires_when_the_turn_comes_and_the_commit_goes_through(two_batch
     assert time.monotonic() - started >= 0.5
     result = _operator(second).execute_complete({}, event.payload)
     assert result["status"] == "committed" and result["txid"] == 2
+
+
+@pytest.mark.parametrize("earlier", ["commits", "fails"])
+def test_the_trigger_wakes_when_the_earlier_txid_ends_not_at_its_next_poll(two_batches, dsn,
+                                                                            earlier):
+    """A waiting commit LISTENs for commits and failures (txlog.TURN_CHANNEL): txid 1's end
+    wakes txid 2's trigger at once, long before its next look (a 60 s poll interval here)."""
+    from onceflow.core.begin import mark_failed
+    from onceflow.core.db import connect
+
+    pipeline, first, second = two_batches
+    trigger = CommitTurnTrigger("tweets", 2, 1, "onceflow_pg", 60, time.time() + 120)
+
+    def end_first_later():
+        time.sleep(1.0)
+        c = connect(dsn)
+        if earlier == "commits":
+            commit(c, pipeline, first.attempt)
+        else:
+            mark_failed(c, pipeline.name, first.attempt, "a test fails it")
+        c.close()
+
+    async def first_event():
+        async for event in trigger.run():
+            return event
+
+    helper = threading.Thread(target=end_first_later)
+    started = time.monotonic()
+    helper.start()
+    event = asyncio.run(first_event())
+    helper.join()
+    assert 1.0 <= time.monotonic() - started < 10
+    assert event.payload["last_committed_txid"] == (1 if earlier == "commits" else 0)

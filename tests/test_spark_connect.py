@@ -135,7 +135,11 @@ def _worker_pids(spark) -> set[int]:
 def test_tasks_of_a_pipeline_share_one_session_and_its_warm_python_workers(tmp_path):
     from pyspark.sql import SparkSession
 
-    from onceflow.airflow.operators import connect_session, shared_session_id
+    from onceflow.airflow.operators import (
+        SHARED_SESSION_PERIOD_S,
+        connect_session,
+        shared_session_id,
+    )
 
     port = free_port()
     folder = tmp_path / "server"
@@ -161,6 +165,7 @@ def test_tasks_of_a_pipeline_share_one_session_and_its_warm_python_workers(tmp_p
             assert spark.range(5).count() == 5
     finally:
         localspark.stop(port, folder=folder)
-    assert shared_session_id("views", now=0) == shared_session_id("views", now=1799)
-    assert shared_session_id("views", now=0) != shared_session_id("views", now=1800)
+    period = SHARED_SESSION_PERIOD_S
+    assert shared_session_id("views", now=0) == shared_session_id("views", now=period - 1)
+    assert shared_session_id("views", now=0) != shared_session_id("views", now=period)
     assert shared_session_id("views", now=0) != shared_session_id("clicks", now=0)

@@ -35,15 +35,15 @@ _JSON_OPTIONS = {"mode": "PERMISSIVE", "columnNameOfCorruptRecord": "_corrupt_re
 
 def parse(records: DataFrame) -> DataFrame:
     """The input's columns but payload, plus url, domain, flaky, error (null: usable)."""
-    keep = [c for c in records.columns if c != "payload"]
     doc = F.from_json("payload", _SCHEMA, _JSON_OPTIONS)
-    parsed = records.select(*keep, "payload", doc.alias("j")).select(
-        *keep,
-        F.col("j.url").alias("url"),
-        F.lower(F.regexp_extract("j.url", URL_HOST, 1)).alias("domain"),
-        F.col("j.flaky").alias("flaky"),
-        F.col("j._corrupt_record").alias("corrupt"),
-    )
+    # (withColumns and drop rather than a select of the input's columns: no schema look-up,
+    # which is a round trip to the server under Spark Connect)
+    parsed = records.withColumn("j", doc).withColumns({
+        "url": F.col("j.url"),
+        "domain": F.lower(F.regexp_extract("j.url", URL_HOST, 1)),
+        "flaky": F.col("j.flaky"),
+        "corrupt": F.col("j._corrupt_record"),
+    }).drop("payload", "j")
     error = (
         F.when(F.col("corrupt").isNotNull(), F.lit(ERR_MALFORMED))
         .when(F.col("url").isNull(), F.lit(ERR_NO_URL))

@@ -265,8 +265,9 @@ def spark_connect_url(conn_id: str) -> str | None:
 
 
 # A shared Spark Connect session is renewed this often (seconds): the server closes a session
-# left idle past its timeout (60 min by default) and refuses its id for ever after.
-SHARED_SESSION_PERIOD_S = 1800
+# left idle past its timeout (15 min as onceflow starts it, 60 by default) and refuses its id
+# for ever after; a period shorter than that bounds how long tasks go without one.
+SHARED_SESSION_PERIOD_S = 600
 
 
 def shared_session_id(key: str, now: float | None = None) -> str:

@@ -30,6 +30,35 @@ def _look(dsn: str, pipeline: str, txid: int, attempt: int) -> tuple[int, bool]:
         conn.close()
 
 
+class _TurnListener:
+    """A connection LISTENing on txlog.TURN_CHANNEL: ``wait(timeout)`` returns when a commit
+    or a failure was announced (for any pipeline: the caller looks again) or at the timeout.
+    Listening starts before the first look, so an announcement between a look and the wait
+    is not missed."""
+
+    def __init__(self, dsn: str):
+        from psycopg2 import sql
+
+        from onceflow.core import txlog
+        from onceflow.core.db import connect
+
+        self.conn = connect(dsn, application_name="onceflow-trigger-listen")
+        self.conn.autocommit = True
+        with self.conn.cursor() as cur:
+            cur.execute(sql.SQL("LISTEN {}").format(sql.Identifier(txlog.TURN_CHANNEL)))
+
+    def wait(self, timeout: float) -> None:
+        import select
+
+        if not self.conn.notifies:
+            select.select([self.conn], [], [], timeout)
+        self.conn.poll()
+        self.conn.notifies.clear()
+
+    def close(self) -> None:
+        self.conn.close()
+
+
 class CommitTurnTrigger(BaseTrigger):
     """Fires once ``pipeline``'s last committed txid reaches ``txid - 1`` (the commit's turn),
     once the txid it waits for cannot commit without a new run (failed, or its run died), or
@@ -59,10 +88,17 @@ class CommitTurnTrigger(BaseTrigger):
         from onceflow.core.connections import resolve_dsn_async
 
         dsn = await resolve_dsn_async(self.postgres_conn_id)
-        while True:
-            last, hopeless = await asyncio.to_thread(_look, dsn, self.pipeline, self.txid,
-                                                     self.attempt)
-            if last >= self.txid - 1 or hopeless or time.time() >= self.deadline:
-                yield TriggerEvent({"last_committed_txid": last, "deadline": self.deadline})
-                return
-            await asyncio.sleep(self.poll_interval)
+        listener = await asyncio.to_thread(_TurnListener, dsn)
+        try:
+            while True:
+                last, hopeless = await asyncio.to_thread(_look, dsn, self.pipeline, self.txid,
+                                                         self.attempt)
+                if last >= self.txid - 1 or hopeless or time.time() >= self.deadline:
+                    yield TriggerEvent({"last_committed_txid": last,
+                                        "deadline": self.deadline})
+                    return
+                # woken by an announced commit or failure; else a look every poll_interval
+                # (it also keeps this attempt's lease alive)
+                await asyncio.to_thread(listener.wait, self.poll_interval)
+        finally:
+            await asyncio.to_thread(listener.close)

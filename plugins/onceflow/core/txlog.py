@@ -413,6 +413,17 @@ def end_attempt(cur, pipeline: str, ta: TransactionAttempt, outcome: Outcome, re
     )
 
 
+# Commits waiting for their turn LISTEN here; every commit and every failed transaction
+# notifies it (delivered when the writing transaction commits), so a waiter looks again at
+# once instead of at its next poll. The payload is the pipeline's name.
+TURN_CHANNEL = "onceflow_turns"
+
+
+def announce_turn(cur, pipeline: str) -> None:
+    """Tell the commits waiting on ``pipeline`` to look again (at this transaction's end)."""
+    cur.execute("SELECT pg_notify(%s, %s)", (TURN_CHANNEL, pipeline))
+
+
 def mark_failed(cur, pipeline: str, ta: TransactionAttempt, reason: str) -> bool:
     """Mark ``ta``'s transaction failed, so the next run adopts it. Fenced: only the current,
     uncommitted attempt can be marked. Returns whether it was."""
@@ -424,6 +435,7 @@ def mark_failed(cur, pipeline: str, ta: TransactionAttempt, reason: str) -> bool
     marked = cur.rowcount == 1
     if marked:
         end_attempt(cur, pipeline, ta, Outcome.FAILED, reason)
+        announce_turn(cur, pipeline)  # a commit waiting on it can fail at once, naming it
     return marked
 
 
@@ -453,6 +465,7 @@ def mark_committed(cur, pipeline: str, ta: TransactionAttempt, *, rows: int, fai
     end_attempt(cur, pipeline, ta, Outcome.COMMITTED, "")
     cur.execute("UPDATE pipelines SET last_committed_txid = %s WHERE name = %s",
                 (ta.txid, pipeline))
+    announce_turn(cur, pipeline)
     return float(waited)
 
 

@@ -105,11 +105,45 @@ def _fingerprint(filesystem, path: str, chunk_bytes: int, fmt: str, header: bool
 
 
 def _lines(data: bytes) -> list[str]:
+    """A chunk's records: its lines, cut at LF, each without one trailing CR, bytes that are
+    not UTF-8 replaced (U+FFFD); no record after a last LF."""
     text = data.decode("utf-8", errors="replace")
     lines = text.split("\n")
     if lines and lines[-1] == "":
         lines.pop()
     return [line[:-1] if line.endswith("\r") else line for line in lines]
+
+
+def _line_array(data: bytes):
+    """``_lines(data)`` as an Arrow string array, cut in C++ (pyarrow's split) without a
+    Python string per line; a chunk that is not valid UTF-8 goes through ``_lines``.
+
+    Equal to ``_lines``: LF occurs in UTF-8 only as itself, so cutting bytes is cutting text;
+    a CR before an LF can only end a line, so replacing CRLF by LF strips exactly one CR per
+    line; a CR at the very end ends a last line that has no LF."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if not data:
+        return pa.array([], pa.string())
+    whole = data
+    if b"\r" in whole:
+        whole = whole.replace(b"\r\n", b"\n")
+    drop_last = whole.endswith(b"\n")  # nothing after the last LF: no record there
+    if whole.endswith(b"\r"):
+        whole = whole[:-1]
+    kind = pa.large_binary() if len(whole) >= 1 << 31 else pa.binary()
+    width = np.int64 if kind == pa.large_binary() else np.int32
+    blob = pa.Array.from_buffers(kind, 1, [None, pa.py_buffer(np.array([0, len(whole)], width)),
+                                           pa.py_buffer(whole)])
+    lines = pc.split_pattern(blob, "\n").flatten()
+    if drop_last:
+        lines = lines.slice(0, len(lines) - 1)
+    try:
+        return lines.cast(pa.large_string() if kind == pa.large_binary() else pa.string())
+    except pa.ArrowInvalid:  # bytes that are not UTF-8: replaced, as Python decodes them
+        return pa.array(_lines(data), pa.string())
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -347,7 +381,7 @@ class LandingFolder(Source):
         filesystem, _ = _filesystem(self.path)
         for path, size, mtime, first, start, end, _, partition in chunks:
             for i, payload in enumerate(_read_chunk(filesystem, self.format, path, size, mtime,
-                                                    start, end)):
+                                                    start, end).to_pylist()):
                 offset = first + i
                 if any(r.partition == partition and r.start <= offset < r.end
                        for r in ranges):
@@ -364,8 +398,10 @@ def _spark_path(root: str, path: str) -> str:
 
 
 def _read_chunk(filesystem, fmt: str, path: str, size: int, mtime: float, start: int,
-                end: int) -> list[str]:
-    """The payloads of one chunk, after checking the file is the one indexed."""
+                end: int):
+    """The payloads of one chunk (an Arrow string array), after checking the file is the
+    one indexed."""
+    import pyarrow as pa
     from pyarrow import fs
 
     info = filesystem.get_file_info(path)
@@ -379,11 +415,12 @@ def _read_chunk(filesystem, fmt: str, path: str, size: int, mtime: float, start:
 
         with filesystem.open_input_file(path) as f:
             table = pq.ParquetFile(f).read_row_group(start)  # start: the row group
-        return [json.dumps(row, default=str, ensure_ascii=False) for row in table.to_pylist()]
+        return pa.array([json.dumps(row, default=str, ensure_ascii=False)
+                         for row in table.to_pylist()], pa.string())
     with filesystem.open_input_file(path) as f:
         f.seek(start)
         data = f.read(end - start)
-    return _lines(data)
+    return _line_array(data)
 
 
 def _chunk_reader(fmt: str, header: bool, root: str):
@@ -395,9 +432,9 @@ def _chunk_reader(fmt: str, header: bool, root: str):
         for batch in batches:
             for task in batch.to_pylist():
                 wanted = json.loads(task["wanted"])
-                payloads = pa.array(_read_chunk(
+                payloads = _read_chunk(
                     filesystem, fmt, task["path"], task["size"], task["mtime"],
-                    task["byte_start"], task["byte_end"]), pa.string())
+                    task["byte_start"], task["byte_end"])
                 partition = task["partition"]
                 offsets = np.arange(task["first"], task["first"] + len(payloads),
                                     dtype=np.int64)
