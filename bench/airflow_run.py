@@ -46,6 +46,51 @@ def _query(dsn: str, query: str, params=()):
         conn.close()
 
 
+def _cpu_s(pid: int) -> float:
+    """CPU seconds of a process, its ended children (waited for) and its live descendants."""
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        t = proc.cpu_times()
+        total = t.user + t.system + t.children_user + t.children_system
+        for child in proc.children(recursive=True):
+            try:
+                c = child.cpu_times()
+                total += c.user + c.system + c.children_user + c.children_system
+            except psutil.Error:
+                pass
+        return total
+    except psutil.Error:
+        return 0.0
+
+
+def _spark_server_pid(spark_url: str) -> int | None:
+    """The pid of the process listening on the Spark Connect URL's port."""
+    import psutil
+
+    port = int(spark_url.rsplit(":", 1)[1].split("/")[0])
+    for conn in psutil.net_connections("tcp"):
+        if conn.laddr and conn.laddr.port == port and conn.status == psutil.CONN_LISTEN:
+            return conn.pid
+    return None
+
+
+def _healthy(api_port: int) -> bool:
+    """Whether the API server says the scheduler, the triggerer and the DAG processor are
+    up (each has a recent heartbeat)."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{api_port}/api/v2/monitor/health",
+                                    timeout=2) as r:
+            health = json.load(r)
+    except (OSError, ValueError):
+        return False
+    return all((health.get(c) or {}).get("status") == "healthy"
+               for c in ("metadatabase", "scheduler", "triggerer", "dag_processor"))
+
+
 def run_airflow(dsn: str, server: str, spark_url: str, folder: Path, pipeline: str,
                 batch_size: int, runs: int) -> dict:
     from onceflow.core.db import connection
@@ -103,6 +148,19 @@ def run_airflow(dsn: str, server: str, spark_url: str, folder: Path, pipeline: s
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{dag_id} never appeared (logs in {logs})")
             time.sleep(1)
+        # Airflow is up before the clock starts, as it is for a user who triggers runs: the
+        # components report healthy and have had a few seconds to settle after start-up.
+        while not _healthy(api_port):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"Airflow's components never reported healthy ({logs})")
+            time.sleep(1)
+        time.sleep(5)
+        cpu_pids = {c: p.pid for c, p in zip(("api-server", "scheduler", "dag-processor",
+                                              "triggerer"), procs, strict=True)}
+        spark_pid = _spark_server_pid(spark_url)
+        if spark_pid:
+            cpu_pids["Spark Connect server"] = spark_pid
+        cpu_before = {c: _cpu_s(p) for c, p in cpu_pids.items()}
         code = (
             "import sys\n"
             "from airflow.api.common.trigger_dag import trigger_dag\n"
@@ -127,6 +185,7 @@ def run_airflow(dsn: str, server: str, spark_url: str, folder: Path, pipeline: s
         if done.get("failed"):
             print(f"{done['failed']} Airflow run(s) failed: task logs under {home}/logs",
                   file=sys.stderr)
+        cpu = {c: _cpu_s(p) - cpu_before[c] for c, p in cpu_pids.items()}
         last_commit = _query(dsn, "SELECT max(committed_at) - min(planned_at) FROM "
                                   "transactions")[0][0]
         seconds = time.monotonic() - started
@@ -138,7 +197,8 @@ def run_airflow(dsn: str, server: str, spark_url: str, folder: Path, pipeline: s
             per_task.setdefault(task, []).append(float(d))
         return {"seconds": seconds, "runs": dict(done),
                 "planned_to_last_commit_s": last_commit.total_seconds() if last_commit else None,
-                "task_s": {t: statistics.median(v) for t, v in sorted(per_task.items())}}
+                "task_s": {t: statistics.median(v) for t, v in sorted(per_task.items())},
+                "cpu_s": cpu}
     finally:
         for proc in procs:
             try:

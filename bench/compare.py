@@ -108,14 +108,14 @@ def counts_ok(dsn: str, url_table: str, domain_table: str, truth: dict) -> bool:
 
 def fixed_cost(url: str, dsn: str, pipeline) -> float:
     """What a processing task costs beyond its data: a one-record batch, processed the way the
-    Airflow task does (its pipeline's shared Spark Connect session, the fence, the lease,
-    staging)."""
-    from onceflow.airflow.operators import connect_session
+    Airflow task does (the Spark Connect session processing tasks share, the fence, the
+    lease, staging)."""
     from onceflow.core.begin import begin
     from onceflow.core.commit import commit
     from onceflow.core.db import connect
     from onceflow.core.registration import register
     from spark_tasks.processing import process_batch
+    from spark_tasks.session import SHARED_SESSION_KEY, connect_session
 
     conn = connect(dsn)
     register(conn, pipeline, create_source=True)
@@ -123,7 +123,7 @@ def fixed_cost(url: str, dsn: str, pipeline) -> float:
     for n in range(3):
         batch = begin(conn, pipeline, f"fixed-{n}")
         t0 = time.perf_counter()
-        with connect_session(url, "onceflow-bench-fixed", shared=pipeline.name) as spark:
+        with connect_session(url, "onceflow-bench-fixed", shared=SHARED_SESSION_KEY) as spark:
             process_batch(spark, dsn, pipeline, batch.attempt)
         costs.append(time.perf_counter() - t0)
         commit(conn, pipeline, batch.attempt)
@@ -191,8 +191,11 @@ def main(argv: list[str] | None = None) -> int:
 
         ours = not localspark.status(folder=args.folder / "spark-connect").running
         url = localspark.start(folder=args.folder / "spark-connect").url
+        # a long-lived server, as a user's is: warmed up before any clock starts (what
+        # `onceflow spark start` does in the background)
+        print(f"Spark Connect server warmed up in {localspark.warm_up(url):.1f}s", flush=True)
     if "connect" in systems:
-        from onceflow.airflow.operators import connect_session
+        from spark_tasks.session import connect_session
 
         dsn = recreate_database(server, "onceflow_bench_connect")
         with connect_session(url, "onceflow-bench") as remote:
@@ -222,8 +225,8 @@ def main(argv: list[str] | None = None) -> int:
 def acker_cost(server: str, url: str, args) -> dict:
     """The tweets topology (a per-record Python bolt) on the first files, acker on and off,
     through the warm Spark; best of two rounds each."""
-    from onceflow.airflow.operators import connect_session
     from onceflow.core.registry import get_pipeline
+    from spark_tasks.session import connect_session
 
     share = max(1, args.batches * args.acker_events // args.events)
     out = {}
@@ -252,7 +255,11 @@ def report(results: dict, acker: dict, args) -> None:
                   f"{r['commit_s']:.2f}s" + (f", fixed cost of a warm task {r['fixed_s']:.2f}s"
                                              if "fixed_s" in r else ""))
         if "task_s" in r:
-            print(f"  {name}: " + ", ".join(f"{k} {v:.2f}s" for k, v in r["task_s"].items()))
+            print(f"  {name}: task medians " + ", ".join(
+                f"{k} {v:.2f}s" for k, v in r["task_s"].items()))
+        if "cpu_s" in r:  # the task processes are the scheduler's (LocalExecutor) children
+            print(f"  {name}: CPU seconds during the runs: " + ", ".join(
+                f"{k} {v:.1f}" for k, v in r["cpu_s"].items()))
     if acker:
         cost = acker["on_s"] / acker["off_s"] - 1
         print(f"acker (tweets topology, Python bolt, {acker['events']} events): off "

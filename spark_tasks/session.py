@@ -1,7 +1,8 @@
 """One way to get a SparkSession for every place the processing phase runs.
 
 - under spark-submit: the master and resources come from spark-submit; nothing is overridden;
-- as a Spark Connect client: SPARK_REMOTE (e.g. sc://127.0.0.1:15002) is used when set;
+- as a Spark Connect client: SPARK_REMOTE (e.g. sc://127.0.0.1:15002) is used when set, and
+  ``connect_session`` gives a task a session of its own or the one processing tasks share;
 - directly (tests, benchmarks, the CLI): local mode, ``ONCEFLOW_SPARK_MASTER`` or local[2].
 """
 
@@ -10,6 +11,8 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import time
+from contextlib import contextmanager
 
 from pyspark.sql import SparkSession
 
@@ -98,3 +101,81 @@ def ship_code(*refs: object) -> list[str]:
         cloudpickle.register_pickle_by_value(package)
         shipped.append(top)
     return shipped
+
+
+# The Spark Connect session every processing task joins (connect_session's ``shared``), and the
+# warm-up of a server onceflow starts (onceflow.dev.localspark): one for all pipelines, so that
+# the Python workers a warm-up or an earlier task started are the ones the next task finds.
+SHARED_SESSION_KEY = "onceflow"
+
+# A shared Spark Connect session is renewed this often (seconds): the server closes a session
+# left idle past its timeout (15 min as onceflow starts it, 60 by default) and refuses its id
+# for ever after; a period shorter than that bounds how long tasks go without one.
+SHARED_SESSION_PERIOD_S = 600
+
+
+def shared_session_id(key: str, now: float | None = None) -> str:
+    """The Spark Connect session id the tasks sharing ``key`` use in this period (a UUID)."""
+    import hashlib
+    import uuid
+
+    period = int((time.time() if now is None else now) // SHARED_SESSION_PERIOD_S)
+    digest = hashlib.sha256(f"onceflow/{key}/{period}".encode()).digest()
+    return str(uuid.UUID(bytes=digest[:16], version=4))
+
+
+@contextmanager
+def connect_session(url: str, app_name: str, shared: str | None = None):
+    """A Spark Connect session for one task. A session of its own is released at the end (a
+    session left open would stay on the server until it times out). ``shared``: the tasks
+    with the same key join one session instead, left open for the next: a
+    new session costs a new Python worker on the server (~1.3 s before the first Python
+    bolt or source read), a joined one finds its workers warm. The shared session changes
+    every SHARED_SESSION_PERIOD_S, so the server holds a bounded few per key; when the
+    server closed it anyway (a shorter idle timeout), the task takes a session of its own.
+    A server that does not answer is a clear error, retried like any failure (a restarted
+    server comes back)."""
+    import socket
+    from urllib.parse import urlparse
+
+    from onceflow.core.errors import OnceflowError
+
+    where = urlparse(url.replace("sc://", "http://", 1))
+    try:
+        socket.create_connection((where.hostname, where.port or 15002), timeout=3).close()
+    except OSError as error:
+        raise OnceflowError(
+            f"the Spark Connect server at {url} does not answer ({error}): start it "
+            "(`onceflow spark start` in local mode) or point the Spark connection at yours"
+        ) from error
+    from pyspark.errors import PySparkException
+    from pyspark.sql import SparkSession
+
+    spark = None
+    if shared is not None:
+        # sc://host:port/;param=value;...: the session id is one more parameter
+        joined = (url if "/;" in url else url.rstrip("/") + "/") + \
+            f";session_id={shared_session_id(shared)}"
+        try:  # the first round trips (the session's options, its version) say whether
+            # the server still knows the id
+            spark = SparkSession.builder.remote(joined).appName(app_name).create()
+            spark.version  # noqa: B018
+        except PySparkException as error:
+            if "SESSION_CLOSED" not in str(error):
+                raise
+            if spark is not None:
+                spark.client.close()
+            spark, shared = None, None
+    if spark is None:
+        spark = SparkSession.builder.remote(url).appName(app_name).create()
+    try:
+        yield spark
+    finally:
+        try:
+            if shared is None:
+                spark.stop()
+            else:  # left open for the next task; the connection goes
+                spark.client.close()
+        finally:
+            # it would make a later spark-submit from this process look for a Connect URL
+            os.environ.pop("SPARK_CONNECT_MODE_ENABLED", None)

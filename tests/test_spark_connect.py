@@ -132,36 +132,58 @@ def _worker_pids(spark) -> set[int]:
 
 
 @pytest.mark.timeout(300)
-def test_tasks_of_a_pipeline_share_one_session_and_its_warm_python_workers(tmp_path):
+def test_processing_tasks_share_one_warmed_up_session_and_its_python_workers(tmp_path):
+    """`onceflow spark start` warms the server up in the background: the session processing
+    tasks share already has its Python workers when the first task joins it, and the next
+    task finds the same ones. A session of its own starts new workers; a shared session the
+    server closed (an idle timeout) is replaced by a session of the task's own."""
+    import psutil
     from pyspark.sql import SparkSession
 
-    from onceflow.airflow.operators import (
+    from spark_tasks.session import (
+        SHARED_SESSION_KEY,
         SHARED_SESSION_PERIOD_S,
         connect_session,
         shared_session_id,
     )
 
+    key = SHARED_SESSION_KEY
     port = free_port()
     folder = tmp_path / "server"
-    url = localspark.start(port, driver_memory="1g", folder=folder).url
+    url = localspark.start(port, driver_memory="1g", folder=folder, warm=True).url
+    warmed_id = shared_session_id(key)
+    log = folder / f"server-{port}.log"
     try:
-        with connect_session(url, "first", shared="views") as spark:
-            assert spark.session_id == shared_session_id("views")
+        deadline = time.monotonic() + 180
+        while "warmed up in" not in log.read_text(errors="replace"):
+            assert time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
+            time.sleep(0.5)
+        def started(pids: set[int]) -> list[float]:
+            return [psutil.Process(pid).create_time() for pid in pids]
+
+        joined_at = time.time()
+        with connect_session(url, "first", shared=key) as spark:
+            assert spark.session_id == shared_session_id(key)
             spark.range(3).createOrReplaceTempView("left_by_the_first")
             first = _worker_pids(spark)
-        with connect_session(url, "second", shared="views") as spark:
+        with connect_session(url, "second", shared=key) as spark:
             assert spark.range(0).sparkSession.table("left_by_the_first").count() == 3
-            assert _worker_pids(spark) == first  # the same Python worker, warm
+            second = _worker_pids(spark)
+        # both tasks ran on Python workers the warm-up had started before either joined
+        if shared_session_id(key) == warmed_id:  # (not across a period's end)
+            assert max(started(first | second)) < joined_at
+        own_at = time.time()
         with connect_session(url, "own") as spark:  # a session of its own: a new worker
             own = spark.session_id
-            assert own != shared_session_id("views")
-            assert _worker_pids(spark).isdisjoint(first)
+            assert own != shared_session_id(key)
+            mine = _worker_pids(spark)
+        assert mine.isdisjoint(first | second) and min(started(mine)) > own_at
         # the server closed the shared session (an idle timeout): a task takes its own
         closing = SparkSession.builder.remote(
-            f"{url}/;session_id={shared_session_id('views')}").create()
+            f"{url}/;session_id={shared_session_id(key)}").create()
         closing.stop()
-        with connect_session(url, "after", shared="views") as spark:
-            assert spark.session_id != shared_session_id("views")
+        with connect_session(url, "after", shared=key) as spark:
+            assert spark.session_id != shared_session_id(key)
             assert spark.range(5).count() == 5
     finally:
         localspark.stop(port, folder=folder)

@@ -264,79 +264,6 @@ def spark_connect_url(conn_id: str) -> str | None:
     return SparkConnectHook(conn_id).get_connection_url().rstrip("/")
 
 
-# A shared Spark Connect session is renewed this often (seconds): the server closes a session
-# left idle past its timeout (15 min as onceflow starts it, 60 by default) and refuses its id
-# for ever after; a period shorter than that bounds how long tasks go without one.
-SHARED_SESSION_PERIOD_S = 600
-
-
-def shared_session_id(key: str, now: float | None = None) -> str:
-    """The Spark Connect session id the tasks sharing ``key`` use in this period (a UUID)."""
-    import hashlib
-    import uuid
-
-    period = int((time.time() if now is None else now) // SHARED_SESSION_PERIOD_S)
-    digest = hashlib.sha256(f"onceflow/{key}/{period}".encode()).digest()
-    return str(uuid.UUID(bytes=digest[:16], version=4))
-
-
-@contextmanager
-def connect_session(url: str, app_name: str, shared: str | None = None):
-    """A Spark Connect session for one task. A session of its own is released at the end (a
-    session left open would stay on the server until it times out). ``shared``: the tasks
-    with the same key (a pipeline's) join one session instead, left open for the next: a
-    new session costs a new Python worker on the server (~1.3 s before the first Python
-    bolt or source read), a joined one finds its workers warm. The shared session changes
-    every SHARED_SESSION_PERIOD_S, so the server holds a bounded few per key; when the
-    server closed it anyway (a shorter idle timeout), the task takes a session of its own.
-    A server that does not answer is a clear error, retried like any failure (a restarted
-    server comes back)."""
-    import socket
-    from urllib.parse import urlparse
-
-    from onceflow.core.errors import OnceflowError
-
-    where = urlparse(url.replace("sc://", "http://", 1))
-    try:
-        socket.create_connection((where.hostname, where.port or 15002), timeout=3).close()
-    except OSError as error:
-        raise OnceflowError(
-            f"the Spark Connect server at {url} does not answer ({error}): start it "
-            "(`onceflow spark start` in local mode) or point the Spark connection at yours"
-        ) from error
-    from pyspark.errors import PySparkException
-    from pyspark.sql import SparkSession
-
-    spark = None
-    if shared is not None:
-        # sc://host:port/;param=value;...: the session id is one more parameter
-        joined = (url if "/;" in url else url.rstrip("/") + "/") + \
-            f";session_id={shared_session_id(shared)}"
-        try:  # the first round trips (the session's options, its version) say whether
-            # the server still knows the id
-            spark = SparkSession.builder.remote(joined).appName(app_name).create()
-            spark.version  # noqa: B018
-        except PySparkException as error:
-            if "SESSION_CLOSED" not in str(error):
-                raise
-            if spark is not None:
-                spark.client.close()
-            spark, shared = None, None
-    if spark is None:
-        spark = SparkSession.builder.remote(url).appName(app_name).create()
-    try:
-        yield spark
-    finally:
-        try:
-            if shared is None:
-                spark.stop()
-            else:  # left open for the next task; the connection goes
-                spark.client.close()
-        finally:
-            # it would make a later spark-submit from this process look for a Connect URL
-            os.environ.pop("SPARK_CONNECT_MODE_ENABLED", None)
-
-
 class ProcessBatchOperator(_PipelineTask, SparkSubmitOperator):
     """The processing phase of one (txid, attempt, group): on a warm Spark through Spark
     Connect, or by spark-submit, as the Spark connection says.
@@ -425,10 +352,11 @@ class ProcessBatchOperator(_PipelineTask, SparkSubmitOperator):
 
     def _process_here(self, url: str, pipeline, dsn: str, ta, group: int) -> None:
         from spark_tasks.processing import process_batch
+        from spark_tasks.session import SHARED_SESSION_KEY, connect_session
 
         started = time.monotonic()
         with airflow_outcomes(), connect_session(url, f"onceflow-{pipeline.name}",
-                                                   shared=pipeline.name) as spark:
+                                                   shared=SHARED_SESSION_KEY) as spark:
             self.log.info("processing %s of %s, group %d on %s (session in %.2fs)", ta,
                           pipeline.name, group, url, time.monotonic() - started)
             process_batch(spark, dsn, pipeline, ta, group)

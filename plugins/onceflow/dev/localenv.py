@@ -100,7 +100,7 @@ def embedded_env(*, warm_spark: bool = True) -> str:
             and "AIRFLOW_CONN_SPARK_DEFAULT" not in os.environ:
         from onceflow.dev import localspark
 
-        server = localspark.start()
+        server = localspark.start(warm=True)
         port = server.port
         print(f"onceflow: Spark: {server.line()}", file=sys.stderr)
     apply_env(airflow_env(root, dsn, port))

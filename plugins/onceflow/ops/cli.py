@@ -336,7 +336,7 @@ def cmd_spark(args) -> int:
     args.port = args.port or localspark.DEFAULT_PORT
     if args.action == "start":
         print(f"starting a Spark Connect server on 127.0.0.1:{args.port}...", file=sys.stderr)
-        print(localspark.start(args.port).line())
+        print(localspark.start(args.port, warm=True).line())
     elif args.action == "stop":
         stopped = localspark.stop(args.port)
         print("stopped" if stopped else "not running")
