@@ -152,3 +152,51 @@ def test_the_trigger_wakes_when_the_earlier_txid_ends_not_at_its_next_poll(two_b
     helper.join()
     assert 1.0 <= time.monotonic() - started < 10
     assert event.payload["last_committed_txid"] == (1 if earlier == "commits" else 0)
+
+
+def _commit_requested(conn, batch) -> None:
+    """The earlier txid's commit task has run (its processing is done): it is committing."""
+    from onceflow.core import txlog
+
+    with conn.cursor() as cur:
+        txlog.request_commit(cur, "tweets", batch.attempt)
+    conn.commit()
+
+
+def test_a_commit_whose_turn_is_near_waits_in_the_task_instead_of_deferring(
+        two_batches, conn, dsn):
+    """txid 1 is committing: txid 2's commit waits for it in the task (no deferral, no new
+    task process) and commits as soon as txid 1's commit is announced."""
+    from onceflow.core.db import connect
+
+    pipeline, first, second = two_batches
+    _commit_requested(conn, first)
+
+    def commit_first_later():
+        time.sleep(1.0)
+        c = connect(dsn)
+        commit(c, pipeline, first.attempt)
+        c.close()
+
+    helper = threading.Thread(target=commit_first_later)
+    started = time.monotonic()
+    helper.start()
+    operator = CommitBatchOperator(task_id="commit", pipeline="tweets", poll_interval=30,
+                                   batch={"txid": 2, "attempt": 1})
+    result = operator._try_commit(time.time() + 60)
+    helper.join()
+    assert result["status"] == "committed" and result["txid"] == 2
+    assert 1.0 <= time.monotonic() - started < 10  # woken by the announcement, not a poll
+
+
+def test_a_near_turn_that_does_not_come_in_time_defers_after_the_wait(two_batches, conn):
+    from airflow.sdk.exceptions import TaskDeferred
+
+    _, first, second = two_batches
+    _commit_requested(conn, first)
+    operator = CommitBatchOperator(task_id="commit", pipeline="tweets", poll_interval=0.2,
+                                   wait_in_task=0.5, batch={"txid": 2, "attempt": 1})
+    started = time.monotonic()
+    with pytest.raises(TaskDeferred):
+        operator._try_commit(time.time() + 60)
+    assert time.monotonic() - started >= 0.5

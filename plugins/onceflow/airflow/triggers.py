@@ -13,7 +13,7 @@ from typing import Any
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 
-def _look(dsn: str, pipeline: str, txid: int, attempt: int) -> tuple[int, bool]:
+def look_for_turn(dsn: str, pipeline: str, txid: int, attempt: int) -> tuple[int, bool]:
     """(last committed txid, whether the blocking txid cannot commit without a new run),
     reporting the waiting attempt alive on the way."""
     from onceflow.core import txlog
@@ -30,7 +30,7 @@ def _look(dsn: str, pipeline: str, txid: int, attempt: int) -> tuple[int, bool]:
         conn.close()
 
 
-class _TurnListener:
+class TurnListener:
     """A connection LISTENing on txlog.TURN_CHANNEL: ``wait(timeout)`` returns when a commit
     or a failure was announced (for any pipeline: the caller looks again) or at the timeout.
     Listening starts before the first look, so an announcement between a look and the wait
@@ -88,11 +88,11 @@ class CommitTurnTrigger(BaseTrigger):
         from onceflow.core.connections import resolve_dsn_async
 
         dsn = await resolve_dsn_async(self.postgres_conn_id)
-        listener = await asyncio.to_thread(_TurnListener, dsn)
+        listener = await asyncio.to_thread(TurnListener, dsn)
         try:
             while True:
-                last, hopeless = await asyncio.to_thread(_look, dsn, self.pipeline, self.txid,
-                                                         self.attempt)
+                last, hopeless = await asyncio.to_thread(
+                    look_for_turn, dsn, self.pipeline, self.txid, self.attempt)
                 if last >= self.txid - 1 or hopeless or time.time() >= self.deadline:
                     yield TriggerEvent({"last_committed_txid": last,
                                         "deadline": self.deadline})

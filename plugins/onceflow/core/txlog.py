@@ -255,6 +255,19 @@ def read_ranges(cur, pipeline: str, txid: int) -> list[tuple[PartitionRange, int
     return [(PartitionRange(p, s, e), g) for p, s, e, g in cur.fetchall()]
 
 
+def turn_is_near(cur, pipeline: str, txid: int) -> bool:
+    """Whether every uncommitted txid before ``txid`` is in its commit phase (planned, its
+    processing done and its commit asked for): the turn of ``txid`` then comes within about
+    one commit per such txid, unless one of them fails."""
+    cur.execute(
+        """SELECT NOT EXISTS (SELECT 1 FROM transactions
+                              WHERE pipeline = %s AND txid < %s AND state <> 'committed'
+                                AND (state <> 'planned' OR commit_requested_at IS NULL))""",
+        (pipeline, txid),
+    )
+    return cur.fetchone()[0]
+
+
 def blocker(cur, pipeline: str, txid: int) -> Blocker:
     cur.execute(
         """SELECT t.state, t.attempt, t.run_id, a.reason,
