@@ -31,6 +31,37 @@ def _operator(batch):
                                       "attempt": batch.attempt.attempt})
 
 
+def _meanwhile(dsn: str, delay: float, act, wait):
+    """``wait()`` while another thread, after ``delay`` seconds, runs ``act(conn)`` on a
+    connection of its own (txid 1 ending). Returns (what wait returned, seconds it took)."""
+    from onceflow.core.db import connect
+
+    def later():
+        time.sleep(delay)
+        c = connect(dsn)
+        try:
+            act(c)
+        finally:
+            c.close()
+
+    helper = threading.Thread(target=later)
+    started = time.monotonic()
+    helper.start()
+    try:
+        out = wait()
+    finally:
+        helper.join()
+    return out, time.monotonic() - started
+
+
+def _first_event(trigger):
+    async def first():
+        async for event in trigger.run():
+            return event
+
+    return asyncio.run(first())
+
+
 def test_commit_defers_while_an_earlier_txid_is_open(two_batches):
     from airflow.sdk.exceptions import TaskDeferred
 
@@ -82,41 +113,22 @@ def test_an_abandoned_earlier_txid_wakes_the_trigger(two_batches, conn):
     conn.commit()
     trigger = CommitTurnTrigger("tweets", 2, 1, "onceflow_pg", 0.1, time.time() + 60)
 
-    async def first_event():
-        async for event in trigger.run():
-            return event
-
     started = time.monotonic()
-    event = asyncio.run(first_event())
+    event = _first_event(trigger)
     assert time.monotonic() - started < 5 and event.payload["last_committed_txid"] == 0
     with pytest.raises(AirflowFailException, match="it is abandoned"):
         _operator(second).execute_complete({}, event.payload)
 
 
 def test_trigger_fires_when_the_turn_comes_and_the_commit_goes_through(two_batches, dsn):
-    from onceflow.core.db import connect
-
     pipeline, first, second = two_batches
     trigger = CommitTurnTrigger("tweets", second.attempt.txid, second.attempt.attempt,
                                 "onceflow_pg", 0.1, time.time() + 60)
 
-    def commit_first_later():
-        time.sleep(0.5)
-        c = connect(dsn)
-        commit(c, pipeline, first.attempt)
-        c.close()
-
-    async def first_event():
-        async for event in trigger.run():
-            return event
-
-    helper = threading.Thread(target=commit_first_later)
-    started = time.monotonic()
-    helper.start()
-    event = asyncio.run(first_event())
-    helper.join()
+    event, took = _meanwhile(dsn, 0.5, lambda c: commit(c, pipeline, first.attempt),
+                             lambda: _first_event(trigger))
     assert event.payload["last_committed_txid"] == 1
-    assert time.monotonic() - started >= 0.5
+    assert took >= 0.5
     result = _operator(second).execute_complete({}, event.payload)
     assert result["status"] == "committed" and result["txid"] == 2
 
@@ -127,30 +139,18 @@ def test_the_trigger_wakes_when_the_earlier_txid_ends_not_at_its_next_poll(two_b
     """A waiting commit LISTENs for commits and failures (txlog.TURN_CHANNEL): txid 1's end
     wakes txid 2's trigger at once, long before its next look (a 60 s poll interval here)."""
     from onceflow.core.begin import mark_failed
-    from onceflow.core.db import connect
 
     pipeline, first, second = two_batches
     trigger = CommitTurnTrigger("tweets", 2, 1, "onceflow_pg", 60, time.time() + 120)
 
-    def end_first_later():
-        time.sleep(1.0)
-        c = connect(dsn)
+    def end_first(c):
         if earlier == "commits":
             commit(c, pipeline, first.attempt)
         else:
             mark_failed(c, pipeline.name, first.attempt, "a test fails it")
-        c.close()
 
-    async def first_event():
-        async for event in trigger.run():
-            return event
-
-    helper = threading.Thread(target=end_first_later)
-    started = time.monotonic()
-    helper.start()
-    event = asyncio.run(first_event())
-    helper.join()
-    assert 1.0 <= time.monotonic() - started < 10
+    event, took = _meanwhile(dsn, 1.0, end_first, lambda: _first_event(trigger))
+    assert 1.0 <= took < 10
     assert event.payload["last_committed_txid"] == (1 if earlier == "commits" else 0)
 
 
@@ -167,26 +167,14 @@ def test_a_commit_whose_turn_is_near_waits_in_the_task_instead_of_deferring(
         two_batches, conn, dsn):
     """txid 1 is committing: txid 2's commit waits for it in the task (no deferral, no new
     task process) and commits as soon as txid 1's commit is announced."""
-    from onceflow.core.db import connect
-
     pipeline, first, second = two_batches
     _commit_requested(conn, first)
-
-    def commit_first_later():
-        time.sleep(1.0)
-        c = connect(dsn)
-        commit(c, pipeline, first.attempt)
-        c.close()
-
-    helper = threading.Thread(target=commit_first_later)
-    started = time.monotonic()
-    helper.start()
     operator = CommitBatchOperator(task_id="commit", pipeline="tweets", poll_interval=30,
                                    batch={"txid": 2, "attempt": 1})
-    result = operator._try_commit(time.time() + 60)
-    helper.join()
+    result, took = _meanwhile(dsn, 1.0, lambda c: commit(c, pipeline, first.attempt),
+                              lambda: operator._try_commit(time.time() + 60))
     assert result["status"] == "committed" and result["txid"] == 2
-    assert 1.0 <= time.monotonic() - started < 10  # woken by the announcement, not a poll
+    assert 1.0 <= took < 10  # woken by the announcement, not a poll
 
 
 def test_a_near_turn_that_does_not_come_in_time_defers_after_the_wait(two_batches, conn):
