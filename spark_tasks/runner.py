@@ -327,7 +327,6 @@ class TopologyRun:
         self.max_key_bytes, self.by_root = max_key_bytes, by_root
         self.shapes = dict(shapes or {})
         self.kept: DataFrame | None = None  # the outputs later passes read (cached)
-        self.kinds: tuple[int, ...] = (DELTA, REJECT, FAILED)  # what _finish keeps
         self.output = self._plan()
         # The acker's verdict on a topology without stateful bolts is settled by passes
         # (_settle); with stateful bolts it is one aggregation by record, in the plan.
@@ -452,8 +451,7 @@ class TopologyRun:
         if not chain.acker:
             return self._finish(rows.select(
                 "kind", "state_name", F.col("out_key").alias("key"), "delta",
-                F.when(F.col("kind") == REJECT, F.col("_root")).alias("root"), "error"),
-                kinds=(DELTA, REJECT))
+                F.when(F.col("kind") == REJECT, F.col("_root")).alias("root"), "error"))
         if not stateful:
             if excluded is not None:  # a later pass: see _settle
                 if self.kept is None:
@@ -616,7 +614,7 @@ class TopologyRun:
         return self._finish(first.unionByName(more)).unionByName(change_rows,
                                                                  allowMissingColumns=True)
 
-    def _finish(self, outputs: DataFrame, kinds=(DELTA, REJECT, FAILED)) -> DataFrame:
+    def _finish(self, outputs: DataFrame) -> DataFrame:
         """Sum the deltas by (state, key) (and record, with by_root); rejected and failed
         records stay one row each (collect adds the records the spout refused).
 
@@ -634,7 +632,6 @@ class TopologyRun:
         # Rows of other kinds (a tuple no sink reads) are one group here, dropped from the
         # collected table (collect): a filter on the kind would be pushed below the
         # aggregation and evaluate the kind (the key checks) twice per row.
-        self.kinds = kinds
         grouped = rows.groupBy("kind", "state_name", "key", "root", "error").agg(*aggs)
         if self.shapes:  # an append table's rows come back as many times as they were
             copies = F.when(appended, F.array_repeat(F.lit(1), F.col("delta").cast("int")))
@@ -717,8 +714,9 @@ class TopologyRun:
         started = time.monotonic()
         try:
             table = self._settle() if self.settles else self.output.toArrow()
-            table = table.filter(pc.is_in(table.column("kind"), pa.array(
-                [*self.kinds, *([CHANGE] if self.chain.acker else [])], pa.int32())))
+            # rows of no kind (see _finish); without the acker no failure is routed
+            kept = (DELTA, REJECT, FAILED, CHANGE) if self.chain.acker else (DELTA, REJECT)
+            table = table.filter(pc.is_in(table.column("kind"), pa.array(kept, pa.int32())))
             if self.observed.get.get("refused"):  # read again for them: few, named
                 refused = self.refused.toArrow()
                 table = pa.concat_tables([table, _rows_like(table.schema, {
