@@ -18,6 +18,8 @@ from onceflow import ANCHORS, SPOUT, Pipeline, StateSpec, Topology
 from onceflow.sources.landing import LandingFolder
 
 FOLDER = os.environ.get("ONCEFLOW_BENCH_FOLDER", "/var/tmp/onceflow-bench/landing")
+# Transactions in flight at once (the Airflow DAG's max_active_runs).
+MAX_PENDING = int(os.environ.get("ONCEFLOW_BENCH_MAX_PENDING", "3"))
 
 
 def _parse(records):
@@ -58,7 +60,7 @@ W = Pipeline(
     source=_source("bench_w"), topology="workload:topology",
     states=(StateSpec("w_url_counts", source="url_counts"),
             StateSpec("w_domain_counts", source="domain_counts")),
-    batch_size=1_000_000, max_pending=3, retries=1, attempt_lease_s=1800,
+    batch_size=1_000_000, max_pending=MAX_PENDING, retries=1, attempt_lease_s=1800,
 )
 
 W_IDNA = Pipeline(
@@ -66,7 +68,7 @@ W_IDNA = Pipeline(
     source=_source("bench_w_idna"), topology="tweets_example.topology:topology",
     states=(StateSpec("wi_url_counts", source="url_counts"),
             StateSpec("wi_domain_counts", source="domain_counts")),
-    batch_size=1_000_000, max_pending=3, retries=1, attempt_lease_s=1800,
+    batch_size=1_000_000, max_pending=MAX_PENDING, retries=1, attempt_lease_s=1800,
 )
 
 PIPELINES = (W, W_IDNA)

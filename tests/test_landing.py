@@ -9,6 +9,8 @@ import time
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from helpers import run_transaction, table
 from onceflow.core.begin import begin
@@ -168,3 +170,32 @@ def test_lines_are_cut_in_spark_as_python_cuts_them(spark, conn, dsn, landed):
     last = source.read(spark, dsn, [PartitionRange(0, 398, 401)]).orderBy("offset").collect()
     assert [r.payload for r in last] == [lines[398].decode(), lines[399].decode(),
                                          '{"n": "last, no newline"}']
+
+
+@settings(max_examples=300, deadline=None)
+@given(lines=st.lists(st.binary(max_size=12).map(lambda b: b.replace(b"\n", b"")), max_size=30),
+       last_newline=st.booleans(), header=st.booleans(), chunk_bytes=st.integers(1, 40))
+def test_the_index_cuts_a_file_into_whole_lines(tmp_path_factory, lines, last_newline, header,
+                                                chunk_bytes):
+    """A file's chunks cover it from the first record (after the header) to the end, each
+    cut after a newline (but the last), each counting the records its bytes hold."""
+    import hashlib
+
+    from onceflow.sources.landing import _filesystem, _fingerprint, _lines
+
+    data = b"\n".join(lines) + (b"\n" if last_newline and lines else b"")
+    path = tmp_path_factory.mktemp("index") / "f.jsonl"
+    path.write_bytes(data)
+    digest, records, chunks = _fingerprint(_filesystem(str(path))[0], str(path), chunk_bytes,
+                                           "jsonl", header)
+    assert digest == hashlib.sha256(data).hexdigest()
+    body = data.split(b"\n", 1)[1] if header and b"\n" in data else b"" if header else data
+    first_byte = len(data) - len(body)
+    assert records == len(_lines(body))
+    expected_first, expected_start = 0, first_byte
+    for first, start, end, count in chunks:
+        assert (first, start) == (expected_first, expected_start)
+        assert end > start and (end == len(data) or data[end - 1:end] == b"\n")
+        assert count == len(_lines(data[start:end]))
+        expected_first, expected_start = first + count, end
+    assert (expected_first, expected_start) == (records, len(data) if body else first_byte)
