@@ -305,15 +305,28 @@ class Collected:
     """A run's outputs, collected: ``table`` (the OUTPUT rows, Arrow), and as Python values
     deltas {(state, key): delta} (or {(state, key, root)} by root), rejected {(partition,
     offset): error}, failed {(partition, offset, replayed): error}, state changes {bolt:
-    [(namespace, key, JSON value or None)]}."""
+    [(namespace, key, JSON value or None)]}. The deltas by (state, key) are made from the
+    table when first asked for: staging reads the table (a state of a million keys would
+    otherwise cost a million Python tuples per batch)."""
 
     table: object
-    deltas: dict
     rejected: dict
     failed: dict
     changes: dict
     seconds: float = 0.0
     tables: dict = field(default_factory=dict)  # typed state -> Arrow rows (typed_rows)
+    _deltas: dict | None = None  # made when first asked for; set by split when by root
+
+    @property
+    def deltas(self) -> dict:
+        if self._deltas is not None:
+            return self._deltas
+        table = self.table
+        deltas = table.filter(pc.equal(table.column("kind"), DELTA))
+        keys = zip(deltas.column("state_name").to_pylist(), deltas.column("key").to_pylist(),
+                   strict=True)
+        self._deltas = dict(zip(keys, deltas.column("delta").to_pylist(), strict=True))
+        return self._deltas
 
 
 class TopologyRun:
@@ -757,25 +770,20 @@ def split(table, by_root: bool = False, seconds: float = 0.0,
           shapes: Mapping[str, Shape] | None = None) -> Collected:
     """An OUTPUT table as Python values (see Collected)."""
 
-    out = Collected(table, {}, {}, {}, {}, seconds)
+    out = Collected(table, {}, {}, {}, seconds)
     if shapes:
         out.tables = typed_rows(table, shapes, by_root)
         table = table.filter(pc.invert(pc.fill_null(pc.is_in(
             table.column("state_name"), pa_array(list(shapes))), False)))
         out.table = table
     small = table.filter(pc.not_equal(table.column("kind"), DELTA))
-    if not by_root:
-        deltas = table.filter(pc.equal(table.column("kind"), DELTA))
-        keys = zip(deltas.column("state_name").to_pylist(), deltas.column("key").to_pylist(),
-                   strict=True)
-        out.deltas = dict(zip(keys, deltas.column("delta").to_pylist(), strict=True))
-    else:
-        small = table
+    if by_root:
+        out._deltas, small = {}, table
     for row in small.to_pylist():
         kind = row["kind"]
         if kind == DELTA:
             k = (row["state_name"], row["key"], row["root"])
-            out.deltas[k] = out.deltas.get(k, 0) + row["delta"]
+            out._deltas[k] = out._deltas.get(k, 0) + row["delta"]
         elif kind == REJECT:  # a record rejected for two reasons: the least, as ever
             position = (row["partition"], row["offset"])
             if position not in out.rejected or row["error"] < out.rejected[position]:
