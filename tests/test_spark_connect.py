@@ -131,6 +131,19 @@ def _worker_pids(spark) -> set[int]:
             .mapInArrow(pids, "pid long").collect()}
 
 
+def _process_clock_now() -> float:
+    """Now, on the clock psutil gives process start times by (the boot time in whole seconds
+    plus clock ticks): comparing those with time.time() could be off by up to a second."""
+    import psutil
+
+    marker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        return psutil.Process(marker.pid).create_time()
+    finally:
+        marker.kill()
+        marker.wait()
+
+
 @pytest.mark.timeout(300)
 def test_processing_tasks_share_one_warmed_up_session_and_its_python_workers(tmp_path):
     """`onceflow spark start` warms the server up in the background: the session processing
@@ -161,7 +174,7 @@ def test_processing_tasks_share_one_warmed_up_session_and_its_python_workers(tmp
         def started(pids: set[int]) -> list[float]:
             return [psutil.Process(pid).create_time() for pid in pids]
 
-        joined_at = time.time()
+        joined_at = _process_clock_now()
         with connect_session(url, "first", shared=key) as spark:
             assert spark.session_id == shared_session_id(key)
             spark.range(3).createOrReplaceTempView("left_by_the_first")
@@ -172,7 +185,7 @@ def test_processing_tasks_share_one_warmed_up_session_and_its_python_workers(tmp
         # both tasks ran on Python workers the warm-up had started before either joined
         if shared_session_id(key) == warmed_id:  # (not across a period's end)
             assert max(started(first | second)) < joined_at
-        own_at = time.time()
+        own_at = _process_clock_now()
         with connect_session(url, "own") as spark:  # a session of its own: a new worker
             own = spark.session_id
             assert own != shared_session_id(key)
