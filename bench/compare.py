@@ -9,7 +9,9 @@ runs, on that folder, each system asked for (--systems):
 - ``raw``: one Spark batch job, COPY out (bench/peers.py; no guarantees: the practical limit);
 - ``streaming``: Spark Structured Streaming, file source, foreachBatch upsert fenced by
   batchId (bench/peers.py), one file per micro-batch;
-- ``library``: onceflow's phases called in a loop, one local Spark session in this process;
+- ``library``: onceflow without Airflow (spark_tasks.loop.run_batches): --in-flight batches
+  processed at once (default: max_pending, as many as the Airflow path runs), committed in
+  txid order, one local Spark session in this process;
 - ``connect``: the same through a Spark Connect server (the warm Spark of the Airflow path);
 - ``airflow``: onceflow through a real Airflow scheduler (scheduler, triggerer,
   dag-processor, LocalExecutor, PostgreSQL metadata), the runs triggered at once.
@@ -67,35 +69,20 @@ def prepare(folder: Path, events: int, batches: int, seed: int) -> tuple[list[Pa
     return files, truth
 
 
-def onceflow_loop(spark, dsn: str, pipeline, batches: int) -> dict:
-    """begin, process, commit until the folder is read: the library path."""
-    from onceflow.core.begin import begin
-    from onceflow.core.commit import commit
-    from onceflow.core.db import connect
+def onceflow_loop(spark, dsn: str, pipeline, batches: int, in_flight: int = 1) -> dict:
+    """begin, process, commit until the folder is read: the library path
+    (spark_tasks.loop.run_batches, ``in_flight`` batches processed at once)."""
+    from onceflow.core.db import connection
     from onceflow.core.registration import register
-    from spark_tasks.processing import process_batch
+    from spark_tasks.loop import run_batches
 
-    conn = connect(dsn)
-    register(conn, pipeline, create_source=True)
-    process_s, commit_s = [], []
-    started = time.perf_counter()
-    for n in range(batches * 2):
-        batch = begin(conn, pipeline, f"bench-{n}")
-        if batch.records == 0 and batch.replayed == 0:  # read to the end: close it
-            process_batch(spark, dsn, pipeline, batch.attempt)
-            commit(conn, pipeline, batch.attempt)
-            break
-        t0 = time.perf_counter()
-        process_batch(spark, dsn, pipeline, batch.attempt)
-        t1 = time.perf_counter()
-        commit(conn, pipeline, batch.attempt)
-        process_s.append(t1 - t0)
-        commit_s.append(time.perf_counter() - t1)
-    seconds = time.perf_counter() - started
-    conn.close()
-    return {"seconds": seconds, "batches": len(process_s),
-            "process_s": statistics.median(process_s) if process_s else 0.0,
-            "commit_s": statistics.median(commit_s) if commit_s else 0.0}
+    with connection(dsn) as conn:
+        register(conn, pipeline, create_source=True)
+    done = run_batches(spark, dsn, pipeline, in_flight=in_flight, max_batches=batches * 2,
+                       run_prefix="bench")
+    return {"seconds": done.seconds, "batches": len(done.process_s), "in_flight": in_flight,
+            "process_s": statistics.median(done.process_s) if done.process_s else 0.0,
+            "commit_s": statistics.median(done.commit_s) if done.commit_s else 0.0}
 
 
 def counts_ok(dsn: str, url_table: str, domain_table: str, truth: dict) -> bool:
@@ -142,6 +129,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--acker-events", type=int, default=2_000_000,
                         help="events for the acker on/off figure (0: skip it)")
     parser.add_argument("--folder", type=Path, default=Path("/var/tmp/onceflow-bench"))
+    parser.add_argument("--in-flight", type=int, default=None,
+                        help="library paths: batches processed at once, committed in order "
+                             "(default: the pipeline's max_pending, the runs in flight of "
+                             "the Airflow path; 1: one after the other)")
     args = parser.parse_args(argv)
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
 
@@ -157,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
 
     batch = -(-args.events // args.batches)
     w = get_pipeline("bench_w", batch_size=batch)
+    if args.in_flight is None:
+        args.in_flight = w.max_pending
     results: dict[str, dict] = {}
     print(f"load average before: {loadavg()}", flush=True)
     spark = None
@@ -178,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         results["Structured Streaming"] = r
     if "library" in systems:
         dsn = recreate_database(server, "onceflow_bench_lib")
-        r = onceflow_loop(spark, dsn, w, args.batches)
+        r = onceflow_loop(spark, dsn, w, args.batches, args.in_flight)
         r["ok"] = counts_ok(dsn, "w_url_counts", "w_domain_counts", truth)
         results["onceflow library (local session)"] = r
     if spark is not None:
@@ -200,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         dsn = recreate_database(server, "onceflow_bench_connect")
         with connect_session(url, "onceflow-bench") as remote:
             remote.range(1).count()
-            r = onceflow_loop(remote, dsn, w, args.batches)
+            r = onceflow_loop(remote, dsn, w, args.batches, args.in_flight)
         r["ok"] = counts_ok(dsn, "w_url_counts", "w_domain_counts", truth)
         results["onceflow library (Spark Connect)"] = r
         results["onceflow library (Spark Connect)"]["fixed_s"] = fixed_cost(
@@ -251,7 +244,8 @@ def report(results: dict, acker: dict, args) -> None:
               f"{'OK' if r.get('ok') else 'WRONG'}")
     for name, r in results.items():
         if "process_s" in r:
-            print(f"  {name}: per batch: process {r['process_s']:.2f}s, commit "
+            print(f"  {name}: {r['in_flight']} in flight; per batch: process "
+                  f"{r['process_s']:.2f}s, commit "
                   f"{r['commit_s']:.2f}s" + (f", fixed cost of a warm task {r['fixed_s']:.2f}s"
                                              if "fixed_s" in r else ""))
         if "task_s" in r:
