@@ -196,16 +196,40 @@ def test_a_killed_spark_driver_is_retried_and_counts_once(dsn, conn, airflow_db,
 
 @pytest.mark.timeout(420)
 def test_max_pending_is_honoured_with_five_runs_at_once(dsn, conn, airflow_db, warm_spark):
+    """Runs that may not wait for a place (ONCEFLOW_BEGIN_WAIT_S=0) are skipped past
+    max_pending."""
     pipeline = tweets_pipeline(conn, events=5000, batch_size=500)  # max_pending 3
-    results = [finish(r) for r in [start_run() for _ in range(5)]]
+    results = [finish(r) for r in [start_run(env={"ONCEFLOW_BEGIN_WAIT_S": "0"})
+                                   for _ in range(5)]]
     skipped = [r for r in results if r["tasks"].get("begin[-1]") == "skipped"]
     assert all(r["state"] == "success" for r in results), [r["tasks"] for r in results]
     planned = table(conn, "SELECT count(*) FROM transactions")[0][0]
     assert planned + len(skipped) == 5 and skipped
     for run in skipped:
         assert "max_pending=3 reached" in run["log"]
-    # at no moment were more than 3 transactions planned and uncommitted
+    _at_most_three_open(conn)
+    assert verify(conn, pipeline).ok
+
+
+@pytest.mark.timeout(420)
+def test_runs_past_max_pending_wait_in_begin_and_plan_when_one_commits(
+        dsn, conn, airflow_db, warm_spark):
+    pipeline = tweets_pipeline(conn, events=2500, batch_size=500)  # max_pending 3
+    results = [finish(r) for r in [start_run() for _ in range(5)]]
+    assert all(r["state"] == "success" for r in results), [r["tasks"] for r in results]
+    assert all(r["tasks"].get("begin[-1]") == "success" for r in results), [
+        r["tasks"] for r in results]
+    # all five planned and committed, never more than three open at once; two waited
+    assert table(conn, "SELECT count(*) FROM transactions WHERE state = 'committed'") == [(5,)]
+    waited = [r for r in results if "waiting up to 300s for one to commit" in r["log"]]
+    assert len(waited) >= 2, [r["log"][-2000:] for r in results]
+    assert all("a place freed after" in r["log"] for r in waited)
+    _at_most_three_open(conn)
+    assert verify(conn, pipeline).ok
+
+
+def _at_most_three_open(conn) -> None:
+    """At no moment were more than 3 transactions planned and uncommitted."""
     spans = table(conn, "SELECT planned_at, committed_at FROM transactions")
     for start, _ in spans:
         assert sum(1 for s, e in spans if s <= start < e) <= 3
-    assert verify(conn, pipeline).ok

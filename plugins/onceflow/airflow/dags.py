@@ -43,7 +43,8 @@ One DAG run is one attempt of one transaction:
 
 1. **begin** gives the run its transaction attempt (the txid from the trigger form: a
    backfill; the run's own txid: a Clear; the lowest failed or abandoned txid; or a new one)
-   and stores the offsets it reads. Past `max_pending` open transactions the run is skipped;
+   and stores the offsets it reads. Past `max_pending` open transactions it waits for one to
+   commit (the DAG lets one run more start), and is skipped if none does within 300 s;
 2. **process** runs the topology on Spark over exactly those offsets and stages the result;
 3. **commit** waits for txid - 1 (deferred: no worker slot held), then applies the states,
    the offsets and the commit record in one PostgreSQL transaction. Its log has one
@@ -64,7 +65,9 @@ def transaction_dag(pipeline: Pipeline | str, *, dag_id: str | None = None,
 
     ``dag_id`` defaults to ``onceflow_<name>``; the trigger form's batch_size and groups
     default to the pipeline's own; retries come from the pipeline (``retries``) unless
-    ``default_args`` says otherwise; ``max_active_runs`` defaults to its ``max_pending``.
+    ``default_args`` says otherwise; ``max_active_runs`` defaults to its ``max_pending`` + 1:
+    the run past ``max_pending`` waits in its begin and plans the moment a transaction
+    commits (``BeginBatchOperator``'s ``wait_for_slot``).
     """
     refs = tuple(pipeline_refs)
     if isinstance(pipeline, str):
@@ -98,7 +101,7 @@ def transaction_dag(pipeline: Pipeline | str, *, dag_id: str | None = None,
         start_date=start_date or datetime(2026, 1, 1),
         schedule=schedule,
         catchup=False,
-        max_active_runs=max_active_runs or pipeline.max_pending,
+        max_active_runs=max_active_runs or pipeline.max_pending + 1,
         render_template_as_native_obj=True,
         tags=["onceflow", "exactly-once", *tags],
         default_args=args,

@@ -4,7 +4,8 @@ DAG files only wire these together (onceflow.airflow.dags); all logic lives in o
 How onceflow's outcomes show in Airflow:
 
 - a fenced attempt (a duplicate run, a zombie that woke up late) and a run past max_pending
-  end as **skipped**, with the reason in the log: nothing is wrong, another attempt carries on;
+  that no commit made room for within ``wait_for_slot`` end as **skipped**, with the reason
+  in the log: nothing is wrong, another attempt carries on;
 - a permanent error (a bad setting, an unknown txid or pipeline, an unreachable database)
   fails the task at once, without retries (``AirflowFailException``);
 - anything else is retried, and after the last retry marks the transaction failed, so that
@@ -184,17 +185,25 @@ class BeginBatchOperator(_PipelineTask, BaseOperator):
     :param batch_size: records for a new transaction (default: the pipeline's own).
     :param groups: processing groups for a new transaction (default: the pipeline's own).
     :param txid: re-attempt this txid (a manual backfill); empty: the next one.
+    :param wait_for_slot: seconds a run past the pipeline's ``max_pending`` waits here for a
+        transaction to commit (woken by the commit's announcement) before it ends as skipped
+        (0: at once). Default: ONCEFLOW_BEGIN_WAIT_S, else 300.
+    :param poll_interval: seconds between looks while waiting, besides the announcements.
 
     The first begin of a pipeline applies onceflow's migrations and registers it. Past the
-    pipeline's ``max_pending`` the task (and run) ends as skipped: nothing planned. Returns
-    one entry per processing group (the process task maps over them).
+    pipeline's ``max_pending`` the task waits for a free place (the DAG lets one run more than
+    ``max_pending`` start, so the next transaction is planned the moment one commits, not a
+    scheduler loop later); if none frees in ``wait_for_slot`` seconds the task (and run) ends
+    as skipped: nothing planned. Returns one entry per processing group (the process task
+    maps over them).
     """
 
     template_fields = ("batch_size", "txid", "groups")
 
     def __init__(self, *, pipeline: str, pipeline_refs: Iterable[str] = (),
                  postgres_conn_id: str = DEFAULT_CONN_ID, batch_size: Any = None,
-                 txid: Any = None, groups: Any = None, **kwargs):
+                 txid: Any = None, groups: Any = None, wait_for_slot: float | None = None,
+                 poll_interval: float = 2.0, **kwargs):
         super().__init__(**kwargs)
         self.pipeline = pipeline
         self.pipeline_refs = tuple(pipeline_refs)
@@ -202,6 +211,10 @@ class BeginBatchOperator(_PipelineTask, BaseOperator):
         self.batch_size = batch_size
         self.txid = txid
         self.groups = groups
+        if wait_for_slot is None:
+            wait_for_slot = float(os.environ.get("ONCEFLOW_BEGIN_WAIT_S", "300"))
+        self.wait_for_slot = wait_for_slot
+        self.poll_interval = poll_interval
 
     def execute(self, context) -> list[dict[str, Any]]:
         from onceflow.core.begin import begin
@@ -214,7 +227,8 @@ class BeginBatchOperator(_PipelineTask, BaseOperator):
                 txid = int(self.txid) if self.txid not in (None, "") else None
                 with connection(self._dsn()) as conn:
                     ensure_ready(conn, pipeline)
-                    batch = begin(conn, pipeline, context["run_id"], txid=txid)
+                    batch = self._begin_when_free(pipeline, lambda: begin(
+                        conn, pipeline, context["run_id"], txid=txid))
         except AirflowSkipException as skip:  # max_pending
             why = str(skip)
             run_note(context, lambda notes: notes.nothing_planned(self.pipeline, why))
@@ -236,6 +250,37 @@ class BeginBatchOperator(_PipelineTask, BaseOperator):
              "committed": batch.committed}
             for group in range(batch.groups)
         ]
+
+    def _begin_when_free(self, pipeline, attempt):
+        """``attempt()`` (begin); while it finds ``max_pending`` transactions open, wait for
+        a commit (LISTEN on the announcements, a look every poll_interval) and try again,
+        for up to ``wait_for_slot`` seconds; then MaxPendingReached goes up (a skip)."""
+        from onceflow.airflow.triggers import TurnListener
+        from onceflow.core.errors import MaxPendingReached
+
+        until = time.monotonic() + self.wait_for_slot
+        started, listener = time.monotonic(), None
+        try:
+            while True:
+                try:
+                    batch = attempt()
+                except MaxPendingReached as full:
+                    if time.monotonic() >= until:
+                        raise
+                    if listener is None:  # listening before the next look: no commit missed
+                        self.log.info("%s; waiting up to %.0fs for one to commit",
+                                      full, self.wait_for_slot)
+                        listener = TurnListener(self._dsn())
+                        continue
+                    listener.wait(min(self.poll_interval, max(0.0, until - time.monotonic())))
+                    continue
+                if listener is not None:
+                    self.log.info("%s: a place freed after %.2fs", pipeline.name,
+                                  time.monotonic() - started)
+                return batch
+        finally:
+            if listener is not None:
+                listener.close()
 
 
 def module_root(ref: str | None) -> str | None:
