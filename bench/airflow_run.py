@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -44,6 +45,35 @@ def _query(dsn: str, query: str, params=()):
             return cur.fetchall()
     finally:
         conn.close()
+
+
+WARM_UP = "onceflow_bench_warm_up"
+
+
+def _trigger(env: dict, dag_id: str, run_ids: list[str], conf: dict | None = None) -> None:
+    """Trigger one run of ``dag_id`` per run id, at once (as `airflow dags trigger` does)."""
+    code = (
+        "import json, sys\n"
+        "from airflow.api.common.trigger_dag import trigger_dag\n"
+        "from airflow.utils.types import DagRunTriggeredByType\n"
+        "for run_id in json.loads(sys.argv[2]):\n"
+        "    trigger_dag(sys.argv[1], run_id=run_id, conf=json.loads(sys.argv[3]), "
+        "triggered_by=DagRunTriggeredByType.CLI)\n"
+    )
+    subprocess.run([sys.executable, "-c", code, dag_id, json.dumps(run_ids),
+                    json.dumps(conf or {})], env=env, check=True)
+
+
+def _wait_for_runs(meta: str, dag_id: str, runs: int, deadline: float, logs: Path) -> dict:
+    """Wait until ``runs`` runs of ``dag_id`` ended; their count by state."""
+    while True:
+        done = dict(_query(meta, "SELECT state, count(*) FROM dag_run WHERE dag_id = %s "
+                                 "GROUP BY state", (dag_id,)))
+        if sum(done.get(s, 0) for s in ("success", "failed")) >= runs:
+            return done
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{dag_id}: runs not done: {done} (logs in {logs})")
+        time.sleep(0.5)
 
 
 def _cpu_s(pid: int) -> float:
@@ -103,12 +133,16 @@ def run_airflow(dsn: str, server: str, spark_url: str, folder: Path, pipeline: s
         register(conn, get_pipeline(pipeline), create_source=True)
     meta = recreate_database(server, "onceflow_bench_airflow_meta", migrate=False)
     home = Path(tempfile.mkdtemp(prefix="onceflow-bench-airflow-"))
+    dags = home / "dags"  # the project's DAG file and the warm-up DAG
+    dags.mkdir()
+    shutil.copy(ROOT / "dags" / "onceflow_pipelines.py", dags)
+    shutil.copy(ROOT / "bench" / "airflow_dags" / "bench_warm_up.py", dags)
     api_port = _free_port()
     host, _, port = spark_url.removeprefix("sc://").partition(":")
     env = {
         **os.environ,
         "AIRFLOW_HOME": str(home),
-        "AIRFLOW__CORE__DAGS_FOLDER": str(ROOT / "dags"),
+        "AIRFLOW__CORE__DAGS_FOLDER": str(dags),
         "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
         "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
         "AIRFLOW__CORE__PARALLELISM": "6",
@@ -122,7 +156,7 @@ def run_airflow(dsn: str, server: str, spark_url: str, folder: Path, pipeline: s
         "AIRFLOW__SCHEDULER__TASK_QUEUED_TIMEOUT": "600",
         "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
         "AIRFLOW__TRIGGERER__JOB_HEARTBEAT_SEC": "1",
-        "AIRFLOW__LOGGING__LOGGING_LEVEL": "WARNING",
+        "AIRFLOW__LOGGING__LOGGING_LEVEL": os.environ.get("ONCEFLOW_BENCH_AIRFLOW_LOG", "WARNING"),
         "AIRFLOW_CONN_ONCEFLOW_PG": airflow_connection_json(dsn),
         "AIRFLOW_CONN_SPARK_DEFAULT": json.dumps({"conn_type": "spark_connect", "host": host,
                                                   "port": int(port)}),
@@ -143,8 +177,8 @@ def run_airflow(dsn: str, server: str, spark_url: str, folder: Path, pipeline: s
     dag_id = f"onceflow_{pipeline}"
     try:
         deadline = time.monotonic() + 300
-        while not _query(meta, "SELECT 1 FROM dag WHERE dag_id = %s AND NOT is_paused",
-                         (dag_id,)):
+        while len(_query(meta, "SELECT 1 FROM dag WHERE dag_id IN (%s, %s) AND NOT is_paused",
+                         (dag_id, WARM_UP))) < 2:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{dag_id} never appeared (logs in {logs})")
             time.sleep(1)
@@ -154,6 +188,9 @@ def run_airflow(dsn: str, server: str, spark_url: str, folder: Path, pipeline: s
             if time.monotonic() > deadline:
                 raise TimeoutError(f"Airflow's components never reported healthy ({logs})")
             time.sleep(1)
+        # and its executor's worker processes have each run a task (see bench_warm_up.py)
+        _trigger(env, WARM_UP, ["warm_up"])
+        _wait_for_runs(meta, WARM_UP, 1, deadline, logs)
         time.sleep(5)
         cpu_pids = {c: p.pid for c, p in zip(("api-server", "scheduler", "dag-processor",
                                               "triggerer"), procs, strict=True)}
@@ -161,27 +198,10 @@ def run_airflow(dsn: str, server: str, spark_url: str, folder: Path, pipeline: s
         if spark_pid:
             cpu_pids["Spark Connect server"] = spark_pid
         cpu_before = {c: _cpu_s(p) for c, p in cpu_pids.items()}
-        code = (
-            "import sys\n"
-            "from airflow.api.common.trigger_dag import trigger_dag\n"
-            "from airflow.utils.types import DagRunTriggeredByType\n"
-            f"for i in range({runs}):\n"
-            f"    trigger_dag('{dag_id}', run_id=f'bench_{{i:03d}}', "
-            f"conf={{'batch_size': {batch_size}}}, "
-            "triggered_by=DagRunTriggeredByType.CLI)\n"
-        )
         started = time.monotonic()
-        subprocess.run([sys.executable, "-c", code], env=env, check=True)
-        deadline = time.monotonic() + 3600
-        while True:
-            states = _query(meta, "SELECT state, count(*) FROM dag_run WHERE dag_id = %s "
-                                  "GROUP BY state", (dag_id,))
-            done = dict(states)
-            if sum(done.get(s, 0) for s in ("success", "failed")) >= runs:
-                break
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"runs not done: {done} (logs in {logs})")
-            time.sleep(0.5)
+        _trigger(env, dag_id, [f"bench_{i:03d}" for i in range(runs)],
+                 {"batch_size": batch_size})
+        done = _wait_for_runs(meta, dag_id, runs, time.monotonic() + 3600, logs)
         if done.get("failed"):
             print(f"{done['failed']} Airflow run(s) failed: task logs under {home}/logs",
                   file=sys.stderr)

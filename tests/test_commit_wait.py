@@ -11,6 +11,7 @@ import pytest
 from helpers import tweets_pipeline
 from onceflow.airflow.operators import CommitBatchOperator
 from onceflow.airflow.triggers import CommitTurnTrigger
+from onceflow.core import txlog
 from onceflow.core.begin import begin
 from onceflow.core.commit import commit
 from spark_tasks.processing import process_batch
@@ -62,12 +63,21 @@ def _first_event(trigger):
     return asyncio.run(first())
 
 
-def test_commit_defers_while_an_earlier_txid_is_open(two_batches):
+def test_commit_defers_while_an_earlier_txid_is_open(spark, conn, dsn):
+    """txid 1 is still processing: txid 2's commit defers at once (no worker slot held)."""
     from airflow.sdk.exceptions import TaskDeferred
 
-    _, _, second = two_batches
+    pipeline = tweets_pipeline(conn, events=600, batch_size=300)
+    first, second = begin(conn, pipeline, "run-1"), begin(conn, pipeline, "run-2")
+    process_batch(spark, dsn, pipeline, second.attempt)
+    with conn.cursor() as cur:
+        assert not txlog.turn_is_near(cur, "tweets", 2)
+    conn.rollback()
+    started = time.monotonic()
     with pytest.raises(TaskDeferred) as deferred:
         _operator(second)._try_commit(time.time() + 60)
+    assert time.monotonic() - started < 5  # deferred without waiting in the task
+    assert first.attempt.txid == 1
     trigger = deferred.value.trigger
     assert isinstance(trigger, CommitTurnTrigger)
     classpath, kwargs = trigger.serialize()
@@ -163,12 +173,18 @@ def _commit_requested(conn, batch) -> None:
     conn.commit()
 
 
+@pytest.mark.parametrize("earlier", ["committing", "staged"])
 def test_a_commit_whose_turn_is_near_waits_in_the_task_instead_of_deferring(
-        two_batches, conn, dsn):
-    """txid 1 is committing: txid 2's commit waits for it in the task (no deferral, no new
-    task process) and commits as soon as txid 1's commit is announced."""
+        two_batches, conn, dsn, earlier):
+    """txid 1 is committing, or processed and about to: txid 2's commit waits for it in the
+    task (no deferral, no new task process) and commits as soon as txid 1's commit is
+    announced."""
     pipeline, first, second = two_batches
-    _commit_requested(conn, first)
+    if earlier == "committing":
+        _commit_requested(conn, first)
+    with conn.cursor() as cur:
+        assert txlog.turn_is_near(cur, "tweets", 2)
+    conn.rollback()
     operator = CommitBatchOperator(task_id="commit", pipeline="tweets", poll_interval=30,
                                    batch={"txid": 2, "attempt": 1})
     result, took = _meanwhile(dsn, 1.0, lambda c: commit(c, pipeline, first.attempt),

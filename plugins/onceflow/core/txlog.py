@@ -257,12 +257,19 @@ def read_ranges(cur, pipeline: str, txid: int) -> list[tuple[PartitionRange, int
 
 def turn_is_near(cur, pipeline: str, txid: int) -> bool:
     """Whether every uncommitted txid before ``txid`` is in its commit phase (planned, its
-    processing done and its commit asked for): the turn of ``txid`` then comes within about
-    one commit per such txid, unless one of them fails."""
+    processing done: every group staged, or its commit asked for): the turn of ``txid`` then
+    comes within about one commit per such txid, unless one of them fails. (Staged counts too:
+    runs that finish processing together start their commits together, and the earlier
+    one's request may land a moment after the later one looks.)"""
     cur.execute(
-        """SELECT NOT EXISTS (SELECT 1 FROM transactions
-                              WHERE pipeline = %s AND txid < %s AND state <> 'committed'
-                                AND (state <> 'planned' OR commit_requested_at IS NULL))""",
+        """SELECT NOT EXISTS (
+               SELECT 1 FROM transactions t
+               WHERE t.pipeline = %s AND t.txid < %s AND t.state <> 'committed'
+                 AND (t.state <> 'planned'
+                      OR (t.commit_requested_at IS NULL
+                          AND (SELECT count(*) FROM staged_groups g
+                               WHERE g.pipeline = t.pipeline AND g.txid = t.txid
+                                 AND g.attempt = t.attempt) < t.groups)))""",
         (pipeline, txid),
     )
     return cur.fetchone()[0]
