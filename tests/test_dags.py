@@ -49,6 +49,24 @@ def test_dag_has_the_expected_task_graph(dagbag, dag_id):
         assert dag.max_active_runs > 1  # processing of consecutive transactions may overlap
 
 
+def test_the_wait_for_a_place_past_max_pending_is_configurable_and_checked(monkeypatch):
+    from onceflow.airflow.dags import transaction_dag
+    from onceflow.airflow.operators import BeginBatchOperator
+    from onceflow.core.errors import ConfigError
+    from onceflow.core.registry import get_pipeline
+
+    dag = transaction_dag("tweets")  # one run past max_pending may start: it waits in begin
+    assert dag.max_active_runs == get_pipeline("tweets").max_pending + 1
+    assert dag.get_task("begin").wait_for_slot == 300
+    monkeypatch.setenv("ONCEFLOW_BEGIN_WAIT_S", "0")
+    assert BeginBatchOperator(task_id="b", pipeline="tweets").wait_for_slot == 0
+    monkeypatch.setenv("ONCEFLOW_BEGIN_WAIT_S", "soon")
+    with pytest.raises(ConfigError, match="ONCEFLOW_BEGIN_WAIT_S='soon' is not a number"):
+        BeginBatchOperator(task_id="b", pipeline="tweets")
+    with pytest.raises(ConfigError, match="wait_for_slot=-1 is not a number of seconds"):
+        BeginBatchOperator(task_id="b", pipeline="tweets", wait_for_slot=-1)
+
+
 @pytest.mark.timeout(420)
 def test_three_transactions_through_the_dag(dagbag, conn, dsn, caplog, warm_spark):
     pipeline = tweets_pipeline(conn, events=2400, batch_size=1000)
