@@ -28,7 +28,7 @@ from onceflow.core.begin import begin, mark_failed
 from onceflow.core.commit import commit
 from onceflow.core.db import connection
 from onceflow.core.errors import OnceflowError
-from onceflow.core.pipeline import Pipeline
+from onceflow.core.pipeline import Pipeline, check
 from onceflow.core.txlog import Batch
 from spark_tasks.processing import process_batch
 
@@ -58,13 +58,11 @@ def run_batches(spark, dsn: str, pipeline: Pipeline, *, in_flight: int = 1,
     ``max_batches`` non-empty batches), ``in_flight`` processed at once, committed in txid
     order. ``in_flight`` must be within 1..``pipeline.max_pending``; 2-3 keeps both of a
     small machine's cores busy (more only adds memory pressure)."""
-    if not 1 <= in_flight <= pipeline.max_pending:
-        raise ValueError(f"in_flight={in_flight!r} must be within 1..max_pending="
-                         f"{pipeline.max_pending} of pipeline {pipeline.name!r}: lower it, or "
-                         "raise the pipeline's max_pending")
-    if max_batches is not None and max_batches < 1:
-        raise ValueError(f"max_batches={max_batches!r} must be at least 1 (or None: until "
-                         "the source is read to its end)")
+    check(isinstance(in_flight, int) and 1 <= in_flight <= pipeline.max_pending, "in_flight",
+          in_flight, f"give 1..max_pending={pipeline.max_pending} of pipeline "
+          f"{pipeline.name!r} (or raise its max_pending)")
+    check(max_batches is None or (isinstance(max_batches, int) and max_batches >= 1),
+          "max_batches", max_batches, "give 1 or more (None: until the source is read)")
     result = LoopResult()
     started = time.perf_counter()
 

@@ -61,10 +61,14 @@ def test_the_wait_for_a_place_past_max_pending_is_configurable_and_checked(monke
     monkeypatch.setenv("ONCEFLOW_BEGIN_WAIT_S", "0")
     assert BeginBatchOperator(task_id="b", pipeline="tweets").wait_for_slot == 0
     monkeypatch.setenv("ONCEFLOW_BEGIN_WAIT_S", "soon")
-    with pytest.raises(ConfigError, match="ONCEFLOW_BEGIN_WAIT_S='soon' is not a number"):
+    with pytest.raises(ConfigError,
+                       match="ONCEFLOW_BEGIN_WAIT_S='soon' is invalid: give a number of sec"):
         BeginBatchOperator(task_id="b", pipeline="tweets")
-    with pytest.raises(ConfigError, match="wait_for_slot=-1 is not a number of seconds"):
+    with pytest.raises(ConfigError, match="wait_for_slot=-1 is invalid: give a number of seconds"):
         BeginBatchOperator(task_id="b", pipeline="tweets", wait_for_slot=-1)
+    monkeypatch.setenv("ONCEFLOW_RETRY_DELAY_SECONDS", "ten")
+    with pytest.raises(ConfigError, match="ONCEFLOW_RETRY_DELAY_SECONDS='ten' is invalid"):
+        transaction_dag("tweets")
 
 
 @pytest.mark.timeout(420)

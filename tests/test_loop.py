@@ -10,6 +10,7 @@ from pyspark.sql import functions as F
 from helpers import table, tweets_pipeline
 from onceflow import SPOUT, Topology
 from onceflow.core.begin import begin
+from onceflow.core.errors import ConfigError
 from onceflow.ops.verify import recount as verify
 from spark_tasks.loop import CommitWaiting, run_batches
 from tweets_example import topology as tweets
@@ -81,5 +82,5 @@ def test_a_txid_another_run_holds_stops_the_loop_with_a_clear_error(spark, conn,
     assert table(conn, "SELECT txid, state FROM transactions ORDER BY txid") == [
         (1, "planned"), (2, "failed")]
     assert other.attempt.txid == 1
-    with pytest.raises(ValueError, match="in_flight=4 must be within 1..max_pending=3"):
+    with pytest.raises(ConfigError, match="in_flight=4 is invalid: give 1..max_pending=3"):
         run_batches(spark, dsn, pipeline, in_flight=4)

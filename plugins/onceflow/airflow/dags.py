@@ -14,7 +14,6 @@ only calls these says both words in its docstring.
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Iterable, Mapping
 from datetime import datetime, timedelta
@@ -29,6 +28,7 @@ from onceflow.airflow.operators import (
     ProcessBatchOperator,
     load_pipeline,
     mark_transaction_failed,
+    seconds_setting,
 )
 from onceflow.core.connections import DEFAULT_CONN_ID
 from onceflow.core.errors import ConfigError
@@ -88,7 +88,7 @@ def transaction_dag(pipeline: Pipeline | str, *, dag_id: str | None = None,
         "on_failure_callback": mark_transaction_failed,
         "retries": pipeline.retries,
         "retry_delay": timedelta(
-            seconds=float(os.environ.get("ONCEFLOW_RETRY_DELAY_SECONDS", "10"))),
+            seconds=seconds_setting("retry_delay", None, "ONCEFLOW_RETRY_DELAY_SECONDS", 10)),
         **(default_args or {}),
     }
     with DAG(

@@ -161,23 +161,19 @@ def hold_point(point: str, txid: int, try_number: int) -> None:
         time.sleep(0.2)
 
 
-def _seconds(name: str, value: Any, env: str, default: float) -> float:
+def seconds_setting(name: str, value: Any, env: str, default: float) -> float:
     """A number of seconds >= 0: ``value``, else the environment variable ``env``, else
     ``default``; a ConfigError naming where a bad one came from."""
-    from onceflow.core.errors import ConfigError
+    from onceflow.core.pipeline import check
 
-    where = name
     if value is None:
-        value, where = os.environ.get(env, default), env
+        name, value = env, os.environ.get(env, default)
     try:
         seconds = float(value)
     except (TypeError, ValueError):
-        seconds = -1.0
-    if not seconds >= 0:
-        raise ConfigError(f"{where}={value!r} is not a number of seconds: give 0 or more "
-                          "(0: skip a run past max_pending at once)")
+        seconds = float("nan")
+    check(seconds >= 0, name, value, "give a number of seconds, 0 or more")
     return seconds
-
 
 class _PipelineTask:
     """What the three operators share: which pipeline, found how, in which database."""
@@ -229,8 +225,8 @@ class BeginBatchOperator(_PipelineTask, BaseOperator):
         self.batch_size = batch_size
         self.txid = txid
         self.groups = groups
-        self.wait_for_slot = _seconds("wait_for_slot", wait_for_slot,
-                                      "ONCEFLOW_BEGIN_WAIT_S", 300.0)
+        self.wait_for_slot = seconds_setting("wait_for_slot", wait_for_slot,
+                                             "ONCEFLOW_BEGIN_WAIT_S", 300.0)
         self.poll_interval = poll_interval
 
     def execute(self, context) -> list[dict[str, Any]]:
