@@ -190,7 +190,8 @@ def run_airflow(dsn: str, server: str, spark_url: str, folder: Path, pipeline: s
             time.sleep(1)
         # and its executor's worker processes have each run a task (see bench_warm_up.py)
         _trigger(env, WARM_UP, ["warm_up"])
-        _wait_for_runs(meta, WARM_UP, 1, deadline, logs)
+        if _wait_for_runs(meta, WARM_UP, 1, deadline, logs).get("failed"):
+            raise RuntimeError(f"the warm-up DAG {WARM_UP} failed: task logs under {home}/logs")
         time.sleep(5)
         cpu_pids = {c: p.pid for c, p in zip(("api-server", "scheduler", "dag-processor",
                                               "triggerer"), procs, strict=True)}
