@@ -30,7 +30,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from datetime import UTC, datetime
@@ -135,18 +134,6 @@ class Cluster:
                 proc.wait(timeout=10)
 
 
-def reap(pid: int) -> None:
-    """The server is this process's child: wait for it in a thread, so that once stopped it
-    does not linger as a zombie, which localspark.stop takes for alive (and waits 30 s)."""
-    def wait() -> None:
-        try:
-            os.waitpid(pid, 0)
-        except ChildProcessError:
-            pass
-
-    threading.Thread(target=wait, daemon=True).start()
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     running = Cluster(tmp_path_factory.mktemp("spark-cluster"))
@@ -219,7 +206,6 @@ def test_a_spark_connect_server_on_the_cluster(cluster, pageviews, conn, dsn, ai
     port, = free_ports(1)
     folder = tmp_path / "connect"
     localspark.start(port, master=cluster.url, driver_memory="1g", folder=folder)
-    reap(localspark.status(port, folder=folder).pid)
     try:
         assert "onceflow-spark-connect" in [a["name"] for a in cluster.state()["activeapps"]]
         monkeypatch.setenv("AIRFLOW_CONN_SPARK_DEFAULT", connect_connection(port))

@@ -51,6 +51,23 @@ def test_the_server_starts_answers_and_stops_from_the_cli(tmp_path):
     assert spark("status").returncode == 1
 
 
+def test_a_server_this_process_started_is_not_taken_for_alive_once_it_exits():
+    """A child that exited is a zombie until reaped, and signal 0 still finds a zombie: stop()
+    of a server started in-process waited its whole 30 s for one."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 30
+    while not Path(f"/proc/{child.pid}/stat").read_text().split(") ")[1].startswith("Z"):
+        assert time.monotonic() < deadline, "the child never exited"
+        time.sleep(0.05)
+    assert localspark._alive(child.pid) is False
+    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert localspark._alive(running.pid) is True
+    finally:
+        running.kill()
+        running.wait()
+
+
 @pytest.fixture
 def pageviews(monkeypatch, dsn, conn):
     with outside_pipeline(monkeypatch, "pageviews.pipelines:PAGE_VIEWS", conn) as found:

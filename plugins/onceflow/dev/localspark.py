@@ -66,6 +66,12 @@ def _answers(port: int, timeout: float = 0.5) -> bool:
 def _alive(pid: int | None) -> bool:
     if not pid:
         return False
+    try:  # a server this process started and that has exited: reaped here, or it would
+        # stay a zombie that signal 0 still finds (and stop() would wait its whole wait_s)
+        if os.waitpid(pid, os.WNOHANG)[0] == pid:
+            return False
+    except ChildProcessError:  # not this process's child: another one reaps it
+        pass
     try:
         os.kill(pid, 0)
     except OSError:
