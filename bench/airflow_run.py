@@ -165,6 +165,7 @@ def run_airflow(dsn: str, server: str, spark_url: str, folder: Path, pipeline: s
         "PYSPARK_PYTHON": sys.executable,
     }
     airflow = [sys.executable, "-m", "airflow"]
+    setup = time.monotonic()
     subprocess.run([*airflow, "db", "migrate"], env=env, check=True,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     logs = home / "component-logs"
@@ -188,10 +189,14 @@ def run_airflow(dsn: str, server: str, spark_url: str, folder: Path, pipeline: s
             if time.monotonic() > deadline:
                 raise TimeoutError(f"Airflow's components never reported healthy ({logs})")
             time.sleep(1)
+        print(f"Airflow up in {time.monotonic() - setup:.1f}s (metadata database migrated, "
+              "DAGs parsed, components healthy)", flush=True)
         # and its executor's worker processes have each run a task (see bench_warm_up.py)
+        warming = time.monotonic()
         _trigger(env, WARM_UP, ["warm_up"])
         if _wait_for_runs(meta, WARM_UP, 1, deadline, logs).get("failed"):
             raise RuntimeError(f"the warm-up DAG {WARM_UP} failed: task logs under {home}/logs")
+        print(f"Airflow's workers warmed up in {time.monotonic() - warming:.1f}s", flush=True)
         time.sleep(5)
         cpu_pids = {c: p.pid for c, p in zip(("api-server", "scheduler", "dag-processor",
                                               "triggerer"), procs, strict=True)}
