@@ -1,7 +1,8 @@
 """A pipeline of a user's own, from outside this repository (tests/outside/pageviews, not
-installed): found by reference, run through its Airflow DAG with Spark through spark-submit
-and through the CLI, then `onceflow verify` with no recount of the user's: OK. An oracle of
-the test's own counts what the payloads hold, from the list the test wrote."""
+installed): found by reference, run through its Airflow DAG on the warm Spark (spark-submit:
+tests/test_cluster.py) and through the CLI, then `onceflow verify` with no recount of the
+user's: OK. An oracle of the test's own counts what the payloads hold, from the list the test
+wrote."""
 
 from __future__ import annotations
 
@@ -71,14 +72,13 @@ def cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=600)
 
 
-@pytest.mark.parametrize("spark_kind", ["spark_submit", "warm_spark"])
 def test_a_pipeline_of_ones_own_runs_through_its_dag_and_the_cli(outside, dsn, conn,
-                                                                 airflow_db, request,
-                                                                 spark_kind):
-    """Through spark-submit (the driver finds the pipeline by the reference and folder the
-    task passes) and through the warm Spark Connect server (the user's code is shipped by
-    value with the functions Spark sends: nothing installed on the server)."""
-    request.getfixturevalue(spark_kind)
+                                                                 airflow_db, warm_spark):
+    """Through the warm Spark Connect server: the user's code is shipped by value with the
+    functions Spark sends, nothing installed on the server. (The same pipeline through
+    spark-submit, where the driver finds it by the reference and folder the task passes, is
+    tests/test_cluster.py's first test; local spark-submit is test_dag_failures' killed
+    driver.)"""
     from pageviews.pipelines import PAGE_VIEWS
 
     from onceflow.airflow import transaction_dag
