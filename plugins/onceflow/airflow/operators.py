@@ -175,6 +175,7 @@ def seconds_setting(name: str, value: Any, env: str, default: float) -> float:
     check(seconds >= 0, name, value, "give a number of seconds, 0 or more")
     return seconds
 
+
 class _PipelineTask:
     """What the three operators share: which pipeline, found how, in which database."""
 
