@@ -1,7 +1,8 @@
 """onceflow through a real Airflow (bench/compare.py's ``airflow`` system): an API server, a
-scheduler, a DAG processor and a triggerer (LocalExecutor, a PostgreSQL metadata database of
-their own), the project's DAG file, processing on the warm Spark (Spark Connect). All runs
-are triggered at once; the clock runs from the first trigger to the last commit.
+scheduler, a DAG processor and a triggerer (onceflow's PreloadingLocalExecutor, a PostgreSQL
+metadata database of their own), the project's DAG file, processing on the warm Spark (Spark
+Connect). All runs are triggered at once; the clock runs from the first trigger to the last
+commit.
 """
 
 from __future__ import annotations
@@ -144,7 +145,8 @@ def run_airflow(dsn: str, server: str, spark_url: str, folder: Path, pipeline: s
         "AIRFLOW_HOME": str(home),
         "AIRFLOW__CORE__DAGS_FOLDER": str(dags),
         "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-        "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
+        # a LocalExecutor whose task processes inherit onceflow's modules from the scheduler
+        "AIRFLOW__CORE__EXECUTOR": "onceflow.airflow.executor.PreloadingLocalExecutor",
         "AIRFLOW__CORE__PARALLELISM": "6",
         "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
         "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": _sqlalchemy(meta),
@@ -191,19 +193,26 @@ def run_airflow(dsn: str, server: str, spark_url: str, folder: Path, pipeline: s
             time.sleep(1)
         print(f"Airflow up in {time.monotonic() - setup:.1f}s (metadata database migrated, "
               "DAGs parsed, components healthy)", flush=True)
+        for line in (logs / "scheduler.log").read_text(errors="replace").splitlines():
+            if "onceflow: " in line and "preload" in line:  # at log level INFO or finer
+                print("scheduler: " + line.split("onceflow: ", 1)[1].split(" [", 1)[0],
+                      flush=True)
         # and its executor's worker processes have each run a task (see bench_warm_up.py)
         warming = time.monotonic()
         _trigger(env, WARM_UP, ["warm_up"])
         if _wait_for_runs(meta, WARM_UP, 1, deadline, logs).get("failed"):
             raise RuntimeError(f"the warm-up DAG {WARM_UP} failed: task logs under {home}/logs")
         print(f"Airflow's workers warmed up in {time.monotonic() - warming:.1f}s", flush=True)
-        time.sleep(5)
         cpu_pids = {c: p.pid for c, p in zip(("api-server", "scheduler", "dag-processor",
                                               "triggerer"), procs, strict=True)}
         spark_pid = _spark_server_pid(spark_url)
         if spark_pid:
             cpu_pids["Spark Connect server"] = spark_pid
+        idle_before = {c: _cpu_s(p) for c, p in cpu_pids.items()}
+        time.sleep(5)  # settle; what each component burns with no run in flight
         cpu_before = {c: _cpu_s(p) for c, p in cpu_pids.items()}
+        print("CPU seconds per second, idle: " + ", ".join(
+            f"{c} {(cpu_before[c] - idle_before[c]) / 5:.2f}" for c in cpu_pids), flush=True)
         started = time.monotonic()
         _trigger(env, dag_id, [f"bench_{i:03d}" for i in range(runs)],
                  {"batch_size": batch_size})

@@ -29,9 +29,17 @@ def _bench(script: str, args: list[str], tmp_path: Path, dsn: str) -> str:
     return done.stdout
 
 
-def test_the_peer_comparison_runs_every_system_and_checks_it(tmp_path, dsn):
+def test_the_peer_comparison_runs_every_system_and_checks_it(tmp_path, dsn, monkeypatch):
+    # The Airflow system's scheduler runs onceflow's PreloadingLocalExecutor: at log level
+    # INFO the bench shows what it preloaded; a module that cannot be imported is reported and
+    # skipped, and the runs still succeed.
+    monkeypatch.setenv("ONCEFLOW_BENCH_AIRFLOW_LOG", "INFO")
+    monkeypatch.setenv("AIRFLOW__ONCEFLOW__PRELOAD_MODULES",
+                       "tweets_example.data, onceflow_no_such_module")
     out = _bench("compare.py", ["--events", "20000", "--batches", "2", "--acker-events", "4000",
                                 "--folder", str(tmp_path / "bench")], tmp_path, dsn)
+    assert "scheduler: preloaded 9 modules for the task processes" in out, out
+    assert "scheduler: could not preload onceflow_no_such_module (ModuleNotFoundError" in out, out
     rows = {line[:36].strip(): line.split()[-1] for line in out.splitlines()
             if line.startswith(("raw Spark", "Structured", "onceflow "))}
     assert set(rows) == {"raw Spark batch", "Structured Streaming",

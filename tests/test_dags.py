@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -121,3 +122,19 @@ def test_three_transactions_through_the_dag(dagbag, conn, dsn, caplog, warm_spar
     downstream = dagbag.get_dag("tweets_top_domains")
     assert "onceflow/tweets/domain_counts" in str(downstream.timetable.asset_condition)
     assert str(downstream.test().state) == "success"
+
+
+def test_the_preloading_executor_imports_what_it_can_and_reports_the_rest(monkeypatch):
+    from onceflow.airflow.executor import TASK_MODULES, extra_modules, preload
+
+    monkeypatch.delitem(sys.modules, "colorsys", raising=False)
+    loaded, failed = preload(["colorsys", "onceflow_no_such_module"])
+    assert loaded == ["colorsys"] and "colorsys" in sys.modules
+    assert failed == {"onceflow_no_such_module":
+                      "ModuleNotFoundError: No module named 'onceflow_no_such_module'"}
+    monkeypatch.setenv("AIRFLOW__ONCEFLOW__PRELOAD_MODULES", " pandas, ,my_bolts.heavy ")
+    assert extra_modules() == ["pandas", "my_bolts.heavy"]
+    monkeypatch.delenv("AIRFLOW__ONCEFLOW__PRELOAD_MODULES")
+    assert extra_modules() == []
+    # every module a onceflow task needs is importable here, as in a scheduler
+    assert preload(TASK_MODULES)[1] == {}

@@ -19,6 +19,7 @@ def get_provider_info() -> dict:
         "triggers": [{"integration-name": "onceflow",
                       "python-modules": ["onceflow.airflow.triggers"]}],
         "asset-uris": [{"schemes": ["onceflow"]}],
+        "executors": ["onceflow.airflow.executor.PreloadingLocalExecutor"],
         # the UI plugin registers itself by its own entry point (airflow.plugins): listed here
         # too, Airflow would load it twice
     }
