@@ -14,5 +14,6 @@ from __future__ import annotations
 
 from onceflow.airflow.dags import shipped_dags, transaction_dags
 
-DAGS = {**transaction_dags(), **shipped_dags()}
+DAGS = transaction_dags()
+DAGS.update(shipped_dags(built=DAGS))
 globals().update(DAGS)

@@ -138,3 +138,14 @@ def test_the_preloading_executor_imports_what_it_can_and_reports_the_rest(monkey
     assert extra_modules() == []
     # every module a onceflow task needs is importable here, as in a scheduler
     assert preload(TASK_MODULES)[1] == {}
+
+
+def test_a_transaction_dags_task_does_not_load_the_shipped_dags(monkeypatch):
+    from onceflow.airflow.dags import shipped_dags
+
+    built = {"onceflow_tweets": object()}
+    assert "tweets_top_domains" in shipped_dags(built)  # the scheduler's parse: everything
+    monkeypatch.setenv("_AIRFLOW_PARSING_CONTEXT_DAG_ID", "onceflow_tweets")
+    assert shipped_dags(built) == {}  # a task of a DAG the file built before
+    monkeypatch.setenv("_AIRFLOW_PARSING_CONTEXT_DAG_ID", "tweets_top_domains")
+    assert list(shipped_dags(built)) == ["tweets_top_domains"]  # a report's own task

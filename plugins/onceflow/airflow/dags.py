@@ -179,12 +179,16 @@ def companion_dags(pipeline: Pipeline, refs: Iterable[str] = (), *, wanted: str 
     return out
 
 
-def shipped_dags() -> dict[str, DAG]:
+def shipped_dags(built: Mapping[str, DAG] | None = None) -> dict[str, DAG]:
     """The DAGs installed packages ship to Airflow: entry points in the group
-    ``onceflow.dags`` (a DAG, or a list of them), e.g. a pipeline's downstream reports."""
+    ``onceflow.dags`` (a DAG, or a list of them), e.g. a pipeline's downstream reports.
+    ``built``: the DAGs the file built before; in a task's process whose DAG is among them
+    no entry point is loaded (a transaction DAG's task does not import the reports)."""
     from importlib.metadata import entry_points
 
     wanted = get_parsing_context().dag_id
+    if wanted and wanted in (built or {}):
+        return {}
     out = {}
     for ep in entry_points(group="onceflow.dags"):
         value = ep.load()

@@ -27,13 +27,23 @@ from collections.abc import Iterable
 from airflow.executors.local_executor import LocalExecutor
 
 # What a onceflow task imports beyond the scheduler's own: the task runtime (what a worker's
-# first task otherwise pays for), the DAG file's and the operators' modules, the processing
-# task's Spark side (the Spark Connect client with pandas, pyarrow and grpc).
+# first task otherwise pays for), what parsing a DAG file commonly needs (timetables, the
+# @task decorator), the DAG file's and the operators' modules, begin's and commit's, the
+# processing task's Spark side (the Spark Connect client with pandas, pyarrow and grpc).
 TASK_MODULES = (
     "airflow.sdk.execution_time.supervisor",
     "airflow.sdk.execution_time.task_runner",
+    "airflow.sdk.definitions.timetables.interval",
+    "airflow.sdk.definitions.timetables.trigger",
+    "airflow.sdk.definitions.decorators",
     "onceflow.airflow.dags",
     "onceflow.airflow.operators",
+    "onceflow.airflow.assets",
+    "onceflow.airflow.triggers",
+    "onceflow.core.begin",
+    "onceflow.core.commit",
+    "onceflow.core.registration",
+    "onceflow.core.registry",
     "spark_tasks.processing",
     "spark_tasks.session",
     "pyspark.sql.functions",
