@@ -21,6 +21,7 @@ workers do not inherit the scheduler's modules, and nothing is preloaded.
 from __future__ import annotations
 
 import importlib
+import multiprocessing
 import time
 from collections.abc import Iterable
 
@@ -78,7 +79,8 @@ class PreloadingLocalExecutor(LocalExecutor):
     before it forks its worker processes. See the module's documentation."""
 
     def start(self) -> None:
-        if self.is_mp_using_fork:
+        forks = getattr(self, "is_mp_using_fork", multiprocessing.get_start_method() == "fork")
+        if forks:
             started = time.monotonic()
             loaded, failed = preload([*TASK_MODULES, *extra_modules()])
             self.log.info("onceflow: preloaded %d modules for the task processes in %.1fs",
