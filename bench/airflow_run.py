@@ -49,6 +49,7 @@ def _query(dsn: str, query: str, params=()):
 
 
 WARM_UP = "onceflow_bench_warm_up"
+IDLE_S = 3  # seconds of idle Airflow measured before the clock starts
 
 
 def _trigger(env: dict, dag_id: str, run_ids: list[str], conf: dict | None = None) -> None:
@@ -209,10 +210,11 @@ def run_airflow(dsn: str, server: str, spark_url: str, folder: Path, pipeline: s
         if spark_pid:
             cpu_pids["Spark Connect server"] = spark_pid
         idle_before = {c: _cpu_s(p) for c, p in cpu_pids.items()}
-        time.sleep(5)  # settle; what each component burns with no run in flight
+        time.sleep(IDLE_S)  # settle; what each component burns with no run in flight
         cpu_before = {c: _cpu_s(p) for c, p in cpu_pids.items()}
         print("CPU seconds per second, idle: " + ", ".join(
-            f"{c} {(cpu_before[c] - idle_before[c]) / 5:.2f}" for c in cpu_pids), flush=True)
+            f"{c} {(cpu_before[c] - idle_before[c]) / IDLE_S:.2f}" for c in cpu_pids),
+            flush=True)
         started = time.monotonic()
         _trigger(env, dag_id, [f"bench_{i:03d}" for i in range(runs)],
                  {"batch_size": batch_size})

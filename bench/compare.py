@@ -128,12 +128,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated: raw, streaming, library, connect, airflow")
     parser.add_argument("--acker-events", type=int, default=2_000_000,
                         help="events for the acker on/off figure (0: skip it)")
+    parser.add_argument("--acker-rounds", type=int, default=2,
+                        help="rounds of the acker figure, off and on in turn; the best of "
+                             "each counts (default 2)")
     parser.add_argument("--folder", type=Path, default=Path("/var/tmp/onceflow-bench"))
     parser.add_argument("--in-flight", type=int, default=None,
                         help="library paths: batches processed at once, committed in order "
                              "(default: the pipeline's max_pending, the runs in flight of "
                              "the Airflow path; 1: one after the other)")
     args = parser.parse_args(argv)
+    if args.acker_rounds < 1:
+        parser.error(f"--acker-rounds {args.acker_rounds}: give 1 or more")
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
 
     from onceflow.dev.localpg import ensure_postgres
@@ -217,14 +222,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def acker_cost(server: str, url: str, args) -> dict:
     """The tweets topology (a per-record Python bolt) on the first files, acker on and off,
-    through the warm Spark; best of two rounds each."""
+    through the warm Spark; the best of --acker-rounds rounds each."""
     from onceflow.core.registry import get_pipeline
     from spark_tasks.session import connect_session
 
     share = max(1, args.batches * args.acker_events // args.events)
     out = {}
     with connect_session(url, "onceflow-bench-acker") as remote:
-        for acker in (False, True, False, True):
+        for acker in (False, True) * args.acker_rounds:
             pipeline = get_pipeline("bench_w_idna", batch_size=args.acker_events // share,
                                     acker=acker)
             dsn = recreate_database(server, "onceflow_bench_acker")

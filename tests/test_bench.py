@@ -39,7 +39,8 @@ def test_the_peer_comparison_runs_every_system_and_checks_it(tmp_path, dsn, monk
     monkeypatch.setenv("AIRFLOW__ONCEFLOW__PRELOAD_MODULES",
                        "tweets_example.data, onceflow_no_such_module")
     out = _bench("compare.py", ["--events", "20000", "--batches", "2", "--acker-events", "4000",
-                                "--folder", str(tmp_path / "bench")], tmp_path, dsn)
+                                "--acker-rounds", "1", "--folder", str(tmp_path / "bench")],
+                 tmp_path, dsn)
     preloaded = len(TASK_MODULES) + 1
     assert f"scheduler: preloaded {preloaded} modules for the task processes" in out, out
     assert "scheduler: could not preload onceflow_no_such_module (ModuleNotFoundError" in out, out
