@@ -61,7 +61,7 @@ def preload(modules: Iterable[str]) -> tuple[list[str], dict[str, str]]:
     for name in modules:
         try:
             importlib.import_module(name)
-        except Exception as e:  # noqa: BLE001 (any import error: reported, the task retries it)
+        except Exception as e:  # noqa: BLE001 (reported; the task imports it itself)
             failed[name] = f"{type(e).__name__}: {e}"
         else:
             loaded.append(name)
