@@ -16,8 +16,7 @@ from contextlib import contextmanager
 
 from pyspark.sql import SparkSession
 
-# Spark's default of 200 shuffle partitions doubles a 10M-row aggregation on 2 cores.
-DEFAULT_SHUFFLE_PARTITIONS = os.environ.get("ONCEFLOW_SHUFFLE_PARTITIONS", "4")
+from spark_tasks.conf import processing_conf
 
 
 def require_java() -> None:
@@ -58,11 +57,9 @@ def get_spark(app_name: str = "onceflow", master: str | None = None) -> SparkSes
         builder = (builder.config("spark.buffer.pageSize", "4m")
                    .config("spark.cleaner.periodicGC.interval", "1min")
                    .config("spark.ui.enabled", "false"))
-    return (
-        builder.config("spark.sql.shuffle.partitions", DEFAULT_SHUFFLE_PARTITIONS)
-        .config("spark.ui.showConsoleProgress", "false")
-        .getOrCreate()
-    )
+    for key, value in processing_conf().items():
+        builder = builder.config(key, value)
+    return builder.config("spark.ui.showConsoleProgress", "false").getOrCreate()
 
 
 def _under_spark_submit() -> bool:
@@ -151,6 +148,12 @@ def connect_session(url: str, app_name: str, shared: str | None = None):
     from pyspark.errors import PySparkException
     from pyspark.sql import SparkSession
 
+    def builder(remote: str):
+        out = SparkSession.builder.remote(remote).appName(app_name)
+        for key, value in processing_conf().items():  # set with the app name: one round trip
+            out = out.config(key, value)
+        return out
+
     spark = None
     if shared is not None:
         # sc://host:port/;param=value;...: the session id is one more parameter
@@ -158,7 +161,7 @@ def connect_session(url: str, app_name: str, shared: str | None = None):
             f";session_id={shared_session_id(shared)}"
         try:  # the first round trips (the session's options, its version) say whether
             # the server still knows the id
-            spark = SparkSession.builder.remote(joined).appName(app_name).create()
+            spark = builder(joined).create()
             spark.version  # noqa: B018
         except PySparkException as error:
             if "SESSION_CLOSED" not in str(error):
@@ -167,7 +170,7 @@ def connect_session(url: str, app_name: str, shared: str | None = None):
                 spark.client.close()
             spark, shared = None, None
     if spark is None:
-        spark = SparkSession.builder.remote(url).appName(app_name).create()
+        spark = builder(url).create()
     try:
         yield spark
     finally:

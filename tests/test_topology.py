@@ -292,3 +292,70 @@ def test_a_record_rejected_twice_is_staged_once_with_the_least_reason(spark):
         lines = staging_of(out, "t", lambda position: "").rejects.read().decode().splitlines()
         assert sorted(lines) == ['"t",0,0,"a: no space"', '"t",2,2,"a: no space"'], acker
         assert out.deltas == {("ok", "a b"): 1}
+
+
+def keyed(df):
+    """A DataFrame bolt for the key checks: the payload names the key its "k" tuple carries
+    (``nul``: a key with a NUL, ``long``: 3,000 bytes, ``none``: null; else the payload), and
+    every record also counts its length in "n"."""
+    key = (F.when(F.col("payload") == "nul", F.lit("a\u0000b"))
+           .when(F.col("payload") == "long", F.lit("k" * 3000))
+           .when(F.col("payload") != "none", F.col("payload")))
+    return {"k": df.select(*ANCHORS, key.alias("key")),
+            "n": df.select(*ANCHORS, F.length("payload").cast("string").alias("key"))}
+
+
+KEYED = (Topology("keyed").bolt("b", input=SPOUT, fn=keyed,
+                                outputs={"k": "key string", "n": "key string"})
+         .count("k", "keys").count("n", "lengths"))
+BAD_KEYS = {  # (partition, offset) of records(...) -> why the key cannot be stored
+    (1, 1): "sink keys: state key holds a NUL character, which PostgreSQL text cannot store",
+    (2, 2): "sink keys: state key of 3000 bytes is over max_key_bytes=2000 (a PostgreSQL "
+            "index entry must fit in a third of a page)",
+    (0, 3): "sink keys: state key is null"}
+
+
+@pytest.mark.parametrize("acker", [True, False])
+def test_a_count_key_that_cannot_be_stored_fails_its_record_or_rejects_it(spark, acker):
+    """The first pass aggregates before it checks keys; a bad key found on the aggregate
+    sends the batch through the exact plan: with the acker the record fails whole (its
+    other tuple does not count), without it the record is rejected, its other tuple counts."""
+    run = run_topology(KEYED, records(spark, ["ok", "nul", "long", "none", "ok"]), attempt=1,
+                       acker=acker)
+    assert run.lean is not None
+    deltas, rejects, failures = collect(run)
+    assert deltas.get(("keys", "ok")) == 2
+    if acker:
+        assert failures == BAD_KEYS and rejects == {}
+        assert deltas == {("keys", "ok"): 2, ("lengths", "2"): 2}
+    else:
+        assert rejects == BAD_KEYS and failures == {}
+        assert deltas == {("keys", "ok"): 2, ("lengths", "2"): 2, ("lengths", "3"): 1,
+                          ("lengths", "4"): 2}
+
+
+@pytest.mark.parametrize("acker, by_root", [(True, False), (False, False), (True, True)])
+def test_the_lean_first_pass_gives_what_the_exact_plan_gives(spark, acker, by_root):
+    """Counts (two sinks into one state, a teed stream), rejections and a DataFrame bolt's
+    failure notes: the lean plan's rows are the exact plan's, row for row."""
+    def split(df):
+        words = df.select(*ANCHORS, F.posexplode(F.split("payload", " ")).alias("_pos", "key"))
+        return {"w": words.where(F.col("key") != "").select(
+                    *ANCHORS, "_pos", "key",
+                    F.when(F.col("key") == "!", F.lit("bang")).alias("_fail")),
+                "x": df.where(F.col("payload") == "").select(
+                    *ANCHORS, F.lit("empty").alias("error"))}
+
+    topology = (Topology("same").bolt("s", input=SPOUT, fn=split,
+                                      outputs={"w": "key string", "x": "error string"})
+                .count("w", "words").count("w", "all").count("w", "words").reject("x"))
+    src = records(spark, ["a b", "", "b ! c", "a a", "c"])
+    run = run_topology(topology, src, attempt=1, acker=acker, by_root=by_root)
+    order = ["kind", "state_name", "key", "root", "error"]
+
+    def rows(table):
+        return sorted(table.to_pylist(), key=lambda r: tuple(str(r[c]) for c in order))
+
+    lean = run.lean.toArrow()
+    assert lean.column("_bad").null_count == len(lean)
+    assert rows(lean.drop_columns(["_bad"])) == rows(run.output.toArrow())

@@ -29,15 +29,16 @@ from airflow.sdk import BaseOperator
 from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 
 from onceflow.core.connections import DEFAULT_CONN_ID, resolve_dsn
+from spark_tasks.conf import processing_conf
 
 # The spark-submit application: the installed spark_tasks package's entry point file.
 PROCESS_ENTRY_POINT = str(
     Path(importlib.util.find_spec("spark_tasks").origin).parent / "process_batch.py"
 )
 
-# Small batches on a few cores: Spark's 200 shuffle partitions and INFO logging only cost time.
+# onceflow's processing settings (spark_tasks.conf); INFO logging only costs time.
 SPARK_DEFAULTS = {
-    "spark.sql.shuffle.partitions": os.environ.get("ONCEFLOW_SHUFFLE_PARTITIONS", "4"),
+    **processing_conf(),
     "spark.ui.enabled": "false",
     "spark.log.level": "WARN",
 }

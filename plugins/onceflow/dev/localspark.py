@@ -100,6 +100,7 @@ def start(port: int = DEFAULT_PORT, *, master: str | None = None, wait_s: float 
     if _answers(port):
         raise ConfigError(f"port {port} is taken by another program: set "
                           "ONCEFLOW_SPARK_CONNECT_PORT to a free port")
+    from spark_tasks.conf import processing_conf
     from spark_tasks.session import require_java
 
     require_java()
@@ -109,7 +110,7 @@ def start(port: int = DEFAULT_PORT, *, master: str | None = None, wait_s: float 
     conf = {
         "spark.connect.grpc.binding.address": "127.0.0.1",
         "spark.connect.grpc.binding.port": str(port),
-        "spark.sql.shuffle.partitions": os.environ.get("ONCEFLOW_SHUFFLE_PARTITIONS", "4"),
+        **processing_conf(),
         "spark.ui.enabled": "false",
         "spark.driver.memory": driver_memory or os.environ.get("ONCEFLOW_DRIVER_MEMORY", "2g"),
         # a long-lived driver: small memory pages and a regular GC free finished batches'

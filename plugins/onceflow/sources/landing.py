@@ -339,13 +339,17 @@ class LandingFolder(Source):
                 bases = dict(cur.fetchall())
         if self.format == "parquet":
             return self._read_parquet(spark, ranges, chunks, bases)
+        if not chunks:
+            return spark.createDataFrame([], "partition int, offset long, payload string")
         wanted = [(r.partition, r.start, r.end) for r in ranges]
-        rows = [(*chunk, json.dumps(wanted)) for chunk in chunks]
-        tasks = spark.createDataFrame(
-            rows, "path string, size long, mtime double, first long, byte_start long, "
-                  "byte_end long, records long, partition int, wanted string")
-        return tasks.mapInArrow(_chunk_reader(self.format, self.csv_header, self.path),
-                                "partition int, offset long, payload string")
+        # One Spark task per chunk: task i reads chunks[i], which travel with the reader.
+        # (A DataFrame of the chunks would be cut into as many tasks as the session's default
+        # parallelism, 2 here: a batch's last task then held its next batch's final stage
+        # back, and a core idled while one task read the rest.)
+        tasks = spark.range(0, len(chunks), 1, numPartitions=len(chunks))
+        return tasks.mapInArrow(
+            _chunk_reader(self.format, self.csv_header, self.path, chunks, wanted),
+            "partition int, offset long, payload string")
 
     def _read_parquet(self, spark, ranges: list[PartitionRange], chunks: list[tuple],
                       bases: dict[str, int]):
@@ -435,21 +439,21 @@ def _read_chunk(filesystem, fmt: str, path: str, size: int, mtime: float, start:
     return _line_array(data)
 
 
-def _chunk_reader(fmt: str, header: bool, root: str):
+def _chunk_reader(fmt: str, header: bool, root: str, chunks: list[tuple],
+                  wanted: list[tuple[int, int, int]]):
+    """The mapInArrow function reading ``chunks`` (rows of LandingFolder._chunks) by index
+    (the ids of spark.range), keeping the records in ``wanted`` ((partition, start, end))."""
     def read(batches):
         import numpy as np
         import pyarrow as pa
 
         filesystem, _ = _filesystem(root)
         for batch in batches:
-            for task in batch.to_pylist():
-                wanted = json.loads(task["wanted"])
-                payloads = _read_chunk(
-                    filesystem, fmt, task["path"], task["size"], task["mtime"],
-                    task["byte_start"], task["byte_end"])
-                partition = task["partition"]
-                offsets = np.arange(task["first"], task["first"] + len(payloads),
-                                    dtype=np.int64)
+            for index in batch.column("id").to_pylist():
+                path, size, mtime, first, byte_start, byte_end, _, partition = chunks[index]
+                payloads = _read_chunk(filesystem, fmt, path, size, mtime, byte_start,
+                                       byte_end)
+                offsets = np.arange(first, first + len(payloads), dtype=np.int64)
                 keep = np.zeros(len(offsets), dtype=bool)
                 for p, s, e in wanted:
                     if p == partition:
