@@ -290,7 +290,7 @@ def _dead_letters(conn, pipeline: str) -> None:
 def _process_when_planned(spark, dsn: str, pipeline, txid: int, then_commit) -> threading.Thread:
     """In a thread: once a DAG run's begin planned ``txid``, process it here (the shared local
     Spark session), then commit the earlier txid ``then_commit`` (a TransactionAttempt): the
-    run's commit waits for it, deferred, and commits after it."""
+    run's commit waits for it and commits after it."""
     from onceflow.core.commit import commit
     from onceflow.core.db import connect
     from onceflow.core.txlog import TransactionAttempt
@@ -353,7 +353,7 @@ def test_run_notes_and_the_onceflow_view_in_a_browser(chromium, api_server, once
         process_batch(spark, dsn, pipeline, second.attempt, group)
     _dead_letters(conn, pipeline.name)
 
-    # txid 3 through the DAG: its commit waits (deferred) until txid 2 commits; the run's
+    # txid 3 through the DAG: its commit waits until txid 2 commits; the run's
     # processing happens in this test's thread on the shared Spark session (process marked
     # success in Airflow), so no spark-submit is started.
     dag = transaction_dag("tweets", default_args={"retries": 0})

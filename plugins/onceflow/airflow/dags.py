@@ -46,9 +46,10 @@ One DAG run is one attempt of one transaction:
    and stores the offsets it reads. Past `max_pending` open transactions it waits for one to
    commit (the DAG lets one run more start), and is skipped if none does within 300 s;
 2. **process** runs the topology on Spark over exactly those offsets and stages the result;
-3. **commit** waits for txid - 1 (deferred: no worker slot held), then applies the states,
-   the offsets and the commit record in one PostgreSQL transaction. Its log has one
-   `COMMIT ... txid=N attempt=A prev_txid=N-1 rows=R waited=Ws` line.
+3. **commit** waits for txid - 1 (in the task up to 30 s, then deferred: no worker slot
+   held), then applies the states, the offsets and the commit record in one PostgreSQL
+   transaction. Its log has one `COMMIT ... txid=N attempt=A prev_txid=N-1 rows=R
+   waited=Ws` line.
 
 Source: {source}. States: {states}.
 """

@@ -255,26 +255,6 @@ def read_ranges(cur, pipeline: str, txid: int) -> list[tuple[PartitionRange, int
     return [(PartitionRange(p, s, e), g) for p, s, e, g in cur.fetchall()]
 
 
-def turn_is_near(cur, pipeline: str, txid: int) -> bool:
-    """Whether every uncommitted txid before ``txid`` is in its commit phase (planned, its
-    processing done: every group staged, or its commit asked for): the turn of ``txid`` then
-    comes within about one commit per such txid, unless one of them fails. (Staged counts too:
-    runs that finish processing together start their commits together, and the earlier
-    one's request may land a moment after the later one looks.)"""
-    cur.execute(
-        """SELECT NOT EXISTS (
-               SELECT 1 FROM transactions t
-               WHERE t.pipeline = %s AND t.txid < %s AND t.state <> 'committed'
-                 AND (t.state <> 'planned'
-                      OR (t.commit_requested_at IS NULL
-                          AND (SELECT count(*) FROM staged_groups g
-                               WHERE g.pipeline = t.pipeline AND g.txid = t.txid
-                                 AND g.attempt = t.attempt) < t.groups)))""",
-        (pipeline, txid),
-    )
-    return cur.fetchone()[0]
-
-
 def blocker(cur, pipeline: str, txid: int) -> Blocker:
     cur.execute(
         """SELECT t.state, t.attempt, t.run_id, a.reason,
