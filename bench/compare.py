@@ -7,8 +7,11 @@ lines files (one per batch) in a landing folder, computes the ground truth in Py
 runs, on that folder, each system asked for (--systems):
 
 - ``raw``: one Spark batch job, COPY out (bench/peers.py; no guarantees: the practical limit);
-- ``streaming``: Spark Structured Streaming, file source, foreachBatch upsert fenced by
-  batchId (bench/peers.py), one file per micro-batch;
+- ``streaming``: Spark Structured Streaming, text file source parsed by from_json (as
+  onceflow's bolts parse a payload), foreachBatch upsert fenced by batchId (bench/peers.py),
+  one file per micro-batch; the baseline of the "vs SS" column;
+- ``streaming-json``: the same with Spark's JSON source, as most users read JSON files (its
+  parser takes each line's bytes; from_json decodes each payload first);
 - ``library``: onceflow without Airflow (spark_tasks.loop.run_batches): --in-flight batches
   processed at once (default: max_pending, as many as the Airflow path runs), committed in
   txid order, one local Spark session in this process;
@@ -124,8 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--events", type=int, default=10_000_000)
     parser.add_argument("--batches", type=int, default=10)
     parser.add_argument("--seed", type=int, default=42)
-    parser.add_argument("--systems", default="raw,streaming,library,connect,airflow",
-                        help="comma-separated: raw, streaming, library, connect, airflow")
+    parser.add_argument("--systems",
+                        default="raw,streaming,streaming-json,library,connect,airflow",
+                        help="comma-separated: raw, streaming, streaming-json, library, "
+                             "connect, airflow")
     parser.add_argument("--acker-events", type=int, default=2_000_000,
                         help="events for the acker on/off figure (0: skip it)")
     parser.add_argument("--acker-rounds", type=int, default=2,
@@ -158,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict] = {}
     print(f"load average before: {loadavg()}", flush=True)
     spark = None
-    if {"raw", "streaming", "library"} & set(systems):
+    if {"raw", "streaming", "streaming-json", "library"} & set(systems):
         spark = peers.local_session("onceflow-bench")
         spark.range(1).count()  # the JVM and session are up before any clock starts
     if "raw" in systems:
@@ -174,6 +179,15 @@ def main(argv: list[str] | None = None) -> int:
                                        files_per_trigger=max(1, len(files) // args.batches))
         r["ok"] = peers.check(dsn, "ss_", truth["urls"], truth["domains"])
         results["Structured Streaming"] = r
+    if "streaming-json" in systems:
+        dsn = recreate_database(server, "onceflow_bench_ss_json")
+        checkpoint = args.folder / "checkpoint-json"
+        shutil.rmtree(checkpoint, ignore_errors=True)
+        r = peers.structured_streaming(spark, args.folder / "landing", dsn, "ss_", checkpoint,
+                                       files_per_trigger=max(1, len(files) // args.batches),
+                                       reader="json")
+        r["ok"] = peers.check(dsn, "ss_", truth["urls"], truth["domains"])
+        results["Structured Streaming, JSON source"] = r
     if "library" in systems:
         dsn = recreate_database(server, "onceflow_bench_lib")
         r = onceflow_loop(spark, dsn, w, args.batches, args.in_flight)

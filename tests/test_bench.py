@@ -47,6 +47,7 @@ def test_the_peer_comparison_runs_every_system_and_checks_it(tmp_path, dsn, monk
     rows = {line[:36].strip(): line.split()[-1] for line in out.splitlines()
             if line.startswith(("raw Spark", "Structured", "onceflow "))}
     assert set(rows) == {"raw Spark batch", "Structured Streaming",
+                         "Structured Streaming, JSON source",
                          "onceflow library (local session)", "onceflow library (Spark Connect)",
                          "onceflow through Airflow"}, out
     assert set(rows.values()) == {"OK"}, out
