@@ -39,6 +39,9 @@ def pytest_configure(config) -> None:
     server, how = ensure_postgres(root)
     home = tempfile.mkdtemp(prefix="onceflow-airflow-")
     os.environ["AIRFLOW_HOME"] = home
+    # File segments without a path of their own land in a folder of this run's own: runs
+    # (and pytest-xdist workers) side by side use the same topic names.
+    os.environ.setdefault("ONCEFLOW_SEGMENTS_DIR", tempfile.mkdtemp(prefix="onceflow-segments-"))
     apply_env(airflow_env(root, server))
     # One template per run: runs may overlap on one server.
     _state.update(server=server, how=how, home=home, root=root,
