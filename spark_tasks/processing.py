@@ -20,7 +20,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pyarrow import csv as pacsv
 from pyspark.sql import DataFrame, SparkSession
-from pyspark.sql import functions as F
 
 from onceflow.core import backflow, txlog
 from onceflow.core import stateful as stateful_steps
@@ -31,6 +30,7 @@ from onceflow.core.pipeline import Pipeline
 from onceflow.core.staging import Staged, stage_group
 from onceflow.core.txlog import TransactionAttempt, TxState
 from onceflow.kvstate import DELETED
+from spark_tasks.records import batch_records, replayed_records
 from spark_tasks.runner import DELTA, REJECT, run_topology
 from spark_tasks.session import ship_code
 from spark_tasks.topology import StateContext
@@ -114,23 +114,17 @@ def staging_of(out, topic: str, payload_of, ta: TransactionAttempt | None = None
                    typed)
 
 
-def read_claimed(spark: SparkSession, conn, pipeline: str, txid: int, group: int
+def read_claimed(spark: SparkSession, conn, pipeline: Pipeline, txid: int, group: int
                  ) -> tuple[DataFrame | None, dict[tuple[int, int], str]]:
     """The backflow items this txid's batch holds for ``group`` (claimed at planning), as
     source records with their failure count, and their payloads by position."""
     with conn.cursor() as cur:
-        rows = backflow.claimed(cur, pipeline, txid, group)
+        rows = backflow.claimed(cur, pipeline.name, txid, group)
     conn.rollback()
     if not rows:
         return None, {}
-    table = pa.table({
-        "partition": pa.array([r[0] for r in rows], pa.int32()),
-        "offset": pa.array([r[1] for r in rows], pa.int64()),
-        "payload": pa.array([r[2] for r in rows], pa.string()),
-        "replays": pa.array([r[3] for r in rows], pa.int32()),
-        "replayed": pa.array([True] * len(rows), pa.bool_()),
-    })
-    return spark.createDataFrame(table), {(p, o): payload for p, o, payload, _ in rows}
+    return (replayed_records(spark, pipeline.source, rows),
+            {(p, o): payload for p, o, payload, _ in rows})
 
 
 def process_batch(spark: SparkSession, dsn: str, pipeline: Pipeline, ta: TransactionAttempt,
@@ -168,14 +162,12 @@ def process_batch(spark: SparkSession, dsn: str, pipeline: Pipeline, ta: Transac
             stateful_steps.recover(conn, provider, pipeline, stateful)
         ranges = batch.ranges_of(group)
         eden = sum(r.size for r in ranges)
-        replayed, replay_payloads = (read_claimed(spark, conn, pipeline.name, ta.txid, group)
+        replayed, replay_payloads = (read_claimed(spark, conn, pipeline, ta.txid, group)
                                      if batch.replayed else (None, {}))
         if eden or replay_payloads:
             source = replayed
             if eden:
-                source = pipeline.source.read(spark, dsn, ranges).select(
-                    "partition", "offset", "payload", F.lit(0).alias("replays"),
-                    F.lit(False).alias("replayed"))
+                source = batch_records(spark, dsn, pipeline.source, ranges)
                 if replayed is not None:
                     source = source.unionByName(replayed)
             context = StateContext(pipeline.name, ta.txid, pipeline.state_provider,

@@ -49,11 +49,11 @@ from pyspark.sql import DataFrame, Observation
 from pyspark.sql import functions as F
 
 from onceflow.core.tables import ORDER, SPARK_JSON, Shape, spark_type
+from onceflow.sources.json_records import PROBLEM
 from spark_tasks.ids import MAX_OFFSET, MAX_PARTITION, OFFSET_BITS, origin, root_id
 from spark_tasks.topology import (
     ANCHORS,
     SPOUT,
-    SPOUT_COLUMNS,
     Bolt,
     StateContext,
     Topology,
@@ -105,7 +105,7 @@ def frame_columns(topology: Topology) -> dict[str, str]:
     """Every column of the frame and its Spark type (META, then the streams' columns)."""
     out = dict(META)
     owner: dict[str, str] = {}
-    for stream, ddl in {SPOUT: SPOUT_COLUMNS, **topology.streams()}.items():
+    for stream, ddl in topology.streams().items():
         for name, kind in column_types(ddl).items():
             if name in META:
                 raise TopologyError(f"stream {stream!r}: column {name!r} is reserved by "
@@ -257,7 +257,9 @@ def run_topology(topology: Topology, source: DataFrame, *, attempt: int, acker: 
                  max_record_bytes: int = 64 * 1024, max_key_bytes: int = 2000,
                  by_root: bool = False, shapes: Mapping[str, Shape] | None = None
                  ) -> TopologyRun:
-    """Plan ``topology`` over ``source`` (partition, offset, payload, replays, replayed).
+    """Plan ``topology`` over ``source`` (partition, offset, the spout's record columns,
+    replays, replayed; ``_problem`` too when the records are not payloads, see
+    spark_tasks.records).
 
     Lazy: ``collect()`` on the result runs it (one Spark job) and returns the outputs.
     ``by_root``: deltas keep their record's root (verify's re-run). ``shapes``: the typed
@@ -267,24 +269,28 @@ def run_topology(topology: Topology, source: DataFrame, *, attempt: int, acker: 
     topology.validate(shapes)
     chain = _Chain(topology, attempt, acker, tuple_timeout_ms, state)
     root = root_id("partition", "offset", "replayed")
-    size = F.octet_length("payload")
-    problem = (F.when(size > max_record_bytes, F.concat(
-        F.lit("oversized record ("), size.cast("string"),
-        F.lit(f" bytes, over max_record_bytes={max_record_bytes})")))
-        .when(F.col("payload").contains("\u0000"),
-              F.lit("payload holds a NUL character, which PostgreSQL text cannot store")))
+    record = [c for c in columns(topology.spout_columns) if c not in ("partition", "offset")]
+    if "payload" in record:
+        size = F.octet_length("payload")
+        problem = (F.when(size > max_record_bytes, F.concat(
+            F.lit("oversized record ("), size.cast("string"),
+            F.lit(f" bytes, over max_record_bytes={max_record_bytes})")))
+            .when(F.col("payload").contains("\u0000"),
+                  F.lit("payload holds a NUL character, which PostgreSQL text cannot store")))
+    else:  # a decoding source found the records' problems where it read them
+        problem = F.col(PROBLEM)
     # The spout, read once: the records it refuses are counted on the way (an observed
     # metric) and read again only when there are some (rare).
     spout = source.select(
         root.alias("_root"), F.xxhash64(root, F.lit("$spout"), F.lit(attempt)).alias("_tid"),
-        F.col("replays").cast("int").alias("_replays"), "partition", "offset", "payload",
+        F.col("replays").cast("int").alias("_replays"), "partition", "offset", *record,
         problem.alias("_problem"))
     observed = Observation(f"onceflow_spout_{uuid.uuid4().hex}")
     counted = spout.observe(observed, F.count("_problem").alias("refused"))
     chain.frame = counted.where(F.col("_problem").isNull()).select(*_typed(chain.cols, {
         "_kind": F.lit(TUPLE), "_stream": F.lit(SPOUT), "_root": F.col("_root"),
         "_tid": F.col("_tid"), "_replays": F.col("_replays"), "partition": F.col("partition"),
-        "offset": F.col("offset"), "payload": F.col("payload")}))
+        "offset": F.col("offset"), **{c: F.col(c) for c in record}}))
     chain.live = {SPOUT}
     chain.tee([SPOUT])
     for bolt in topology.bolts:

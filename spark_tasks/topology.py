@@ -6,7 +6,9 @@ is spark_tasks.runner (wiring, the acker's messages, sinks) and spark_tasks.reco
 per-record Python bolts' runtime).
 
 A topology reads one spout stream, ``records`` (the batch's source records: partition, offset,
-payload), and passes tuples through bolts to sinks:
+payload; or, from a source that decodes its records, partition, offset, the declared columns
+and ``_corrupt_record``: ``spout_columns``, set from the pipeline's source), and passes tuples
+through bolts to sinks:
 
 - ``Topology.bolt(name, input=..., outputs=..., fn=...)``: a DataFrame-level bolt, ``fn(df)``
   runs in the JVM. Its input carries the anchoring columns ``ANCHORS`` (``_root``, ``_tid``,
@@ -122,6 +124,8 @@ class Topology:
     name: str
     bolts: list[Bolt] = field(default_factory=list)
     sinks: list[Sink] = field(default_factory=list)
+    # The spout's columns (Pipeline.build_topology sets them from the source)
+    spout_columns: str = SPOUT_COLUMNS
 
     def bolt(self, name: str, *, input: str, outputs: Mapping[str, str], fn: Callable
              ) -> Topology:
@@ -149,7 +153,7 @@ class Topology:
         be re-run without the key-value state), and the states those sinks fed."""
         fed = {s for b in self.stateful() for s in b.outputs}
         kept = Topology(self.name, [b for b in self.bolts if not b.key],
-                        [s for s in self.sinks if s.stream not in fed])
+                        [s for s in self.sinks if s.stream not in fed], self.spout_columns)
         return kept, {s.state for s in self.sinks if s.stream in fed and s.state}
 
     def sink(self, stream: str, state: str) -> Topology:
@@ -169,7 +173,7 @@ class Topology:
 
     def streams(self) -> dict[str, str]:
         """Every stream and its data columns, the spout's first."""
-        out = {SPOUT: SPOUT_COLUMNS}
+        out = {SPOUT: self.spout_columns}
         for bolt in self.bolts:
             out.update(bolt.outputs)
         return out

@@ -6,11 +6,14 @@
                         \\--> rejects ------------------------------> rejected records
 
 ``parse`` is a DataFrame bolt (JSON parsing and URL checks as Spark expressions); a tweet it
-cannot use goes to the rejects stream. ``normalize_domain`` is a per-record Python bolt that
-fails on a host IDNA refuses, so its record's URL tuple, already counted by the other branch,
-is dropped with it: a record counts fully or not at all, and is replayed from the backflow
-queues. Its pure-Python twin, tweets_example.data.recount, recounts the same result
-independently (``onceflow verify --recount``, and the tests' oracle).
+cannot use goes to the rejects stream. ``topology_typed`` is the same topology for a source
+that decodes the tweets itself (a landing folder with ``json_schema=SCHEMA``): its parse bolt
+reads ``url`` and ``flaky`` instead of calling ``from_json``. ``normalize_domain`` is a
+per-record Python bolt that fails on a host IDNA refuses, so its record's URL tuple, already
+counted by the other branch, is dropped with it: a record counts fully or not at all, and is
+replayed from the backflow queues. Its pure-Python twin, tweets_example.data.recount,
+recounts the same result independently (``onceflow verify --recount``, and the tests'
+oracle).
 """
 
 from __future__ import annotations
@@ -27,7 +30,10 @@ from tweets_example.data import (
     normalize_domain,
 )
 
-_SCHEMA = "url string, flaky int, _corrupt_record string"
+# The tweet's fields the topology reads (a source's json_schema; a wrongly typed flaky makes the
+# tweet malformed)
+SCHEMA = "url string, flaky int"
+_SCHEMA = f"{SCHEMA}, _corrupt_record string"
 # tweets_example.data.parse_event states the same definition in Python.
 _JSON_OPTIONS = {"mode": "PERMISSIVE", "columnNameOfCorruptRecord": "_corrupt_record",
                  "allowSingleQuotes": "false"}
@@ -52,7 +58,19 @@ def parse(records: DataFrame) -> DataFrame:
     return parsed.withColumn("error", error).drop("corrupt")
 
 
-def _parse_bolt():
+def classify_typed(records: DataFrame) -> DataFrame:
+    """``parse`` for decoded tweets (url, flaky, _corrupt_record): the same columns out."""
+    domain = F.lower(F.regexp_extract("url", URL_HOST, 1))
+    error = (
+        F.when(F.col("_corrupt_record").isNotNull(), F.lit(ERR_MALFORMED))
+        .when(F.col("url").isNull(), F.lit(ERR_NO_URL))
+        .when(domain == "", F.lit(ERR_BAD_URL))
+    )
+    return records.select(*ANCHORS, "url", domain.alias("domain"), "flaky",
+                          error.alias("error"))
+
+
+def _parse_bolt(parse=parse):
     def bolt(records: DataFrame) -> DataFrame:
         parsed = parse(records)
         null_s, null_i = F.lit(None).cast("string"), F.lit(None).cast("int")
@@ -70,10 +88,10 @@ def _parse_bolt():
     return bolt
 
 
-def topology(pipeline=None) -> Topology:
+def topology(pipeline=None, parse=parse) -> Topology:
     return (
         Topology("tweets")
-        .bolt("parse", input=SPOUT, fn=_parse_bolt(), outputs={
+        .bolt("parse", input=SPOUT, fn=_parse_bolt(parse), outputs={
             "urls": "key string",
             "domains": "host string, flaky int",
             "rejects": "error string",
@@ -84,6 +102,11 @@ def topology(pipeline=None) -> Topology:
         .count("domain_keys", "domain_counts")
         .reject("rejects")
     )
+
+
+def topology_typed(pipeline=None) -> Topology:
+    """The topology for a source that decodes the tweets (``json_schema=SCHEMA``)."""
+    return topology(pipeline, parse=classify_typed)
 
 
 class FirstSeen(StatefulBolt):

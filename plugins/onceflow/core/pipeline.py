@@ -29,7 +29,7 @@ from typing import Any
 
 from onceflow.core import tables
 from onceflow.core.errors import ConfigError
-from onceflow.sources.base import Source
+from onceflow.sources.base import RECORD_KEYS, Source
 
 MODES = ("transactional", "opaque")
 START_POLICIES = ("earliest", "latest")  # or "timestamp:<ISO 8601>"
@@ -313,6 +313,7 @@ class Pipeline:
 
         check(isinstance(topology, Topology), f"pipeline[{self.name}].topology", self.topology,
               f"the function returned {type(topology).__name__}; return a onceflow.Topology")
+        topology.spout_columns = f"{RECORD_KEYS}, {self.source.record_ddl}"
         return topology.validate({s.source_name: s.shape() for s in self.typed_states()})
 
     def recount(self):

@@ -172,7 +172,7 @@ def _range_lookup(intact: list[tuple[int, PartitionRange]]):
 def rerun(conn, dsn: str, pipeline: Pipeline, spark, *,
           state_dsns: Mapping[str, str] | None = None, progress: Progress | None = None
           ) -> VerifyReport:
-    from pyspark.sql import functions as F
+    from spark_tasks.records import batch_records, replayed_records
 
     say = progress or (lambda _: None)
     report = VerifyReport(pipeline.name, "re-run")
@@ -202,15 +202,12 @@ def rerun(conn, dsn: str, pipeline: Pipeline, spark, *,
     typed: dict[str, list[tuple[int, dict]]] = {}
     jobs = []
     if intact:
-        source = pipeline.source.read(spark, dsn, [r for _, r in intact]).select(
-            "partition", "offset", "payload", F.lit(0).alias("replays"),
-            F.lit(False).alias("replayed"))
+        source = batch_records(spark, dsn, pipeline.source, [r for _, r in intact])
         jobs.append((source, _range_lookup(intact)))
         report.records = sum(r.size for _, r in intact)
     for i, rows in enumerate(_rounds([r for r in replays if r[0] not in lost])):
-        source = spark.createDataFrame(
-            [(p, o, payload, n, True) for _, p, o, n, payload in rows],
-            "partition int, offset long, payload string, replays int, replayed boolean")
+        source = replayed_records(spark, pipeline.source,
+                                  [(p, o, payload, n) for _, p, o, n, payload in rows])
         mapping = {(p, o): t for t, p, o, _, _ in rows}
         jobs.append((source, lambda p, o, m=mapping: m[(p, o)]))
         report.replays += len(rows)

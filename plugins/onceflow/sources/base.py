@@ -8,7 +8,9 @@ spout, Spark's ``Source``). The planner, the partition offsets, the commit and v
   nothing can appear below it later (a PostgreSQL log hands out offsets under a lock; a table
   source chooses a bound no open writer can fall under). Below ``log_start`` retention deleted.
 - ``read(spark, dsn, ranges)``: the records of the ranges as a DataFrame with columns
-  ``partition``, ``offset`` and the source's record columns (``record_ddl``). Repeatable: the
+  ``partition``, ``offset`` and the source's record columns (``record_ddl``: ``payload``, or
+  a decoded source's columns and ``_corrupt_record``, with ``_problem``, see ``read_ddl``).
+  Repeatable: the
   same ranges give the same records, so a replay of a txid reads exactly its batch. A range
   that cannot be read whole raises SourceShortfall; nothing is silently short.
 - ``payloads(conn, ranges)``: the same records in Python, ``(partition, offset, payload)``
@@ -31,6 +33,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from onceflow.core.errors import ConfigError
 from onceflow.core.planner import PartitionRange
+from onceflow.sources.json_records import PROBLEM
 
 if TYPE_CHECKING:  # pyspark is imported only where a batch is read
     from pyspark.sql import DataFrame, SparkSession
@@ -58,8 +61,8 @@ class Source(ABC):
     """
 
     kind: ClassVar[str]
-    # The record's columns besides partition and offset, as Spark DDL.
-    record_ddl: ClassVar[str] = "payload string"
+    # A decoded source's JsonRecords (None: its records are payload strings)
+    records: ClassVar = None
     topic: str
 
     max_record_bytes: int = MAX_RECORD_BYTES
@@ -68,6 +71,19 @@ class Source(ABC):
         if not isinstance(self.max_record_bytes, int) or self.max_record_bytes <= 0:
             raise ConfigError(f"source.max_record_bytes={self.max_record_bytes!r} is invalid: "
                               "give a positive number of bytes")
+
+    @property
+    def record_ddl(self) -> str:
+        """The record's columns besides partition and offset, as Spark DDL."""
+        return "payload string"
+
+    @property
+    def read_ddl(self) -> str:
+        """What ``read`` returns, as Spark DDL: partition, offset, the record's columns and,
+        for a decoded source, ``_problem`` (why the spout refuses a record, else null; a
+        payload source's problems are found from its payload)."""
+        problem = f", {PROBLEM} string" if self.records is not None else ""
+        return f"{RECORD_KEYS}, {self.record_ddl}{problem}"
 
     @abstractmethod
     def ensure(self, conn, *, create: bool = False) -> None:

@@ -23,6 +23,9 @@ indexed file, and a batch is a range over the manifest.
   lands under a new name.
 - A file removed before every batch that reads it committed fails that batch's read
   (SourceShortfall, naming it).
+- JSON lines with a declared ``json_schema``: each line is decoded where it is read
+  (onceflow.sources.json_records): the records carry the declared columns and
+  ``_corrupt_record`` instead of ``payload``.
 - Parquet: a file whose schema is not the declared ``schema`` is set aside
   (``on_mismatch="skip"``: recorded with its reason, indexed with no records, shown by
   status) or stops the pipeline (``on_mismatch="stop"``: begin fails naming the file).
@@ -31,6 +34,7 @@ indexed file, and a batch is a range over the manifest.
 from __future__ import annotations
 
 import fnmatch
+import functools
 import hashlib
 import json
 import logging
@@ -44,6 +48,7 @@ from onceflow.core.errors import ConfigError, SourceShortfall
 from onceflow.core.planner import PartitionRange
 from onceflow.sources import catalog
 from onceflow.sources.base import Position, Source
+from onceflow.sources.json_records import PROBLEM, JsonRecords
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +131,18 @@ def _lines(data: bytes) -> list[str]:
     return [line[:-1] if line.endswith("\r") else line for line in lines]
 
 
+def _line_bytes(data: bytes) -> list[bytes]:
+    """``_lines(data)`` as bytes, undecoded (what a JSON decoder reads): the same cut."""
+    if b"\r" in data:
+        data = data.replace(b"\r\n", b"\n")
+    lines = data.split(b"\n")
+    if lines and lines[-1] == b"":
+        lines.pop()
+    if lines and lines[-1].endswith(b"\r"):
+        lines[-1] = lines[-1][:-1]
+    return lines
+
+
 def _line_array(data: bytes):
     """``_lines(data)`` as an Arrow string array, cut in C++ (pyarrow's split) without a
     Python string per line; a chunk that is not valid UTF-8 goes through ``_lines``.
@@ -164,9 +181,11 @@ class LandingFolder(Source):
 
     ``format``: jsonl, csv (``csv_header``: skip each file's first line) or parquet;
     ``pattern``: which names (fnmatch, default every file); ``partitions``: files go to them
-    in turn; ``chunk_bytes``: bytes per Spark read task; ``schema`` (Parquet): the
-    declared columns as Spark DDL, ``on_mismatch``: skip or stop; ``settle_s``: how long a
-    file must stay untouched before it is indexed.
+    in turn; ``chunk_bytes``: bytes per Spark read task; ``json_schema`` (jsonl): the
+    records' fields as Spark DDL of simple types, decoded as the lines are read (the records
+    then carry these columns and ``_corrupt_record`` instead of ``payload``); ``schema``
+    (Parquet): the declared columns as Spark DDL, ``on_mismatch``: skip or stop;
+    ``settle_s``: how long a file must stay untouched before it is indexed.
     """
 
     kind: ClassVar[str] = "landing-folder"
@@ -177,6 +196,7 @@ class LandingFolder(Source):
     chunk_bytes: int = 32 << 20
     csv_header: bool = False
     schema: str | None = None
+    json_schema: str | None = None
     on_mismatch: str = "skip"
     settle_s: float = 1.0
 
@@ -195,6 +215,21 @@ class LandingFolder(Source):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"source.{name}={value!r} is invalid: give a positive number")
+        if self.json_schema is not None:
+            if self.format != "jsonl":
+                raise ConfigError(f"source.json_schema is set but source.format="
+                                  f"{self.format!r}: a JSON schema decodes JSON lines; use "
+                                  "format='jsonl', or leave json_schema out")
+            self.records  # noqa: B018 (compiles the schema: a bad one fails here, by name)
+
+    @functools.cached_property
+    def records(self) -> JsonRecords | None:
+        """The decoder of ``json_schema`` (None: the records are payload strings)."""
+        return JsonRecords(self.json_schema) if self.json_schema is not None else None
+
+    @property
+    def record_ddl(self) -> str:
+        return self.records.record_ddl if self.records else super().record_ddl
 
     # -- the folder ------------------------------------------------------------------------
     def _listing(self):
@@ -339,8 +374,9 @@ class LandingFolder(Source):
                 bases = dict(cur.fetchall())
         if self.format == "parquet":
             return self._read_parquet(spark, ranges, chunks, bases)
+        ddl = self.read_ddl
         if not chunks:
-            return spark.createDataFrame([], "partition int, offset long, payload string")
+            return spark.createDataFrame([], ddl)
         wanted = [(r.partition, r.start, r.end) for r in ranges]
         # One Spark task per chunk: task i reads chunks[i], which travel with the reader.
         # (A DataFrame of the chunks would be cut into as many tasks as the session's default
@@ -348,8 +384,8 @@ class LandingFolder(Source):
         # back, and a core idled while one task read the rest.)
         tasks = spark.range(0, len(chunks), 1, numPartitions=len(chunks))
         return tasks.mapInArrow(
-            _chunk_reader(self.format, self.csv_header, self.path, chunks, wanted),
-            "partition int, offset long, payload string")
+            _chunk_reader(self.format, self.csv_header, self.path, chunks, wanted,
+                          self.records, self.max_record_bytes), ddl)
 
     def _read_parquet(self, spark, ranges: list[PartitionRange], chunks: list[tuple],
                       bases: dict[str, int]):
@@ -418,6 +454,27 @@ def _read_chunk(filesystem, fmt: str, path: str, size: int, mtime: float, start:
     """The payloads of one chunk (an Arrow string array), after checking the file is the
     one indexed."""
     import pyarrow as pa
+
+    if fmt == "parquet":
+        import pyarrow.parquet as pq
+
+        _check_unchanged(filesystem, path, size, mtime)
+        with filesystem.open_input_file(path) as f:
+            table = pq.ParquetFile(f).read_row_group(start)  # start: the row group
+        return pa.array([json.dumps(row, default=str, ensure_ascii=False)
+                         for row in table.to_pylist()], pa.string())
+    return _line_array(_chunk_bytes(filesystem, path, size, mtime, start, end))
+
+
+def _chunk_bytes(filesystem, path: str, size: int, mtime: float, start: int, end: int) -> bytes:
+    """Bytes ``[start, end)`` of a landed text file, after checking it is the one indexed."""
+    _check_unchanged(filesystem, path, size, mtime)
+    with filesystem.open_input_file(path) as f:
+        f.seek(start)
+        return f.read(end - start)
+
+
+def _check_unchanged(filesystem, path: str, size: int, mtime: float) -> None:
     from pyarrow import fs
 
     info = filesystem.get_file_info(path)
@@ -426,23 +483,15 @@ def _read_chunk(filesystem, fmt: str, path: str, size: int, mtime: float, start:
                            "batch reading it committed")
     if info.size != size or (info.mtime and abs(info.mtime.timestamp() - mtime) > 1e-3):
         raise RuntimeError(f"landed file {path!r} changed after it was indexed: refused")
-    if fmt == "parquet":
-        import pyarrow.parquet as pq
-
-        with filesystem.open_input_file(path) as f:
-            table = pq.ParquetFile(f).read_row_group(start)  # start: the row group
-        return pa.array([json.dumps(row, default=str, ensure_ascii=False)
-                         for row in table.to_pylist()], pa.string())
-    with filesystem.open_input_file(path) as f:
-        f.seek(start)
-        data = f.read(end - start)
-    return _line_array(data)
 
 
 def _chunk_reader(fmt: str, header: bool, root: str, chunks: list[tuple],
-                  wanted: list[tuple[int, int, int]]):
+                  wanted: list[tuple[int, int, int]], records: JsonRecords | None = None,
+                  max_bytes: int | None = None):
     """The mapInArrow function reading ``chunks`` (rows of LandingFolder._chunks) by index
-    (the ids of spark.range), keeping the records in ``wanted`` ((partition, start, end))."""
+    (the ids of spark.range), keeping the records in ``wanted`` ((partition, start, end)).
+    With ``records`` each line is decoded (its columns, ``_corrupt_record`` and the spout's
+    ``_problem``, see JsonRecords.decode) instead of being a payload."""
     def read(batches):
         import numpy as np
         import pyarrow as pa
@@ -451,17 +500,27 @@ def _chunk_reader(fmt: str, header: bool, root: str, chunks: list[tuple],
         for batch in batches:
             for index in batch.column("id").to_pylist():
                 path, size, mtime, first, byte_start, byte_end, _, partition = chunks[index]
-                payloads = _read_chunk(filesystem, fmt, path, size, mtime, byte_start,
-                                       byte_end)
-                offsets = np.arange(first, first + len(payloads), dtype=np.int64)
-                keep = np.zeros(len(offsets), dtype=bool)
+                if records is None:
+                    columns = {"payload": _read_chunk(filesystem, fmt, path, size, mtime,
+                                                      byte_start, byte_end)}
+                else:
+                    lines = _line_bytes(_chunk_bytes(filesystem, path, size, mtime,
+                                                     byte_start, byte_end))
+                    columns, problems = records.decode(lines, max_bytes)
+                    columns[PROBLEM] = problems
+                count = len(next(iter(columns.values())))
+                offsets = np.arange(first, first + count, dtype=np.int64)
+                keep = np.zeros(count, dtype=bool)
                 for p, s, e in wanted:
                     if p == partition:
                         keep |= (offsets >= s) & (offsets < e)
                 if not keep.all():  # the chunk's ends outside the planned ranges
-                    offsets, payloads = offsets[keep], payloads.filter(pa.array(keep))
+                    mask = pa.array(keep)
+                    offsets = offsets[keep]
+                    columns = {name: column.filter(mask) for name, column in columns.items()}
                 yield pa.RecordBatch.from_arrays(
                     [pa.array(np.full(len(offsets), partition, dtype=np.int32)),
-                     pa.array(offsets), payloads], names=["partition", "offset", "payload"])
+                     pa.array(offsets), *columns.values()],
+                    names=["partition", "offset", *columns])
 
     return read
