@@ -137,6 +137,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="rounds of the acker figure, off and on in turn; the best of "
                              "each counts (default 2)")
     parser.add_argument("--folder", type=Path, default=Path("/var/tmp/onceflow-bench"))
+    parser.add_argument("--timeline", type=Path, default=None,
+                        help="airflow: write each task's queued, start and end time and "
+                             "each transaction's planned and committed time to this JSON "
+                             "file")
     parser.add_argument("--in-flight", type=int, default=None,
                         help="library paths: batches processed at once, committed in order "
                              "(default: the pipeline's max_pending, the runs in flight of "
@@ -222,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
         from airflow_run import run_airflow
 
         dsn = recreate_database(server, "onceflow_bench_airflow")
-        r = run_airflow(dsn, server, url, args.folder, "bench_w", batch, args.batches)
+        r = run_airflow(dsn, server, url, args.folder, "bench_w", batch, args.batches,
+                        args.timeline)
         r["ok"] = counts_ok(dsn, "w_url_counts", "w_domain_counts", truth)
         results["onceflow through Airflow"] = r
     acker = {}
