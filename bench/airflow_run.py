@@ -1,8 +1,8 @@
-"""onceflow through a real Airflow (bench/compare.py's ``airflow`` system): an API server, a
+"""onceflow through a real Airflow (bench/compare.py's ``airflow`` systems): an API server, a
 scheduler, a DAG processor and a triggerer (onceflow's PreloadingLocalExecutor, a PostgreSQL
 metadata database of their own), the project's DAG file, processing on the warm Spark (Spark
-Connect). All runs are triggered at once; the clock runs from the first trigger to the last
-commit.
+Connect). A pipeline's runs are triggered at once; the clock runs from the trigger to the
+last run's end. Several pipelines (the DAG shapes) run one after the other on one Airflow.
 """
 
 from __future__ import annotations
@@ -52,18 +52,55 @@ WARM_UP = "onceflow_bench_warm_up"
 IDLE_S = 3  # seconds of idle Airflow measured before the clock starts
 
 
-def _trigger(env: dict, dag_id: str, run_ids: list[str], conf: dict | None = None) -> None:
-    """Trigger one run of ``dag_id`` per run id, at once (as `airflow dags trigger` does)."""
-    code = (
+class _Triggerer:
+    """Triggers DAG runs as `airflow dags trigger` does, from a process that imported Airflow
+    before any clock starts (the import takes seconds; a user's trigger from the UI goes to an
+    API server that has it loaded)."""
+
+    CODE = (
         "import json, sys\n"
         "from airflow.api.common.trigger_dag import trigger_dag\n"
         "from airflow.utils.types import DagRunTriggeredByType\n"
-        "for run_id in json.loads(sys.argv[2]):\n"
-        "    trigger_dag(sys.argv[1], run_id=run_id, conf=json.loads(sys.argv[3]), "
-        "triggered_by=DagRunTriggeredByType.CLI)\n"
+        "print('onceflow-bench: ready', flush=True)\n"
+        "for line in sys.stdin:\n"
+        "    ask = json.loads(line)\n"
+        "    try:\n"
+        "        for run_id in ask['run_ids']:\n"
+        "            trigger_dag(ask['dag_id'], run_id=run_id, conf=ask['conf'],\n"
+        "                        triggered_by=DagRunTriggeredByType.CLI)\n"
+        "    except Exception as error:\n"
+        "        print(f'onceflow-bench: failed: {error!r}', flush=True)\n"
+        "    else:\n"
+        "        print('onceflow-bench: done', flush=True)\n"
     )
-    subprocess.run([sys.executable, "-c", code, dag_id, json.dumps(run_ids),
-                    json.dumps(conf or {})], env=env, check=True)
+
+    def __init__(self, env: dict) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", self.CODE], env=env, text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self._answer("ready")
+
+    def __call__(self, dag_id: str, run_ids: list[str], conf: dict | None = None) -> None:
+        """Trigger one run of ``dag_id`` per run id, at once."""
+        self.proc.stdin.write(json.dumps({"dag_id": dag_id, "run_ids": run_ids,
+                                          "conf": conf or {}}) + "\n")
+        self.proc.stdin.flush()
+        self._answer("done")
+
+    def _answer(self, want: str) -> None:
+        """Wait for the process's answer (its other output, Airflow's logging, is passed on)."""
+        for line in self.proc.stdout:
+            if not line.startswith("onceflow-bench: "):
+                print(line, end="", flush=True)
+                continue
+            answer = line.removeprefix("onceflow-bench: ").strip()
+            if answer != want:
+                raise RuntimeError(f"the trigger process answered {answer!r}")
+            return
+        raise RuntimeError("the trigger process ended (its output is above)")
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
 
 
 def _wait_for_runs(meta: str, dag_id: str, runs: int, deadline: float, logs: Path) -> dict:
@@ -123,7 +160,8 @@ def _healthy(api_port: int) -> bool:
                for c in ("metadatabase", "scheduler", "triggerer", "dag_processor"))
 
 
-def _write_timeline(path: Path, meta: str, dsn: str, dag_id: str, started: float) -> None:
+def _write_timeline(path: Path, meta: str, dsn: str, dag_id: str, pipeline: str,
+                    started: float) -> None:
     """Every task instance's queued, start and end time and every transaction's planned and
     committed time, in seconds from the first trigger, as JSON (where the Airflow path's
     time goes)."""
@@ -134,7 +172,8 @@ def _write_timeline(path: Path, meta: str, dsn: str, dag_id: str, started: float
                             FROM task_instance WHERE dag_id = %s ORDER BY start_date""",
                    (dag_id,))
     txs = _query(dsn, """SELECT txid, extract(epoch FROM planned_at),
-                                extract(epoch FROM committed_at) FROM transactions ORDER BY txid""")
+                                extract(epoch FROM committed_at) FROM transactions
+                         WHERE pipeline = %s ORDER BY txid""", (pipeline,))
 
     def rel(t):
         return None if t is None else round(float(t) - zero, 3)
@@ -148,8 +187,12 @@ def _write_timeline(path: Path, meta: str, dsn: str, dag_id: str, started: float
     print(f"timeline written to {path}", flush=True)
 
 
-def run_airflow(dsn: str, server: str, spark_url: str, folder: Path, pipeline: str,
-                batch_size: int, runs: int, timeline: Path | None = None) -> dict:
+def run_airflow(dsn: str, server: str, spark_url: str, folder: Path, pipelines: list[str],
+                batch_size: int, runs: int, timeline: Path | None = None) -> dict[str, dict]:
+    """``runs`` transactions of each of ``pipelines`` (one after the other, on one Airflow),
+    all of a pipeline's triggered at once; per pipeline its wall seconds, runs by state,
+    task medians and CPU seconds per component. ``timeline``: a JSON file per pipeline
+    (``<stem>-<pipeline>.json``) of every task's and transaction's times."""
     from onceflow.core.db import connection
     from onceflow.core.registration import register
     from onceflow.core.registry import get_pipeline
@@ -157,7 +200,8 @@ def run_airflow(dsn: str, server: str, spark_url: str, folder: Path, pipeline: s
     from onceflow.dev.localpg import recreate_database
 
     with connection(dsn) as conn:  # what `onceflow init` does on a user's machine
-        register(conn, get_pipeline(pipeline), create_source=True)
+        for pipeline in pipelines:
+            register(conn, get_pipeline(pipeline), create_source=True)
     meta = recreate_database(server, "onceflow_bench_airflow_meta", migrate=False)
     home = Path(tempfile.mkdtemp(prefix="onceflow-bench-airflow-"))
     dags = home / "dags"  # the project's DAG file and the warm-up DAG
@@ -203,13 +247,14 @@ def run_airflow(dsn: str, server: str, spark_url: str, folder: Path, pipeline: s
         out = open(logs / f"{component}.log", "wb")  # noqa: SIM115 (closed with the process)
         procs.append(subprocess.Popen([*airflow, component], env=env, stdout=out,
                                       stderr=subprocess.STDOUT, start_new_session=True))
-    dag_id = f"onceflow_{pipeline}"
+    dag_ids = [f"onceflow_{pipeline}" for pipeline in pipelines]
+    trigger = None
     try:
         deadline = time.monotonic() + 300
-        while len(_query(meta, "SELECT 1 FROM dag WHERE dag_id IN (%s, %s) AND NOT is_paused",
-                         (dag_id, WARM_UP))) < 2:
+        while len(_query(meta, "SELECT 1 FROM dag WHERE dag_id = ANY(%s) AND NOT is_paused",
+                         ([*dag_ids, WARM_UP],))) < len(dag_ids) + 1:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{dag_id} never appeared (logs in {logs})")
+                raise TimeoutError(f"{dag_ids} never appeared (logs in {logs})")
             time.sleep(1)
         # Airflow is up before the clock starts, as it is for a user who triggers runs: the
         # components report healthy and have had a few seconds to settle after start-up.
@@ -223,9 +268,10 @@ def run_airflow(dsn: str, server: str, spark_url: str, folder: Path, pipeline: s
             if "onceflow: " in line and "preload" in line:  # at log level INFO or finer
                 print("scheduler: " + line.split("onceflow: ", 1)[1].split(" [", 1)[0],
                       flush=True)
+        trigger = _Triggerer(env)
         # and its executor's worker processes have each run a task (see bench_warm_up.py)
         warming = time.monotonic()
-        _trigger(env, WARM_UP, ["warm_up"])
+        trigger(WARM_UP, ["warm_up"])
         if _wait_for_runs(meta, WARM_UP, 1, deadline, logs).get("failed"):
             raise RuntimeError(f"the warm-up DAG {WARM_UP} failed: task logs under {home}/logs")
         print(f"Airflow's workers warmed up in {time.monotonic() - warming:.1f}s", flush=True)
@@ -240,30 +286,34 @@ def run_airflow(dsn: str, server: str, spark_url: str, folder: Path, pipeline: s
         print("CPU seconds per second, idle: " + ", ".join(
             f"{c} {(cpu_before[c] - idle_before[c]) / IDLE_S:.2f}" for c in cpu_pids),
             flush=True)
-        started = time.monotonic()
-        _trigger(env, dag_id, [f"bench_{i:03d}" for i in range(runs)],
-                 {"batch_size": batch_size})
-        done = _wait_for_runs(meta, dag_id, runs, time.monotonic() + 3600, logs)
-        if done.get("failed"):
-            print(f"{done['failed']} Airflow run(s) failed: task logs under {home}/logs",
-                  file=sys.stderr)
-        cpu = {c: _cpu_s(p) - cpu_before[c] for c, p in cpu_pids.items()}
-        last_commit = _query(dsn, "SELECT max(committed_at) - min(planned_at) FROM "
-                                  "transactions")[0][0]
-        seconds = time.monotonic() - started
-        durations = _query(meta, """SELECT task_id, extract(epoch FROM end_date - start_date)
-                                    FROM task_instance WHERE dag_id = %s AND state = 'success'""",
-                           (dag_id,))
-        per_task = {}
-        for task, d in durations:
-            per_task.setdefault(task, []).append(float(d))
-        if timeline is not None:
-            _write_timeline(timeline, meta, dsn, dag_id, started)
-        return {"seconds": seconds, "runs": dict(done),
-                "planned_to_last_commit_s": last_commit.total_seconds() if last_commit else None,
+        results = {}
+        for pipeline, dag_id in zip(pipelines, dag_ids, strict=True):
+            cpu_before = {c: _cpu_s(p) for c, p in cpu_pids.items()}
+            started = time.monotonic()
+            trigger(dag_id, [f"bench_{i:03d}" for i in range(runs)], {"batch_size": batch_size})
+            done = _wait_for_runs(meta, dag_id, runs, time.monotonic() + 3600, logs)
+            seconds = time.monotonic() - started
+            if done.get("failed"):
+                print(f"{done['failed']} Airflow run(s) of {dag_id} failed: task logs under "
+                      f"{home}/logs", file=sys.stderr)
+            cpu = {c: _cpu_s(p) - cpu_before[c] for c, p in cpu_pids.items()}
+            durations = _query(meta, """SELECT task_id, extract(epoch FROM end_date - start_date)
+                                        FROM task_instance
+                                        WHERE dag_id = %s AND state = 'success'""", (dag_id,))
+            per_task = {}
+            for task, d in durations:
+                per_task.setdefault(task, []).append(float(d))
+            if timeline is not None:
+                _write_timeline(timeline.with_name(f"{timeline.stem}-{pipeline}.json"), meta,
+                                dsn, dag_id, pipeline, started)
+            results[pipeline] = {
+                "seconds": seconds, "runs": dict(done),
                 "task_s": {t: statistics.median(v) for t, v in sorted(per_task.items())},
                 "cpu_s": cpu}
+        return results
     finally:
+        if trigger is not None:
+            trigger.close()
         for proc in procs:
             try:
                 os.killpg(proc.pid, 15)

@@ -7,17 +7,22 @@ lines files (one per batch) in a landing folder, computes the ground truth in Py
 runs, on that folder, each system asked for (--systems):
 
 - ``raw``: one Spark batch job, COPY out (bench/peers.py; no guarantees: the practical limit);
-- ``streaming``: Spark Structured Streaming, text file source parsed by from_json (as
-  onceflow's bolts parse a payload), foreachBatch upsert fenced by batchId (bench/peers.py),
-  one file per micro-batch; the baseline of the "vs SS" column;
+- ``streaming``: Spark Structured Streaming, text file source parsed by from_json (as a
+  bolt parses a payload), foreachBatch upsert fenced by batchId (bench/peers.py), one file
+  per micro-batch; the baseline of the "vs SS" column;
 - ``streaming-json``: the same with Spark's JSON source, as most users read JSON files (its
-  parser takes each line's bytes; from_json decodes each payload first);
+  parser takes each line's bytes; from_json decodes each payload first); the baseline of the
+  "vs SS-json" column, the like of onceflow's W, whose landing folder decodes the events
+  (``json_schema``);
 - ``library``: onceflow without Airflow (spark_tasks.loop.run_batches): --in-flight batches
   processed at once (default: max_pending, as many as the Airflow path runs), committed in
   txid order, one local Spark session in this process;
 - ``connect``: the same through a Spark Connect server (the warm Spark of the Airflow path);
 - ``airflow``: onceflow through a real Airflow scheduler (scheduler, triggerer,
-  dag-processor, LocalExecutor, PostgreSQL metadata), the runs triggered at once.
+  dag-processor, LocalExecutor, PostgreSQL metadata), the runs triggered at once; its DAG
+  runs a transaction in one task (``dag_shape="single"``);
+- ``airflow-phases``: the same on the same Airflow with a task per phase (begin >> process
+  >> commit), the default shape.
 
 Every system's result is checked against the ground truth. Then the table: wall seconds,
 events/s, each against Structured Streaming, the per-batch fixed cost of the warm Spark, the
@@ -128,9 +133,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", type=int, default=10)
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--systems",
-                        default="raw,streaming,streaming-json,library,connect,airflow",
+                        default="raw,streaming,streaming-json,library,connect,airflow,"
+                                "airflow-phases",
                         help="comma-separated: raw, streaming, streaming-json, library, "
-                             "connect, airflow")
+                             "connect, airflow, airflow-phases")
     parser.add_argument("--acker-events", type=int, default=2_000_000,
                         help="events for the acker on/off figure (0: skip it)")
     parser.add_argument("--acker-rounds", type=int, default=2,
@@ -202,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         spark = None
         os.environ.pop("SPARK_CONNECT_MODE_ENABLED", None)
     url = None
-    if {"connect", "airflow"} & set(systems) or args.acker_events:
+    if {"connect", "airflow", "airflow-phases"} & set(systems) or args.acker_events:
         from onceflow.dev import localspark
 
         ours = not localspark.status(folder=args.folder / "spark-connect").running
@@ -222,14 +228,20 @@ def main(argv: list[str] | None = None) -> int:
         results["onceflow library (Spark Connect)"]["fixed_s"] = fixed_cost(
             url, recreate_database(server, "onceflow_bench_fixed"), get_pipeline(
                 "bench_w", batch_size=1))
-    if "airflow" in systems:
+    shapes = {"airflow": ("bench_w", "onceflow through Airflow, one task", "w_"),
+              "airflow-phases": ("bench_w_phases", "onceflow through Airflow, 3 tasks", "wp_")}
+    wanted = [s for s in shapes if s in systems]
+    if wanted:
         from airflow_run import run_airflow
 
         dsn = recreate_database(server, "onceflow_bench_airflow")
-        r = run_airflow(dsn, server, url, args.folder, "bench_w", batch, args.batches,
-                        args.timeline)
-        r["ok"] = counts_ok(dsn, "w_url_counts", "w_domain_counts", truth)
-        results["onceflow through Airflow"] = r
+        ran = run_airflow(dsn, server, url, args.folder, [shapes[s][0] for s in wanted], batch,
+                          args.batches, args.timeline)
+        for system in wanted:
+            pipeline, name, prefix = shapes[system]
+            r = ran[pipeline]
+            r["ok"] = counts_ok(dsn, f"{prefix}url_counts", f"{prefix}domain_counts", truth)
+            results[name] = r
     acker = {}
     if args.acker_events:
         acker = acker_cost(server, url, args)
@@ -259,12 +271,17 @@ def acker_cost(server: str, url: str, args) -> dict:
 
 def report(results: dict, acker: dict, args) -> None:
     ss = results.get("Structured Streaming", {}).get("seconds")
+    ss_json = results.get("Structured Streaming, JSON source", {}).get("seconds")
     print(f"\n{args.events} events, {args.batches} batches; load average {loadavg()}")
-    print(f"{'system':<36} {'wall s':>8} {'events/s':>10} {'vs SS':>7}  check")
+    print("vs SS: against Structured Streaming reading text and parsing with from_json; "
+          "vs SS-json: against its JSON source")
+    print(f"{'system':<36} {'wall s':>8} {'events/s':>10} {'vs SS':>7} {'vs SS-json':>10}  "
+          "check")
     for name, r in results.items():
         rate = args.events / r["seconds"]
         ratio = f"{ss / r['seconds']:.2f}x" if ss else "-"
-        print(f"{name:<36} {r['seconds']:>8.1f} {rate:>10,.0f} {ratio:>7}  "
+        ratio_json = f"{ss_json / r['seconds']:.2f}x" if ss_json else "-"
+        print(f"{name:<36} {r['seconds']:>8.1f} {rate:>10,.0f} {ratio:>7} {ratio_json:>10}  "
               f"{'OK' if r.get('ok') else 'WRONG'}")
     for name, r in results.items():
         if "process_s" in r:

@@ -6,6 +6,8 @@ bench/peers.py (tweets_example.topology.parse).
   schema (``json_schema``, decoded as the lines are read), a DataFrame bolt finds the domain
   and the rejection reason, two count sinks, a reject sink. What a user writes for JSON
   lines, as a Structured Streaming user reads them with Spark's JSON source.
+  Its transaction DAG is one task per run (``dag_shape="single"``); ``W_PHASES`` is the same
+  pipeline with a task per phase (begin >> process >> commit), its own topic and tables.
 - ``W_IDNA``: the tweets example's topology (a Python bolt normalizes each domain with IDNA,
   per record): what the acker's cost is measured on.
 
@@ -15,6 +17,7 @@ pipeline; the folder comes from ONCEFLOW_BENCH_FOLDER.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 from onceflow import ANCHORS, SPOUT, Pipeline, StateSpec, Topology
@@ -67,7 +70,14 @@ W = Pipeline(
     states=(StateSpec("w_url_counts", source="url_counts"),
             StateSpec("w_domain_counts", source="domain_counts")),
     batch_size=1_000_000, max_pending=MAX_PENDING, retries=1, attempt_lease_s=1800,
+    dag_shape="single",
 )
+
+W_PHASES = dataclasses.replace(
+    W, name="bench_w_phases", source=_source("bench_w_phases", TWEET), dag_shape="phases",
+    description="Benchmark W, a task per phase.",
+    states=(StateSpec("wp_url_counts", source="url_counts"),
+            StateSpec("wp_domain_counts", source="domain_counts")))
 
 W_IDNA = Pipeline(
     name="bench_w_idna", description="Benchmark W with a per-record Python bolt (IDNA).",
@@ -77,4 +87,4 @@ W_IDNA = Pipeline(
     batch_size=1_000_000, max_pending=MAX_PENDING, retries=1, attempt_lease_s=1800,
 )
 
-PIPELINES = (W, W_IDNA)
+PIPELINES = (W, W_PHASES, W_IDNA)

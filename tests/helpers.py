@@ -17,8 +17,13 @@ from onceflow.core.txlog import Batch
 from onceflow.sources import catalog
 from onceflow.sources.pglog import PostgresLog
 from tweets_example.data import generate
+from tweets_example.pipelines import TWEETS
 
 OUTSIDE = Path(__file__).parent / "outside"  # the outside pipeline package (pageviews)
+
+# The tweets pipeline with a one-task transaction DAG, reached as "helpers:TWEETS_SINGLE"
+# (tests/test_single_task_dag.py)
+TWEETS_SINGLE = dataclasses.replace(TWEETS, name="tweets_single", dag_shape="single")
 
 
 @contextmanager

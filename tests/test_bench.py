@@ -49,6 +49,7 @@ def test_the_peer_comparison_runs_every_system_and_checks_it(tmp_path, dsn, monk
     assert set(rows) == {"raw Spark batch", "Structured Streaming",
                          "Structured Streaming, JSON source",
                          "onceflow library (local session)", "onceflow library (Spark Connect)",
-                         "onceflow through Airflow"}, out
+                         "onceflow through Airflow, one task",
+                         "onceflow through Airflow, 3 tasks"}, out
     assert set(rows.values()) == {"OK"}, out
     assert "load average" in out and "acker (tweets topology" in out

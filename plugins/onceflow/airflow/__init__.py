@@ -1,6 +1,7 @@
-"""onceflow in Airflow: transaction DAGs (dags), the begin / process / commit operators
-(operators) and the commit's trigger (triggers). Names load lazily, so the triggerer importing
-the trigger does not load the operators and their providers."""
+"""onceflow in Airflow: transaction DAGs (dags), the begin / process / commit operators and
+the one-task transaction operator (operators) and the commit's trigger (triggers). Names load
+lazily, so the triggerer importing the trigger does not load the operators and their
+providers."""
 
 from typing import Any
 

@@ -1,4 +1,5 @@
-"""Transaction DAGs: begin >> process (mapped over groups) >> commit, one DAG per pipeline.
+"""Transaction DAGs: begin >> process (mapped over groups) >> commit, one DAG per pipeline; or,
+for a pipeline declared with ``dag_shape="single"``, one task that runs the three.
 
 A DAG file is one call (wiring only; nothing heavy at import)::
 
@@ -26,13 +27,14 @@ from onceflow.airflow.operators import (
     BeginBatchOperator,
     CommitBatchOperator,
     ProcessBatchOperator,
+    TransactionOperator,
     load_pipeline,
     mark_transaction_failed,
     seconds_setting,
 )
 from onceflow.core.connections import DEFAULT_CONN_ID
 from onceflow.core.errors import ConfigError
-from onceflow.core.pipeline import Pipeline
+from onceflow.core.pipeline import DAG_SHAPES, Pipeline, check
 
 DOC = """
 ### onceflow: {name}, exactly once
@@ -54,6 +56,22 @@ One DAG run is one attempt of one transaction:
 Source: {source}. States: {states}.
 """
 
+SINGLE_DOC = """
+### onceflow: {name}, exactly once
+
+{description}
+
+One DAG run is one attempt of one transaction, in one task, **transaction**, whose log says
+each phase: BEGIN (the txid and the offsets it reads; past `max_pending` open transactions it
+waits for one to commit, and is skipped if none does within 300 s), PROCESSED (the topology
+on Spark Connect over exactly those offsets, staged), and COMMIT (in txid order: it waits
+for txid - 1, in the task up to 30 s, then deferred; then the states, the offsets and the
+commit record in one PostgreSQL transaction: `COMMIT ... txid=N attempt=A prev_txid=N-1
+rows=R waited=Ws`). A retry starts again at begin with a new attempt of the same txid.
+
+Source: {source}. States: {states}.
+"""
+
 
 def transaction_dag(pipeline: Pipeline | str, *, dag_id: str | None = None,
                     pipeline_refs: Iterable[str] = (), schedule: Any = None,
@@ -61,8 +79,12 @@ def transaction_dag(pipeline: Pipeline | str, *, dag_id: str | None = None,
                     default_args: Mapping[str, Any] | None = None,
                     description: str | None = None, doc_md: str | None = None,
                     max_active_runs: int | None = None, spark_conn_id: str = "spark_default",
-                    postgres_conn_id: str = DEFAULT_CONN_ID, **dag_kwargs: Any) -> DAG:
+                    postgres_conn_id: str = DEFAULT_CONN_ID, shape: str | None = None,
+                    **dag_kwargs: Any) -> DAG:
     """The transaction DAG of ``pipeline`` (a Pipeline, or the name of a registered one).
+
+    ``shape``: "phases" (begin >> process >> commit) or "single" (one ``transaction`` task,
+    onceflow.airflow.operators.TransactionOperator); default: the pipeline's ``dag_shape``.
 
     ``dag_id`` defaults to ``onceflow_<name>``; the trigger form's batch_size and groups
     default to the pipeline's own; retries come from the pipeline (``retries``) unless
@@ -92,10 +114,12 @@ def transaction_dag(pipeline: Pipeline | str, *, dag_id: str | None = None,
             seconds=seconds_setting("retry_delay", None, "ONCEFLOW_RETRY_DELAY_SECONDS", 10)),
         **(default_args or {}),
     }
+    shape = shape or pipeline.dag_shape
+    check(shape in DAG_SHAPES, "shape", shape, f"choose one of {', '.join(DAG_SHAPES)}")
     with DAG(
         dag_id=dag_id or f"onceflow_{pipeline.name}",
         description=description or pipeline.description or f"onceflow pipeline {pipeline.name}",
-        doc_md=doc_md or DOC.format(
+        doc_md=doc_md or (SINGLE_DOC if shape == "single" else DOC).format(
             name=pipeline.name, description=pipeline.description,
             source=pipeline.source.describe(),
             states=", ".join(f"`{s.table}`" for s in pipeline.states)),
@@ -119,15 +143,19 @@ def transaction_dag(pipeline: Pipeline | str, *, dag_id: str | None = None,
     ) as dag:
         common = {"pipeline": pipeline.name, "pipeline_refs": refs,
                   "postgres_conn_id": postgres_conn_id}
-        begin = BeginBatchOperator(
-            task_id="begin", batch_size="{{ params.batch_size }}",
-            groups="{{ params.groups }}", txid="{{ params.txid }}", **common)
-        # one process task per processing group of the batch
-        process = ProcessBatchOperator.partial(
-            task_id="process", conn_id=spark_conn_id, **common).expand(batch=begin.output)
-        commit = CommitBatchOperator(task_id="commit", batch=begin.output,
-                                     outlets=[pipeline_alias(pipeline.name)], **common)
-        begin >> process >> commit
+        form = {"batch_size": "{{ params.batch_size }}", "groups": "{{ params.groups }}",
+                "txid": "{{ params.txid }}"}
+        if shape == "single":
+            TransactionOperator(task_id="transaction", conn_id=spark_conn_id,
+                                outlets=[pipeline_alias(pipeline.name)], **form, **common)
+        else:
+            begin = BeginBatchOperator(task_id="begin", **form, **common)
+            # one process task per processing group of the batch
+            process = ProcessBatchOperator.partial(
+                task_id="process", conn_id=spark_conn_id, **common).expand(batch=begin.output)
+            commit = CommitBatchOperator(task_id="commit", batch=begin.output,
+                                         outlets=[pipeline_alias(pipeline.name)], **common)
+            begin >> process >> commit
     # The DAG belongs to the file that called this (the UI shows that file's code).
     dag.fileloc = sys._getframe(1).f_globals.get("__file__", dag.fileloc)
     return dag

@@ -35,6 +35,7 @@ MODES = ("transactional", "opaque")
 START_POLICIES = ("earliest", "latest")  # or "timestamp:<ISO 8601>"
 OUT_OF_RANGE_POLICIES = ("earliest", "latest", "fail")
 STATE_KINDS = ("opaque", "transactional", "append")
+DAG_SHAPES = ("phases", "single")
 _IDENT = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 
 
@@ -191,6 +192,10 @@ class Pipeline:
     # Replaying dead letters waits for a person's approval in the DAG
     # onceflow_<name>_replay_dead_letters (onceflow.airflow.approval).
     dead_letter_approval: bool = False
+    # The transaction DAG's shape (onceflow.airflow.dags): "phases", a task per phase (begin >>
+    # process >> commit), or "single", one task runs the three: a third of Airflow's cost per
+    # run, no scheduling hop between phases; processes on a Spark Connect server.
+    dag_shape: str = "phases"
     # Where this declaration was loaded from ("module:attr"): travels with every task.
     ref: str | None = field(default=None, compare=False)
 
@@ -265,6 +270,8 @@ class Pipeline:
               "reference, or a tuple of those")
         check(isinstance(self.dead_letter_approval, bool), "pipeline.dead_letter_approval",
               self.dead_letter_approval, "give True or False")
+        check(self.dag_shape in DAG_SHAPES, "pipeline.dag_shape", self.dag_shape,
+              f"choose one of {', '.join(DAG_SHAPES)}")
         check(isinstance(self.states, tuple) and len(self.states) > 0, "pipeline.states",
               self.states, "declare at least one state, as a tuple of StateSpec")
         names = [s.name for s in self.states]

@@ -1,0 +1,136 @@
+"""The one-task transaction DAG (``dag_shape="single"``): the same transaction, its phases in
+one task; on real Airflow (dag.test()), the warm Spark and PostgreSQL."""
+
+from __future__ import annotations
+
+import time
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+
+from helpers import produce, table, tweets_pipeline
+from onceflow.core.begin import begin
+from onceflow.core.registration import register
+from onceflow.core.registry import clear_cache, get_pipeline
+from onceflow.dev.demo import load_dag
+from onceflow.ops.verify import recount
+from tweets_example.data import generate
+
+DAGS = Path(__file__).resolve().parents[1] / "dags"
+
+
+@pytest.fixture
+def quick_retries(monkeypatch):
+    monkeypatch.setenv("ONCEFLOW_RETRY_DELAY_SECONDS", "1")
+
+
+@pytest.fixture
+def single(monkeypatch, conn, airflow_db):
+    """The tweets pipeline declared with dag_shape="single", registered the way a user's is
+    (ONCEFLOW_PIPELINES), so the project's DAG file builds its DAG: (pipeline, dag)."""
+    monkeypatch.setenv("ONCEFLOW_PIPELINES", "helpers:TWEETS_SINGLE")
+    clear_cache()
+    try:
+        pipeline = get_pipeline("tweets_single")
+        register(conn, pipeline, create_source=True)
+        yield pipeline, load_dag(DAGS, "onceflow_tweets_single")
+    finally:
+        clear_cache()
+
+
+@pytest.mark.timeout(420)
+def test_each_run_is_one_task_that_commits_its_transaction_in_order(
+        single, conn, dsn, warm_spark, quick_retries, caplog, monkeypatch):
+    """Two runs, each one task: BEGIN, PROCESSED and COMMIT in its log, committed in txid
+    order, the state exact; the second transaction's processing fails on its first try: the
+    retry begins again with a new attempt of the same txid, which commits once."""
+    from airflow.models.asset import AssetEvent, AssetModel
+    from airflow.utils.session import create_session
+
+    pipeline, dag = single
+    produce(conn, pipeline.topic, generate(1000, seed=7, malformed_share=0.05))
+    assert [t.task_id for t in dag.tasks] == ["transaction"]
+    assert dag.max_active_runs == pipeline.max_pending + 1
+    assert "in one task, **transaction**" in dag.doc_md
+    monkeypatch.setenv("ONCEFLOW_INJECT_FAULTS", "process.before:2:1")
+    base = datetime.now(UTC).replace(microsecond=0)
+    runs = []
+    for i in range(2):
+        dr = dag.test(logical_date=base + timedelta(seconds=i), run_conf={"batch_size": 600})
+        assert str(dr.state) == "success"
+        runs.append(dr)
+    (ti,) = runs[1].get_task_instances()
+    assert ti.try_number == 2  # the injected failure, then the retry
+    for txid, attempt in ((1, 1), (2, 2)):
+        assert f"COMMIT pipeline=tweets_single txid={txid} attempt={attempt} " \
+               f"prev_txid={txid - 1}" in caplog.text
+    assert "BEGIN pipeline=tweets_single txid=2 attempt=2" in caplog.text
+    assert "PROCESSED pipeline=tweets_single txid 2 attempt 2 group=0" in caplog.text
+    assert table(conn, "SELECT txid, attempt, state FROM transactions ORDER BY txid") == [
+        (1, 1, "committed"), (2, 2, "committed")]
+    report = recount(conn, pipeline)
+    assert report.ok, report.mismatches
+    assert report.records + report.queued + report.dead == 1000
+    with create_session() as session:  # the task's outlets: an event per table per commit
+        events = session.query(AssetModel.name, AssetEvent.extra).join(
+            AssetModel, AssetEvent.asset_id == AssetModel.id).filter(
+            AssetEvent.source_run_id.in_([dr.run_id for dr in runs])).all()
+    assert sorted((name, extra["txid"]) for name, extra in events) == sorted(
+        (f"onceflow/tweets_single/{t}", txid) for t in ("url_counts", "domain_counts")
+        for txid in (1, 2))
+
+
+def test_a_waiting_commit_defers_with_its_batch_and_resumes_with_it(spark, conn, dsn):
+    """Past its wait in the task the commit defers, the batch in the deferral (a resumed task
+    is a new operator: nothing else remembers it); resumed, it commits that batch."""
+    from airflow.sdk.exceptions import TaskDeferred
+
+    from onceflow.airflow.operators import TransactionOperator
+    from onceflow.core.commit import commit
+    from spark_tasks.processing import process_batch
+
+    pipeline = tweets_pipeline(conn, events=600, batch_size=300)
+    first, second = begin(conn, pipeline, "run-1"), begin(conn, pipeline, "run-2")
+    for batch in (first, second):
+        process_batch(spark, dsn, pipeline, batch.attempt)
+    entries = [{"pipeline": "tweets", "txid": 2, "attempt": 1, "group": 0, "groups": 1,
+                "records": 300, "committed": False}]
+    waiting = TransactionOperator(task_id="transaction", pipeline="tweets", wait_in_task=0)
+    waiting.batch = entries
+    with pytest.raises(TaskDeferred) as deferred:
+        waiting._try_commit(time.time() + 60)
+    assert deferred.value.method_name == "execute_complete"
+    assert deferred.value.kwargs == {"batch": entries}
+    commit(conn, pipeline, first.attempt)
+    resumed = TransactionOperator(task_id="transaction", pipeline="tweets")
+    out = resumed.execute_complete(None, {"deadline": time.time() + 60},
+                                   **deferred.value.kwargs)
+    assert (out["txid"], out["attempt"], out["status"]) == (2, 1, "committed")
+
+
+def test_a_spark_submit_connection_fails_the_run_at_once_naming_the_fix(
+        single, conn, dsn, spark_submit):
+    """The one-task DAG processes on a Spark Connect server; a spark connection (spark-submit)
+    is refused before any Spark work, without retries, and the txid is marked failed for the
+    next run to adopt."""
+    pipeline, dag = single
+    produce(conn, pipeline.topic, generate(100, seed=3))
+    dr = dag.test(logical_date=datetime.now(UTC).replace(microsecond=0))
+    (ti,) = dr.get_task_instances()
+    assert str(dr.state) == "failed" and ti.try_number == 1  # no retry
+    assert table(conn, "SELECT state FROM transactions WHERE txid = 1") == [("failed",)]
+    (reason,) = table(conn, "SELECT reason FROM transaction_attempts WHERE txid = 1")[0]
+    assert "is not of type spark_connect" in reason and "dag_shape='phases'" in reason
+
+
+def test_the_shape_is_checked_by_name():
+    from onceflow.airflow.dags import transaction_dag
+    from onceflow.core.errors import ConfigError
+    from onceflow.core.registry import get_pipeline
+
+    with pytest.raises(ConfigError, match="pipeline.dag_shape='one' is invalid: choose one of "
+                                          "phases, single"):
+        get_pipeline("tweets", dag_shape="one").validate()
+    with pytest.raises(ConfigError, match="shape='tasks' is invalid: choose one of"):
+        transaction_dag("tweets", shape="tasks")
