@@ -174,33 +174,45 @@ def stop(port: int = DEFAULT_PORT, wait_s: float = 30, *, folder: Path | None = 
 def warm_up(url: str) -> float:
     """Make a new server's first batch cost what the later ones do: start the Python workers
     of the session processing tasks share (spark_tasks.session.SHARED_SESSION_KEY) with
-    pyarrow imported, and run the shapes a batch runs (an Arrow read, JSON parsing, an
-    aggregation collected as Arrow) so the JVM has loaded and compiled them. Measured here:
-    a first 1M-event batch took 16.9 s on a cold server and 9.6 s after this (the later ones
-    4-5 s). Returns the seconds it took."""
+    pyarrow and the JSON-lines decoder imported, and run the shapes a batch runs (an Arrow
+    read of decoded records and of payloads, JSON parsing, an aggregation collected as
+    Arrow) so the JVM has loaded and compiled them. Measured here: a first 1M-event batch
+    took 16.9 s on a cold server and 9.6 s after this (the later ones 4-5 s). Returns the
+    seconds it took."""
     from pyspark.sql import functions as F
 
     from spark_tasks.session import SHARED_SESSION_KEY, connect_session
 
     started = time.monotonic()
 
-    def passing(batches):
-        import pyarrow  # noqa: F401 (what a source reader or a record bolt imports first)
+    def decoded(batches):
+        import pyarrow as pa
 
-        yield from batches
+        from onceflow.sources.json_records import PROBLEM, JsonRecords
+
+        records = JsonRecords("url string, n long")
+        for batch in batches:
+            lines = [b'{"url": "http://host%d/p", "n": %d}' % (i % 97, i)
+                     for i in batch.column("id").to_pylist()]
+            columns, problems = records.decode(lines, 65536)
+            yield pa.RecordBatch.from_arrays(
+                [batch.column("id"), *columns.values(), problems],
+                names=["id", *columns, PROBLEM])
 
     with connect_session(url, "onceflow-warm-up", shared=SHARED_SESSION_KEY) as spark:
-        rows = spark.range(50_000, numPartitions=4).mapInArrow(passing, "id long")
+        rows = spark.range(50_000, numPartitions=4).mapInArrow(
+            decoded, "id long, url string, n long, _corrupt_record string, _problem string")
         events = rows.select(F.to_json(F.struct(F.concat(
             F.lit("http://host"), (F.col("id") % 97).cast("string"), F.lit("/p")).alias("url"),
-            F.col("id").alias("n"))).alias("payload"))
+            F.col("id").alias("n"))).alias("payload"), "url")
         doc = F.from_json("payload", "url string, n long, _corrupt_record string",
                           {"mode": "PERMISSIVE", "columnNameOfCorruptRecord": "_corrupt_record"})
-        parsed = events.select(doc.alias("j")).select(
-            F.lower(F.regexp_extract("j.url", r"^https?://([^/]+)", 1)).alias("host"),
-            F.xxhash64("j.url").alias("id"))
-        parsed.groupBy("host").agg(F.count(F.lit(1)).alias("n"),
-                                   F.bit_xor("id").alias("x")).toArrow()
+        for url_column in (F.col("url"), F.col("j.url")):  # decoded, then parsed by a bolt
+            parsed = events.select(doc.alias("j"), "url").select(
+                F.lower(F.regexp_extract(url_column, r"^https?://([^/]+)", 1)).alias("host"),
+                F.xxhash64(url_column).alias("id"))
+            parsed.groupBy("host").agg(F.count(F.lit(1)).alias("n"),
+                                       F.bit_xor("id").alias("x")).toArrow()
     return time.monotonic() - started
 
 
