@@ -319,8 +319,9 @@ def run_airflow(dsn: str, server: str, spark_url: str, folder: Path, pipelines: 
                 os.killpg(proc.pid, 15)
             except OSError:
                 pass
-        for proc in procs:
+        for proc in procs:  # nothing of theirs is kept: 5 s to stop, then killed
             try:
-                proc.wait(timeout=30)
+                proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, 9)
+                proc.wait(timeout=30)

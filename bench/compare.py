@@ -143,6 +143,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="rounds of the acker figure, off and on in turn; the best of "
                              "each counts (default 2)")
     parser.add_argument("--folder", type=Path, default=Path("/var/tmp/onceflow-bench"))
+    parser.add_argument("--spark-connect", metavar="URL", default=None,
+                        help="the Spark Connect server of the connect and airflow systems "
+                             "(sc://host:port, running and warm); default: a local one this "
+                             "run starts, warms up and stops")
     parser.add_argument("--timeline", type=Path, default=None,
                         help="airflow: write each task's queued, start and end time and "
                              "each transaction's planned and committed time to this JSON "
@@ -207,8 +211,9 @@ def main(argv: list[str] | None = None) -> int:
         spark.stop()
         spark = None
         os.environ.pop("SPARK_CONNECT_MODE_ENABLED", None)
-    url = None
-    if {"connect", "airflow", "airflow-phases"} & set(systems) or args.acker_events:
+    url, ours = args.spark_connect, False
+    if not url and ({"connect", "airflow", "airflow-phases"} & set(systems)
+                    or args.acker_events):
         from onceflow.dev import localspark
 
         ours = not localspark.status(folder=args.folder / "spark-connect").running
@@ -216,37 +221,39 @@ def main(argv: list[str] | None = None) -> int:
         # a long-lived server, as a user's is: warmed up before any clock starts (what
         # `onceflow spark start` does in the background)
         print(f"Spark Connect server warmed up in {localspark.warm_up(url):.1f}s", flush=True)
-    if "connect" in systems:
-        from spark_tasks.session import connect_session
+    try:
+        if "connect" in systems:
+            from spark_tasks.session import connect_session
 
-        dsn = recreate_database(server, "onceflow_bench_connect")
-        with connect_session(url, "onceflow-bench") as remote:
-            remote.range(1).count()
-            r = onceflow_loop(remote, dsn, w, args.batches, args.in_flight)
-        r["ok"] = counts_ok(dsn, "w_url_counts", "w_domain_counts", truth)
-        results["onceflow library (Spark Connect)"] = r
-        results["onceflow library (Spark Connect)"]["fixed_s"] = fixed_cost(
-            url, recreate_database(server, "onceflow_bench_fixed"), get_pipeline(
-                "bench_w", batch_size=1))
-    shapes = {"airflow": ("bench_w", "onceflow through Airflow, one task", "w_"),
-              "airflow-phases": ("bench_w_phases", "onceflow through Airflow, 3 tasks", "wp_")}
-    wanted = [s for s in shapes if s in systems]
-    if wanted:
-        from airflow_run import run_airflow
+            dsn = recreate_database(server, "onceflow_bench_connect")
+            with connect_session(url, "onceflow-bench") as remote:
+                remote.range(1).count()
+                r = onceflow_loop(remote, dsn, w, args.batches, args.in_flight)
+            r["ok"] = counts_ok(dsn, "w_url_counts", "w_domain_counts", truth)
+            results["onceflow library (Spark Connect)"] = r
+            results["onceflow library (Spark Connect)"]["fixed_s"] = fixed_cost(
+                url, recreate_database(server, "onceflow_bench_fixed"), get_pipeline(
+                    "bench_w", batch_size=1))
+        shapes = {"airflow": ("bench_w", "onceflow through Airflow, one task", "w_"),
+                  "airflow-phases": ("bench_w_phases", "onceflow through Airflow, 3 tasks", "wp_")}
+        wanted = [s for s in shapes if s in systems]
+        if wanted:
+            from airflow_run import run_airflow
 
-        dsn = recreate_database(server, "onceflow_bench_airflow")
-        ran = run_airflow(dsn, server, url, args.folder, [shapes[s][0] for s in wanted], batch,
-                          args.batches, args.timeline)
-        for system in wanted:
-            pipeline, name, prefix = shapes[system]
-            r = ran[pipeline]
-            r["ok"] = counts_ok(dsn, f"{prefix}url_counts", f"{prefix}domain_counts", truth)
-            results[name] = r
-    acker = {}
-    if args.acker_events:
-        acker = acker_cost(server, url, args)
-    if url and ours:  # the server this run started goes with it
-        localspark.stop(folder=args.folder / "spark-connect")
+            dsn = recreate_database(server, "onceflow_bench_airflow")
+            ran = run_airflow(dsn, server, url, args.folder, [shapes[s][0] for s in wanted], batch,
+                              args.batches, args.timeline)
+            for system in wanted:
+                pipeline, name, prefix = shapes[system]
+                r = ran[pipeline]
+                r["ok"] = counts_ok(dsn, f"{prefix}url_counts", f"{prefix}domain_counts", truth)
+                results[name] = r
+        acker = {}
+        if args.acker_events:
+            acker = acker_cost(server, url, args)
+    finally:
+        if ours:  # the server this run started goes with it, whatever happened
+            localspark.stop(folder=args.folder / "spark-connect")
     report(results, acker, args)
     return 0 if all(r.get("ok") for r in results.values()) else 1
 

@@ -200,7 +200,7 @@ def warm_up(url: str) -> float:
                 names=["id", *columns, PROBLEM])
 
     with connect_session(url, "onceflow-warm-up", shared=SHARED_SESSION_KEY) as spark:
-        rows = spark.range(50_000, numPartitions=4).mapInArrow(
+        rows = spark.range(20_000, numPartitions=4).mapInArrow(
             decoded, "id long, url string, n long, _corrupt_record string, _problem string")
         events = rows.select(F.to_json(F.struct(F.concat(
             F.lit("http://host"), (F.col("id") % 97).cast("string"), F.lit("/p")).alias("url"),
