@@ -185,6 +185,11 @@ class _PipelineTask:
     pipeline_refs: tuple[str, ...]
     postgres_conn_id: str
 
+    def _which(self, pipeline: str, pipeline_refs: Iterable[str], postgres_conn_id: str) -> None:
+        self.pipeline = pipeline
+        self.pipeline_refs = tuple(pipeline_refs)
+        self.postgres_conn_id = postgres_conn_id
+
     def _pipeline(self, **settings):
         return load_pipeline(self.pipeline, self.pipeline_refs, **settings)
 
@@ -201,6 +206,15 @@ class _Begins(_PipelineTask):
     txid: Any
     wait_for_slot: float
     poll_interval: float
+
+    def _plan_settings(self, batch_size: Any, txid: Any, groups: Any,
+                       wait_for_slot: float | None, poll_interval: float) -> None:
+        self.batch_size = batch_size
+        self.txid = txid
+        self.groups = groups
+        self.wait_for_slot = seconds_setting("wait_for_slot", wait_for_slot,
+                                             "ONCEFLOW_BEGIN_WAIT_S", 300.0)
+        self.poll_interval = poll_interval
 
     def _begin(self, context) -> list[dict[str, Any]]:
         from onceflow.core.begin import begin
@@ -299,15 +313,8 @@ class BeginBatchOperator(_Begins, BaseOperator):
                  txid: Any = None, groups: Any = None, wait_for_slot: float | None = None,
                  poll_interval: float = 2.0, **kwargs):
         super().__init__(**kwargs)
-        self.pipeline = pipeline
-        self.pipeline_refs = tuple(pipeline_refs)
-        self.postgres_conn_id = postgres_conn_id
-        self.batch_size = batch_size
-        self.txid = txid
-        self.groups = groups
-        self.wait_for_slot = seconds_setting("wait_for_slot", wait_for_slot,
-                                             "ONCEFLOW_BEGIN_WAIT_S", 300.0)
-        self.poll_interval = poll_interval
+        self._which(pipeline, pipeline_refs, postgres_conn_id)
+        self._plan_settings(batch_size, txid, groups, wait_for_slot, poll_interval)
 
     def execute(self, context) -> list[dict[str, Any]]:
         return self._begin(context)
@@ -406,10 +413,8 @@ class ProcessBatchOperator(_Processes, SparkSubmitOperator):
         if venv_submit.exists():
             kwargs.setdefault("spark_binary", str(venv_submit))
         super().__init__(**kwargs)
-        self.pipeline = pipeline
-        self.pipeline_refs = tuple(pipeline_refs)
+        self._which(pipeline, pipeline_refs, postgres_conn_id)
         self.batch = batch  # one entry of begin's result
-        self.postgres_conn_id = postgres_conn_id
 
     def execute(self, context) -> None:
         ta = attempt_of(self.batch)
@@ -586,10 +591,8 @@ class CommitBatchOperator(_Commits, BaseOperator):
                  wait_in_task: float = 30.0, **kwargs):
         kwargs.setdefault("on_failure_callback", mark_transaction_failed)
         super().__init__(**kwargs)
-        self.pipeline = pipeline
-        self.pipeline_refs = tuple(pipeline_refs)
+        self._which(pipeline, pipeline_refs, postgres_conn_id)
         self.batch = batch
-        self.postgres_conn_id = postgres_conn_id
         self.commit_timeout = commit_timeout
         self.poll_interval = poll_interval
         self.wait_in_task = wait_in_task
@@ -633,17 +636,10 @@ class TransactionOperator(_Begins, _Processes, _Commits, BaseOperator):
                  poll_interval: float = 2.0, wait_in_task: float = 30.0, **kwargs):
         kwargs.setdefault("on_failure_callback", mark_transaction_failed)
         super().__init__(**kwargs)
-        self.pipeline = pipeline
-        self.pipeline_refs = tuple(pipeline_refs)
-        self.postgres_conn_id = postgres_conn_id
+        self._which(pipeline, pipeline_refs, postgres_conn_id)
+        self._plan_settings(batch_size, txid, groups, wait_for_slot, poll_interval)
         self.conn_id = conn_id
-        self.batch_size = batch_size
-        self.txid = txid
-        self.groups = groups
-        self.wait_for_slot = seconds_setting("wait_for_slot", wait_for_slot,
-                                             "ONCEFLOW_BEGIN_WAIT_S", 300.0)
         self.commit_timeout = commit_timeout
-        self.poll_interval = poll_interval
         self.wait_in_task = wait_in_task
         self.batch: list[dict[str, Any]] | None = None
 
