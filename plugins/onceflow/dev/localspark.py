@@ -171,6 +171,9 @@ def stop(port: int = DEFAULT_PORT, wait_s: float = 30, *, folder: Path | None = 
     return True
 
 
+WARM_UP_LIMIT_S = 300  # a background warm-up ends by then, done or not
+
+
 def warm_up(url: str) -> float:
     """Make a new server's first batch cost what the later ones do: start the Python workers
     of the session processing tasks share (spark_tasks.session.SHARED_SESSION_KEY) with
@@ -218,6 +221,9 @@ def warm_up(url: str) -> float:
 
 if __name__ == "__main__":  # start(warm=True) runs: python -m onceflow.dev.localspark warm-up URL
     if len(sys.argv) == 3 and sys.argv[1] == "warm-up":
+        # A server stopped meanwhile must not leave this process waiting on it for ever:
+        # SIGALRM's default action ends it, wherever it waits (a gRPC call in C included).
+        signal.alarm(WARM_UP_LIMIT_S)
         try:
             print(f"onceflow: Spark Connect server warmed up in {warm_up(sys.argv[2]):.1f}s",
                   flush=True)
