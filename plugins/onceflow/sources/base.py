@@ -10,9 +10,8 @@ spout, Spark's ``Source``). The planner, the partition offsets, the commit and v
 - ``read(spark, dsn, ranges)``: the records of the ranges as a DataFrame with columns
   ``partition``, ``offset`` and the source's record columns (``record_ddl``: ``payload``, or
   a decoded source's columns and ``_corrupt_record``, with ``_problem``, see ``read_ddl``).
-  Repeatable: the
-  same ranges give the same records, so a replay of a txid reads exactly its batch. A range
-  that cannot be read whole raises SourceShortfall; nothing is silently short.
+  Repeatable: the same ranges give the same records, so a replay of a txid reads exactly its
+  batch. A range that cannot be read whole raises SourceShortfall; nothing is silently short.
 - ``payloads(conn, ranges)``: the same records in Python, ``(partition, offset, payload)``
   (the verify oracle and retention use it).
 - ``first_at(cur, partition, when)``: where a ``timestamp:`` start policy starts.
