@@ -1,3 +1,41 @@
 """The suite's fixtures come from onceflow's pytest plugin (onceflow.dev.testing, loaded by
 pyproject.toml's addopts): a real PostgreSQL with a fresh database per test, one local
-SparkSession, an Airflow home of the run's own."""
+SparkSession, an Airflow home of the run's own.
+
+The suite runs on two pytest-xdist workers (``-n 2 --dist loadgroup --no-loadscope-reorder``
+in addopts; ``-n 0`` runs it in one process). Each worker has its own of the session's
+fixtures (SparkSession, Spark Connect server, Airflow home, template database). Tests are
+handed out one at a time in collection order, the longest files first, so that the two
+workers finish together; a file with fixtures of module scope (a cluster, a Redis server, a
+private PostgreSQL, an API server) runs whole on one worker, as an xdist group."""
+
+from __future__ import annotations
+
+import pytest
+
+# Test files by their tests' total time in CI, longest first; the rest keep their order after
+# them. (A file left out only runs later: nothing depends on this order.)
+LONGEST_FIRST = (
+    "test_dag_failures.py", "test_spark_connect.py", "test_faults.py", "test_cluster.py",
+    "test_stateful.py", "test_bench.py", "test_orders.py", "test_table_source.py",
+    "test_commit.py", "test_dags.py", "test_single_task_dag.py", "test_outside_pipeline.py",
+    "test_commit_wait.py", "test_topology.py", "test_landing.py", "test_backflow.py",
+)
+
+
+def _wider_than_a_test(item) -> bool:
+    """Whether the test uses a fixture of module (or class, package) scope."""
+    info = getattr(item, "_fixtureinfo", None)
+    return info is not None and any(
+        fixture.scope in ("class", "module", "package")
+        for fixtures in info.name2fixturedefs.values() for fixture in fixtures)
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups
+def pytest_collection_modifyitems(config, items) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: order kept
+    whole = {item.path for item in items if _wider_than_a_test(item)}
+    for item in items:
+        if item.path in whole:
+            item.add_marker(pytest.mark.xdist_group(item.path.stem))

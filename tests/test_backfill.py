@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
 from helpers import table, tweets_pipeline
@@ -43,8 +40,6 @@ def test_local_backfill_commits_them_in_order(two_failed, conn, airflow_db, caps
 
 @pytest.mark.timeout(300)
 def test_airflow_backfill_queues_runs_with_the_txid_in_conf(two_failed, conn, airflow_db):
-    subprocess.run([sys.executable, "-m", "airflow", "dags", "reserialize"], check=True,
-                   capture_output=True)
     assert main(["backfill", "--pipeline", "tweets", "--via", "airflow"]) == 0
     from airflow.models import DagRun
     from airflow.utils.session import create_session

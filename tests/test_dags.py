@@ -140,6 +140,17 @@ def test_the_preloading_executor_imports_what_it_can_and_reports_the_rest(monkey
     assert preload(TASK_MODULES)[1] == {}
 
 
+def test_the_provider_declares_its_executor_and_commands():
+    """Airflow's providers manager finds onceflow's executor and its (empty) cli section: a
+    provider with an executor and no cli section makes every airflow command warn."""
+    from airflow.providers_manager import ProvidersManager
+
+    manager = ProvidersManager()
+    assert "onceflow" in manager.cli_command_providers
+    assert ("onceflow.airflow.executor.PreloadingLocalExecutor", "onceflow") in \
+        list(manager.executor_without_check)
+
+
 def test_a_transaction_dags_task_does_not_load_the_shipped_dags(monkeypatch):
     from onceflow.airflow.dags import shipped_dags
 

@@ -1,7 +1,8 @@
 """A pytest plugin for testing pipelines against the real services: a real PostgreSQL (one
 fresh database per test, cloned from a migrated template), one local SparkSession for the
-whole run, and an Airflow home of the run's own. Use it with ``-p onceflow.dev.testing`` (or
-``pytest_plugins = ["onceflow.dev.testing"]`` in a conftest.py).
+whole run, and an Airflow home of the run's own (under pytest-xdist: per worker). Use it
+with ``-p onceflow.dev.testing`` (or ``pytest_plugins = ["onceflow.dev.testing"]`` in a
+conftest.py).
 
 Fixtures: ``dsn`` (a fresh migrated database; also ONCEFLOW_PG_DSN and the Airflow connection
 onceflow_pg for the test), ``conn`` (a connection to it), ``second_dsn`` (an empty second
@@ -141,10 +142,20 @@ def spark():
 
 @pytest.fixture(scope="session")
 def airflow_db():
-    """Airflow's metadata database (SQLite in the run's AIRFLOW_HOME), migrated once."""
+    """Airflow's metadata database (SQLite in the run's AIRFLOW_HOME), migrated once, with the
+    DAGs folder's DAGs in it: two DAG runs started at once on an empty database would both
+    insert them, and one would fail on the duplicate."""
+    import subprocess
+    import sys
+
     from onceflow.dev.localenv import airflow_db_ready
 
     airflow_db_ready(_state["root"])
+    done = subprocess.run([sys.executable, "-m", "airflow", "dags", "reserialize"],
+                          capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError("`airflow dags reserialize` failed in the test run's AIRFLOW_HOME:\n"
+                           + (done.stdout + done.stderr)[-3000:])
     return _state["home"]
 
 
