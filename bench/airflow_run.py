@@ -75,7 +75,7 @@ class _Triggerer:
     )
 
     def __init__(self, env: dict) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-c", self.CODE], env=env, text=True,
+        self.proc = subprocess.Popen([sys.executable, "-P", "-c", self.CODE], env=env, text=True,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         self._answer("ready")
 
@@ -236,7 +236,9 @@ def run_airflow(dsn: str, server: str, spark_url: str, folder: Path, pipelines: 
         "ONCEFLOW_RETRY_DELAY_SECONDS": "5",
         "PYSPARK_PYTHON": sys.executable,
     }
-    airflow = [sys.executable, "-m", "airflow"]
+    # -P: the current directory is not on sys.path (a checkout's onceflow.egg-info there
+    # would make Airflow find onceflow twice and report its plugin as an import error)
+    airflow = [sys.executable, "-P", "-m", "airflow"]
     setup = time.monotonic()
     subprocess.run([*airflow, "db", "migrate"], env=env, check=True,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -141,8 +141,9 @@ def api_server(airflow_db, tmp_path_factory):
     log = folder / "api-server.log"
     with open(log, "wb") as out:
         server = subprocess.Popen(
-            [sys.executable, "-m", "airflow", "api-server", "-H", "127.0.0.1", "-p", str(port),
-             "-w", "1"], env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            [sys.executable, "-P", "-m", "airflow", "api-server", "-H", "127.0.0.1", "-p",
+             str(port), "-w", "1"], env=env, stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
         # it starts while the test makes its transactions: wait_up() before using it
@@ -405,6 +406,10 @@ def _browse(browser, api_server, conn, tmp_path, committed_run, failed_run, noop
                         headers={"Authorization": f"Bearer {_token(api_server, 'viewer')}"})
         assert run.status_code == 200, run.text
         assert run.json()["note"] == noop_note
+        # the server found onceflow's plugin once (a second copy would be an import error)
+        errors = httpx.get(f"{api_server.url}/api/v2/plugins/importErrors", timeout=30,
+                           headers={"Authorization": f"Bearer {_token(api_server, 'admin')}"})
+        assert errors.status_code == 200 and errors.json()["total_entries"] == 0, errors.text
 
         # the onceflow view, from the UI's navigation
         page.get_by_test_id("nav-sidebar").get_by_role("link", name="onceflow").click()

@@ -82,7 +82,7 @@ def airflow_db_ready(root: Path) -> None:
         return
     stamp.parent.mkdir(parents=True, exist_ok=True)
     print("onceflow: initialising the Airflow metadata database (once)", file=sys.stderr)
-    subprocess.run([sys.executable, "-m", "airflow", "db", "migrate"], check=True,
+    subprocess.run([sys.executable, "-P", "-m", "airflow", "db", "migrate"], check=True,
                    stdout=subprocess.DEVNULL)
     stamp.touch()
 

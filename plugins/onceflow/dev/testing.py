@@ -151,7 +151,7 @@ def airflow_db():
     from onceflow.dev.localenv import airflow_db_ready
 
     airflow_db_ready(_state["root"])
-    done = subprocess.run([sys.executable, "-m", "airflow", "dags", "reserialize"],
+    done = subprocess.run([sys.executable, "-P", "-m", "airflow", "dags", "reserialize"],
                           capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError("`airflow dags reserialize` failed in the test run's AIRFLOW_HOME:\n"

@@ -32,7 +32,7 @@ def trigger_airflow(dag_id: str, txid: int) -> str:
     """Queue a run for the scheduler. Returns its run id."""
     run_id = f"onceflow_backfill__txid_{txid}__{datetime.now(UTC):%Y%m%dT%H%M%S%f}"
     subprocess.run(
-        [sys.executable, "-m", "airflow", "dags", "trigger", dag_id, "--run-id", run_id,
+        [sys.executable, "-P", "-m", "airflow", "dags", "trigger", dag_id, "--run-id", run_id,
          "--conf", json.dumps({"txid": txid})],
         check=True, stdout=subprocess.DEVNULL,
     )
