@@ -323,11 +323,15 @@ def history(cur, pipeline: str, limit: int = 50, *, open_only: bool = False) -> 
 # -- writing --------------------------------------------------------------------------------------
 def insert(cur, pipeline: str, txid: int, run_id: str, *, groups: int, records: int,
            replayed: int, lease_s: int) -> TransactionAttempt:
-    """A new transaction (attempt 1) and its run mapping."""
+    """A new transaction (attempt 1) and its run mapping. Its planned_at is the moment of
+    this write under the coordinator's lock (clock_timestamp()), not the start of the
+    PostgreSQL transaction (now()), which may precede a wait for that lock; committed_at
+    likewise (mark_committed). So no transaction seems planned before the commit that freed
+    its place."""
     cur.execute(
         """INSERT INTO transactions (pipeline, txid, attempt, run_id, groups, records, replayed,
-                                     heartbeat_at, lease_s)
-           VALUES (%s, %s, 1, %s, %s, %s, %s, now(), %s)""",
+                                     heartbeat_at, lease_s, planned_at)
+           VALUES (%s, %s, 1, %s, %s, %s, %s, now(), %s, clock_timestamp())""",
         (pipeline, txid, run_id, groups, records, replayed, lease_s),
     )
     cur.execute(
@@ -454,7 +458,7 @@ def mark_committed(cur, pipeline: str, ta: TransactionAttempt, *, rows: int, fai
     """The commit log's entry: last write of the commit transaction. Returns the wait (s)."""
     cur.execute(
         """UPDATE transactions
-           SET state = 'committed', committed_at = now(), rows_applied = %(rows)s,
+           SET state = 'committed', committed_at = clock_timestamp(), rows_applied = %(rows)s,
                commit_wait_s = EXTRACT(EPOCH FROM now() - commit_requested_at),
                failed = %(failed)s
            WHERE pipeline = %(pipeline)s AND txid = %(txid)s
