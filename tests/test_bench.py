@@ -55,4 +55,11 @@ def test_the_peer_comparison_runs_every_system_and_checks_it(tmp_path, dsn, monk
                          "onceflow through Airflow, one task",
                          "onceflow through Airflow, 3 tasks"}, out
     assert set(rows.values()) == {"OK"}, out
+    # every system's CPU seconds, measured (the column before the check)
+    cpu = {line[:36].strip(): line.split()[-2] for line in out.splitlines()
+           if line.startswith(("raw Spark", "Structured", "onceflow "))}
+    assert all(float(v) > 0 for v in cpu.values()), out
+    # the systems but Airflow's ran twice, interleaved (the faster round counts)
+    assert "round 2 of 2: onceflow library (local session)" in out, out
+    assert "round 2 of 2: onceflow library (Spark Connect)" in out, out
     assert "load average" in out and "acker (tweets topology" in out
