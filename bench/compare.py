@@ -27,12 +27,13 @@ runs, on that folder, each system asked for (--systems):
 Each system but Airflow's runs ``--rounds`` times (default 2), the rounds interleaved, and
 its fastest round counts: the first round of a system warms the JVM's code paths it runs
 (the JIT), as a long-running deployment's are; the Airflow systems run once, on the Spark
-Connect server the ``connect`` rounds warmed (when they run). Every round's result is checked against the
-ground truth. Then the table: wall seconds, events/s, each against Structured Streaming,
-CPU seconds (every process of the system: on two cores that run CPU-bound, the figure that
-moves least with the machine's speed), the per-batch fixed cost of the warm Spark, the acker
-on and off (the tweets example's topology, with its per-record Python bolt), and the load
-average (the machine must be quiet for the figures to mean anything).
+Connect server the ``connect`` rounds warmed (when they run). Every round's result is
+checked against the ground truth. Then the table: wall seconds, events/s, each against
+Structured Streaming, CPU seconds (every process of the system: on two cores that run
+CPU-bound, the figure that moves least with the machine's speed), the per-batch fixed cost
+of the warm Spark, the acker on and off (the tweets example's topology, with its per-record
+Python bolt), and the load average (the machine must be quiet for the figures to mean
+anything).
 """
 
 from __future__ import annotations
