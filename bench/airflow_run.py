@@ -136,7 +136,7 @@ def _cpu_s(pid: int) -> float:
         return 0.0
 
 
-def _machine_cpu_s() -> float:
+def machine_cpu_s() -> float:
     """The machine's busy CPU seconds so far (every core, every process)."""
     import psutil
 
@@ -302,12 +302,12 @@ def run_airflow(dsn: str, server: str, spark_url: str, folder: Path, pipelines: 
         results = {}
         for pipeline, dag_id in zip(pipelines, dag_ids, strict=True):
             cpu_before = {c: _cpu_s(p) for c, p in cpu_pids.items()}
-            machine = _machine_cpu_s()
+            machine = machine_cpu_s()
             started = time.monotonic()
             trigger(dag_id, [f"bench_{i:03d}" for i in range(runs)], {"batch_size": batch_size})
             done = _wait_for_runs(meta, dag_id, runs, time.monotonic() + 3600, logs)
             seconds = time.monotonic() - started
-            machine = _machine_cpu_s() - machine
+            machine = machine_cpu_s() - machine
             if done.get("failed"):
                 print(f"{done['failed']} Airflow run(s) of {dag_id} failed: task logs under "
                       f"{home}/logs", file=sys.stderr)

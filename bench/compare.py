@@ -29,11 +29,11 @@ its fastest round counts: the first round of a system warms the JVM's code paths
 (the JIT), as a long-running deployment's are; the Airflow systems run once, on the Spark
 Connect server the ``connect`` rounds warmed (when they run). Every round's result is
 checked against the ground truth. Then the table: wall seconds, events/s, each against
-Structured Streaming, CPU seconds (every process of the system: on two cores that run
-CPU-bound, the figure that moves least with the machine's speed), the per-batch fixed cost
-of the warm Spark, the acker on and off (the tweets example's topology, with its per-record
-Python bolt), and the load average (the machine must be quiet for the figures to mean
-anything).
+Structured Streaming, CPU seconds (the machine's busy CPU during the system's run: on two
+cores that run CPU-bound, the figure that moves least with the machine's speed), the
+per-batch fixed cost of the warm Spark, the acker on and off (the tweets example's
+topology, with its per-record Python bolt), and the load average (the machine must be quiet
+for the figures to mean anything).
 """
 
 from __future__ import annotations
@@ -67,9 +67,9 @@ class CpuClock:
     short-lived children used: a Python worker reaped by no one in the tree.)"""
 
     def __init__(self):
-        from airflow_run import _machine_cpu_s
+        from airflow_run import machine_cpu_s
 
-        self._now = _machine_cpu_s
+        self._now = machine_cpu_s
         self.start = self._now()
 
     def seconds(self) -> float:
