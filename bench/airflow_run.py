@@ -247,9 +247,9 @@ def run_airflow(dsn: str, server: str, spark_url: str, folder: Path, pipelines: 
         "ONCEFLOW_RETRY_DELAY_SECONDS": "5",
         "PYSPARK_PYTHON": sys.executable,
     }
-    # -P: the current directory is not on sys.path (a checkout's onceflow.egg-info there
-    # would make Airflow find onceflow twice and report its plugin as an import error)
-    airflow = [sys.executable, "-P", "-m", "airflow"]
+    from onceflow.airflow import airflow_cli
+
+    airflow = airflow_cli()
     setup = time.monotonic()
     subprocess.run([*airflow, "db", "migrate"], env=env, check=True,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -253,14 +253,16 @@ def main(argv: list[str] | None = None) -> int:
         if "connect" in systems:
             from spark_tasks.session import connect_session
 
-            def connect() -> dict:
-                dsn = recreate_database(server, "onceflow_bench_connect")
-                r = onceflow_loop(remote, dsn, w, args.batches, args.in_flight)
-                return {**r, "ok": counts_ok(dsn, "w_url_counts", "w_domain_counts", truth)}
-
             name = "onceflow library (Spark Connect)"
             with connect_session(url, "onceflow-bench") as remote:
                 remote.range(1).count()
+
+                def connect() -> dict:
+                    dsn = recreate_database(server, "onceflow_bench_connect")
+                    r = onceflow_loop(remote, dsn, w, args.batches, args.in_flight)
+                    return {**r, "ok": counts_ok(dsn, "w_url_counts", "w_domain_counts",
+                                                 truth)}
+
                 rounds(results, [(name, connect)], args.rounds, CpuClock)
             results[name]["fixed_s"] = fixed_cost(
                 url, recreate_database(server, "onceflow_bench_fixed"), get_pipeline(

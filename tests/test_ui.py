@@ -20,7 +20,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -32,6 +31,7 @@ from urllib.parse import quote
 import pytest
 
 from helpers import table, tweets_pipeline
+from onceflow.airflow import airflow_cli
 
 CHROMIUM = os.environ.get("ONCEFLOW_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -141,9 +141,8 @@ def api_server(airflow_db, tmp_path_factory):
     log = folder / "api-server.log"
     with open(log, "wb") as out:
         server = subprocess.Popen(
-            [sys.executable, "-P", "-m", "airflow", "api-server", "-H", "127.0.0.1", "-p",
-             str(port), "-w", "1"], env=env, stdout=out, stderr=subprocess.STDOUT,
-            start_new_session=True)
+            airflow_cli("api-server", "-H", "127.0.0.1", "-p", str(port), "-w", "1"), env=env,
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
         # it starts while the test makes its transactions: wait_up() before using it

@@ -82,8 +82,9 @@ def airflow_db_ready(root: Path) -> None:
         return
     stamp.parent.mkdir(parents=True, exist_ok=True)
     print("onceflow: initialising the Airflow metadata database (once)", file=sys.stderr)
-    subprocess.run([sys.executable, "-P", "-m", "airflow", "db", "migrate"], check=True,
-                   stdout=subprocess.DEVNULL)
+    from onceflow.airflow import airflow_cli
+
+    subprocess.run(airflow_cli("db", "migrate"), check=True, stdout=subprocess.DEVNULL)
     stamp.touch()
 
 

@@ -146,13 +146,12 @@ def airflow_db():
     DAGs folder's DAGs in it: two DAG runs started at once on an empty database would both
     insert them, and one would fail on the duplicate."""
     import subprocess
-    import sys
 
+    from onceflow.airflow import airflow_cli
     from onceflow.dev.localenv import airflow_db_ready
 
     airflow_db_ready(_state["root"])
-    done = subprocess.run([sys.executable, "-P", "-m", "airflow", "dags", "reserialize"],
-                          capture_output=True, text=True)
+    done = subprocess.run(airflow_cli("dags", "reserialize"), capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError("`airflow dags reserialize` failed in the test run's AIRFLOW_HOME:\n"
                            + (done.stdout + done.stderr)[-3000:])

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
 from datetime import UTC, datetime, timedelta
 
@@ -31,9 +30,11 @@ def open_transactions(conn, pipeline: str) -> list[TxRow]:
 def trigger_airflow(dag_id: str, txid: int) -> str:
     """Queue a run for the scheduler. Returns its run id."""
     run_id = f"onceflow_backfill__txid_{txid}__{datetime.now(UTC):%Y%m%dT%H%M%S%f}"
+    from onceflow.airflow import airflow_cli
+
     subprocess.run(
-        [sys.executable, "-P", "-m", "airflow", "dags", "trigger", dag_id, "--run-id", run_id,
-         "--conf", json.dumps({"txid": txid})],
+        airflow_cli("dags", "trigger", dag_id, "--run-id", run_id,
+                    "--conf", json.dumps({"txid": txid})),
         check=True, stdout=subprocess.DEVNULL,
     )
     return run_id
