@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from pyspark.sql import SparkSession
 
 from spark_tasks.conf import processing_conf
+from spark_tasks.jvm import jvm_conf
 
 
 def require_java() -> None:
@@ -57,6 +58,8 @@ def get_spark(app_name: str = "onceflow", master: str | None = None) -> SparkSes
         builder = (builder.config("spark.buffer.pageSize", "4m")
                    .config("spark.cleaner.periodicGC.interval", "1min")
                    .config("spark.ui.enabled", "false"))
+        for key, value in jvm_conf().items():  # onceflow's JVM reader (spark_tasks.jvm)
+            builder = builder.config(key, value)
     for key, value in processing_conf().items():
         builder = builder.config(key, value)
     return builder.config("spark.ui.showConsoleProgress", "false").getOrCreate()

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from helpers import run_transaction, table
@@ -203,6 +203,7 @@ def test_the_index_cuts_a_file_into_whole_lines(tmp_path_factory, lines, last_ne
 
 @settings(max_examples=300, deadline=None)
 @given(data=st.binary(max_size=60).map(lambda b: b.replace(b"a", b"\n").replace(b"b", b"\r")))
+@example(data=b"x\r\r\n")  # a last line ending in CR, then CRLF: one CR goes
 def test_decoded_lines_are_cut_as_payload_lines(data):
     """A decoding reader cuts the bytes into the same lines as the payload reader."""
     from onceflow.sources.landing import _line_bytes, _lines

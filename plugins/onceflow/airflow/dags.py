@@ -22,7 +22,7 @@ from typing import Any
 
 from airflow.sdk import DAG, Param, get_parsing_context
 
-from onceflow.airflow.assets import pipeline_alias
+from onceflow.airflow.assets import pipeline_alias, state_asset
 from onceflow.airflow.operators import (
     BeginBatchOperator,
     CommitBatchOperator,
@@ -143,18 +143,24 @@ def transaction_dag(pipeline: Pipeline | str, *, dag_id: str | None = None,
     ) as dag:
         common = {"pipeline": pipeline.name, "pipeline_refs": refs,
                   "postgres_conn_id": postgres_conn_id}
+        # The committing task's outlet is the alias (an event only for a committed txid); its
+        # inlets, the state tables it writes, make Airflow create their Assets when it parses
+        # the DAG: else the first commits of runs in flight each created them from the alias
+        # at once, and all but one such run failed on Airflow's unique index after committing.
+        emits = {"outlets": [pipeline_alias(pipeline.name)],
+                 "inlets": [state_asset(pipeline.name, spec.table) for spec in pipeline.states]}
         form = {"batch_size": "{{ params.batch_size }}", "groups": "{{ params.groups }}",
                 "txid": "{{ params.txid }}"}
         if shape == "single":
-            TransactionOperator(task_id="transaction", conn_id=spark_conn_id,
-                                outlets=[pipeline_alias(pipeline.name)], **form, **common)
+            TransactionOperator(task_id="transaction", conn_id=spark_conn_id, **emits, **form,
+                                **common)
         else:
             begin = BeginBatchOperator(task_id="begin", **form, **common)
             # one process task per processing group of the batch
             process = ProcessBatchOperator.partial(
                 task_id="process", conn_id=spark_conn_id, **common).expand(batch=begin.output)
-            commit = CommitBatchOperator(task_id="commit", batch=begin.output,
-                                         outlets=[pipeline_alias(pipeline.name)], **common)
+            commit = CommitBatchOperator(task_id="commit", batch=begin.output, **emits,
+                                         **common)
             begin >> process >> commit
     # The DAG belongs to the file that called this (the UI shows that file's code).
     dag.fileloc = sys._getframe(1).f_globals.get("__file__", dag.fileloc)

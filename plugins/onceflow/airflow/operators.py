@@ -449,6 +449,10 @@ class ProcessBatchOperator(_Processes, SparkSubmitOperator):
             **({"PYTHONPATH": os.pathsep.join(
                 [*path, *filter(None, [os.environ.get("PYTHONPATH")])])} if path else {}),
         }
+        from spark_tasks.jvm import jvm_conf
+
+        # onceflow's JVM reader travels with the application (the connection's conf wins)
+        self.conf = {**jvm_conf(), **(self.conf or {})}
         self.log.info("processing %s of %s, group %d (spark-submit)", ta, pipeline.name, group)
         super().execute(context)
 

@@ -101,6 +101,7 @@ def start(port: int = DEFAULT_PORT, *, master: str | None = None, wait_s: float 
         raise ConfigError(f"port {port} is taken by another program: set "
                           "ONCEFLOW_SPARK_CONNECT_PORT to a free port")
     from spark_tasks.conf import processing_conf
+    from spark_tasks.jvm import jvm_conf
     from spark_tasks.session import require_java
 
     require_java()
@@ -118,6 +119,7 @@ def start(port: int = DEFAULT_PORT, *, master: str | None = None, wait_s: float 
         "spark.buffer.pageSize": "4m",
         "spark.cleaner.periodicGC.interval": "1min",
         "spark.connect.session.manager.defaultSessionTimeout": "15min",
+        **jvm_conf(),  # onceflow's JVM reader (spark_tasks.jvm), when a JDK can build it
     }
     cmd = [str(submit) if submit.exists() else "spark-submit", "--class", SERVER_CLASS,
            "--name", "onceflow-spark-connect",

@@ -133,12 +133,13 @@ def _lines(data: bytes) -> list[str]:
 
 def _line_bytes(data: bytes) -> list[bytes]:
     """``_lines(data)`` as bytes, undecoded (what a JSON decoder reads): the same cut."""
+    unterminated = not data.endswith(b"\n")  # a last line without LF (may end with a CR)
     if b"\r" in data:
         data = data.replace(b"\r\n", b"\n")
     lines = data.split(b"\n")
     if lines and lines[-1] == b"":
         lines.pop()
-    if lines and lines[-1].endswith(b"\r"):
+    if unterminated and lines and lines[-1].endswith(b"\r"):
         lines[-1] = lines[-1][:-1]
     return lines
 
@@ -386,6 +387,17 @@ class LandingFolder(Source):
         if not chunks:
             return spark.createDataFrame([], ddl)
         wanted = [(r.partition, r.start, r.end) for r in ranges]
+        from spark_tasks.jvm import READER as JVM_READER
+        from spark_tasks.jvm import jvm_reader
+
+        if jvm_reader(spark) and "://" not in self.path:
+            # the JVM reads the chunks (spark_tasks/jvm): the same rows, one task per chunk
+            spec = {"chunks": [[path, size, mtime, first, start, end, partition] for path, size,
+                               mtime, first, start, end, _, partition in chunks],
+                    "wanted": wanted,
+                    "columns": list(map(list, self.records.columns)) if self.records else None,
+                    "max_record_bytes": self.max_record_bytes}
+            return spark.read.format(JVM_READER).option("spec", json.dumps(spec)).load()
         # One Spark task per chunk: task i reads chunks[i], which travel with the reader.
         # (A DataFrame of the chunks would be cut into as many tasks as the session's default
         # parallelism, 2 here: a batch's last task then held its next batch's final stage

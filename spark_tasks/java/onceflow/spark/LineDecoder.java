@@ -1,0 +1,347 @@
+package onceflow.spark;
+
+import java.io.IOException;
+import java.nio.ByteBuffer;
+import java.nio.charset.CharacterCodingException;
+import java.nio.charset.CharsetDecoder;
+import java.nio.charset.CodingErrorAction;
+import java.nio.charset.StandardCharsets;
+import java.util.Arrays;
+import java.util.HashMap;
+import java.util.Map;
+
+import com.fasterxml.jackson.core.JsonFactory;
+import com.fasterxml.jackson.core.JsonParser;
+import com.fasterxml.jackson.core.JsonToken;
+import com.fasterxml.jackson.core.StreamReadConstraints;
+
+import org.apache.spark.sql.catalyst.InternalRow;
+import org.apache.spark.sql.catalyst.expressions.GenericInternalRow;
+import org.apache.spark.unsafe.types.UTF8String;
+
+/**
+ * One JSON line decoded against declared columns by the rules of
+ * onceflow.sources.json_records (its module docstring states them; reference_decode states
+ * them in Python, and the tests hold this decoder equal to the Python one): one JSON object
+ * (RFC 8259, UTF-8, no byte-order mark, no NaN, no lone surrogate escape), each declared
+ * column from the last field of its name, typed exactly; otherwise the line is corrupt
+ * (every column null, {@code _corrupt_record} the line). {@code _problem}: over
+ * max_record_bytes (not decoded), or a NUL byte.
+ */
+final class LineDecoder {
+  private static final JsonFactory JSON = JsonFactory.builder()
+      // the rules bound a line by max_record_bytes only (the nesting depth keeps Jackson's
+      // limit, about a thousand levels, as the Python decoder's)
+      .streamReadConstraints(StreamReadConstraints.builder()
+          .maxNumberLength(Integer.MAX_VALUE)
+          .maxStringLength(Integer.MAX_VALUE)
+          .maxNameLength(Integer.MAX_VALUE)
+          .build())
+      .build();
+  private static final String NUL = "payload holds a NUL character, which PostgreSQL text "
+      + "cannot store";
+
+  private static final int STRING = 0, BOOLEAN = 1, TINYINT = 2, SMALLINT = 3, INT = 4,
+      BIGINT = 5, FLOAT = 6, DOUBLE = 7;
+
+  private final int[] kinds;
+  private final Map<String, Integer> index = new HashMap<>();
+  private final long maxBytes;
+  private final Object[] values;
+  private final boolean[] wrong;
+  private final CharsetDecoder utf8 = StandardCharsets.UTF_8.newDecoder()
+      .onMalformedInput(CodingErrorAction.REPORT)
+      .onUnmappableCharacter(CodingErrorAction.REPORT);
+
+  LineDecoder(String[][] columns, long maxBytes) {
+    kinds = new int[columns.length];
+    for (int i = 0; i < columns.length; i++) {
+      index.put(columns[i][0], i);
+      kinds[i] = Arrays.asList("string", "boolean", "tinyint", "smallint", "int", "bigint",
+          "float", "double").indexOf(columns[i][1]);
+    }
+    this.maxBytes = maxBytes;
+    values = new Object[columns.length];
+    wrong = new boolean[columns.length];
+  }
+
+  /** The row of line {@code data[start, end)}: partition, offset, columns, corrupt, problem. */
+  InternalRow row(byte[] data, int start, int end, int partition, long offset) {
+    int n = kinds.length;
+    Object[] out = new Object[n + 4];
+    out[0] = partition;
+    out[1] = offset;
+    int length = end - start;
+    if (maxBytes >= 0 && length > maxBytes) {
+      out[n + 3] = UTF8String.fromString("oversized record (" + length
+          + " bytes, over max_record_bytes=" + maxBytes + ")");
+    } else if (decode(data, start, end)) {
+      System.arraycopy(values, 0, out, 2, n);
+    } else if (contains(data, start, end, (byte) 0)) {
+      out[n + 3] = UTF8String.fromString(NUL);
+    } else {
+      out[n + 2] = UTF8String.fromString(replacing(data, start, end));
+    }
+    return new GenericInternalRow(out);
+  }
+
+  private boolean decode(byte[] data, int start, int end) {
+    Arrays.fill(values, null);
+    Arrays.fill(wrong, false);
+    boolean ascii = true;
+    boolean surrogates = false;  // a backslash-u escape of a surrogate (\\uD800-\\uDFFF) may occur
+    for (int i = start; i < end; i++) {
+      byte b = data[i];
+      if (b < 0) {
+        ascii = false;
+      } else if (b == 0) {
+        return false;  // a NUL byte: never valid JSON (a string holds it escaped)
+      } else if (b == '\\' && !surrogates && i + 3 < end && data[i + 1] == 'u'
+          && (data[i + 2] | 0x20) == 'd') {
+        int c = data[i + 3] | 0x20;
+        surrogates = c == '8' || c == '9' || (c >= 'a' && c <= 'f');
+      }
+    }
+    if (!ascii) {
+      if (end - start >= 3 && data[start] == (byte) 0xEF && data[start + 1] == (byte) 0xBB
+          && data[start + 2] == (byte) 0xBF) {
+        return false;  // a byte-order mark
+      }
+      if (!validUtf8(utf8, data, start, end)) {
+        return false;
+      }
+    }
+    try (JsonParser p = JSON.createParser(data, start, end - start)) {
+      if (p.nextToken() != JsonToken.START_OBJECT) {
+        return false;
+      }
+      JsonToken t;
+      while ((t = p.nextToken()) == JsonToken.FIELD_NAME) {
+        String name = p.currentName();
+        if (surrogates && loneSurrogate(name)) {
+          return false;
+        }
+        t = p.nextToken();
+        Integer i = index.get(name);
+        if (i == null) {
+          if (!skip(p, t, surrogates)) {
+            return false;
+          }
+          continue;
+        }
+        values[i] = null;
+        wrong[i] = false;
+        if (t == JsonToken.VALUE_NULL) {
+          continue;
+        }
+        if (t == JsonToken.VALUE_STRING && surrogates && loneSurrogate(p.getText())) {
+          return false;
+        }
+        Object value = value(p, t, kinds[i]);
+        if (value == null) {
+          wrong[i] = true;
+          if (!skip(p, t, surrogates)) {
+            return false;
+          }
+        }
+        values[i] = value;
+      }
+      if (t != JsonToken.END_OBJECT || p.nextToken() != null) {
+        return false;  // (what follows the object, if anything, is not whitespace)
+      }
+    } catch (IOException e) {  // not JSON (JsonProcessingException), or too deep
+      return false;
+    }
+    for (boolean w : wrong) {
+      if (w) {
+        return false;
+      }
+    }
+    return true;
+  }
+
+  /** The value of the current token as a column of {@code kind}, or null if it is not one. */
+  private static Object value(JsonParser p, JsonToken t, int kind) throws IOException {
+    switch (kind) {
+      case STRING:
+        return t == JsonToken.VALUE_STRING ? UTF8String.fromString(p.getText()) : null;
+      case BOOLEAN:
+        return t == JsonToken.VALUE_TRUE ? Boolean.TRUE
+            : t == JsonToken.VALUE_FALSE ? Boolean.FALSE : null;
+      case TINYINT:
+      case SMALLINT:
+      case INT:
+        if (t != JsonToken.VALUE_NUMBER_INT || p.getNumberType() != JsonParser.NumberType.INT) {
+          return null;
+        }
+        int v = p.getIntValue();
+        if (kind == TINYINT) {
+          return v >= Byte.MIN_VALUE && v <= Byte.MAX_VALUE ? (Object) (byte) v : null;
+        }
+        if (kind == SMALLINT) {
+          return v >= Short.MIN_VALUE && v <= Short.MAX_VALUE ? (Object) (short) v : null;
+        }
+        return v;
+      case BIGINT:
+        if (t != JsonToken.VALUE_NUMBER_INT
+            || p.getNumberType() == JsonParser.NumberType.BIG_INTEGER) {
+          return null;
+        }
+        return p.getLongValue();
+      default: {  // FLOAT, DOUBLE: any number within a double's range
+        if (t != JsonToken.VALUE_NUMBER_INT && t != JsonToken.VALUE_NUMBER_FLOAT) {
+          return null;
+        }
+        double d;  // (an integer rounds to the nearest double, as Python's float(int))
+        if (t == JsonToken.VALUE_NUMBER_FLOAT) {
+          d = p.getDoubleValue();
+        } else if (p.getNumberType() == JsonParser.NumberType.BIG_INTEGER) {
+          d = p.getBigIntegerValue().doubleValue();
+        } else {
+          d = (double) p.getLongValue();
+        }
+        if (Double.isInfinite(d) || Double.isNaN(d)) {
+          return null;
+        }
+        return kind == FLOAT ? (Object) (float) d : (Object) d;
+      }
+    }
+  }
+
+  /** Past the current value (checked as JSON); false if it holds a lone surrogate. */
+  private static boolean skip(JsonParser p, JsonToken t, boolean surrogates) throws IOException {
+    if (!surrogates) {
+      if (t == JsonToken.START_OBJECT || t == JsonToken.START_ARRAY) {
+        p.skipChildren();
+      }
+      return true;
+    }
+    int depth = 0;
+    while (true) {
+      if (t == JsonToken.START_OBJECT || t == JsonToken.START_ARRAY) {
+        depth++;
+      } else if (t == JsonToken.END_OBJECT || t == JsonToken.END_ARRAY) {
+        depth--;
+      } else if ((t == JsonToken.VALUE_STRING || t == JsonToken.FIELD_NAME)
+          && loneSurrogate(p.getText())) {
+        return false;
+      }
+      if (depth == 0) {
+        return true;
+      }
+      t = p.nextToken();
+      if (t == null) {
+        return true;  // (the parser reports the unfinished document)
+      }
+    }
+  }
+
+  private static boolean loneSurrogate(String s) {
+    for (int i = 0; i < s.length(); i++) {
+      char c = s.charAt(i);
+      if (Character.isHighSurrogate(c)) {
+        if (i + 1 < s.length() && Character.isLowSurrogate(s.charAt(i + 1))) {
+          i++;
+        } else {
+          return true;
+        }
+      } else if (Character.isLowSurrogate(c)) {
+        return true;
+      }
+    }
+    return false;
+  }
+
+  private static boolean contains(byte[] data, int start, int end, byte b) {
+    for (int i = start; i < end; i++) {
+      if (data[i] == b) {
+        return true;
+      }
+    }
+    return false;
+  }
+
+  /**
+   * {@code data[start, end)} as text, each maximal part of an ill-formed UTF-8 sequence
+   * replaced by one U+FFFD (Unicode's recommended practice, which Python's
+   * {@code decode("utf-8", "replace")} follows; Java's decoder replaces differently, e.g. an
+   * encoded surrogate as one character instead of three).
+   */
+  static String replacing(byte[] data, int start, int end) {
+    StringBuilder out = new StringBuilder(end - start);
+    int i = start;
+    while (i < end) {
+      int b = data[i] & 0xFF;
+      if (b < 0x80) {
+        out.append((char) b);
+        i++;
+        continue;
+      }
+      int need;
+      int lo = 0x80;
+      int hi = 0xBF;  // the second byte's range
+      int cp;
+      if (b >= 0xC2 && b <= 0xDF) {
+        need = 1;
+        cp = b & 0x1F;
+      } else if (b >= 0xE0 && b <= 0xEF) {
+        need = 2;
+        cp = b & 0x0F;
+        if (b == 0xE0) {
+          lo = 0xA0;
+        } else if (b == 0xED) {
+          hi = 0x9F;
+        }
+      } else if (b >= 0xF0 && b <= 0xF4) {
+        need = 3;
+        cp = b & 0x07;
+        if (b == 0xF0) {
+          lo = 0x90;
+        } else if (b == 0xF4) {
+          hi = 0x8F;
+        }
+      } else {  // a continuation byte, or a byte that never starts a sequence
+        out.append('\uFFFD');
+        i++;
+        continue;
+      }
+      int j = i + 1;
+      boolean whole = true;
+      for (int k = 0; k < need; k++, j++) {
+        int c = j < end ? data[j] & 0xFF : -1;
+        if (c < (k == 0 ? lo : 0x80) || c > (k == 0 ? hi : 0xBF)) {
+          whole = false;
+          break;
+        }
+        cp = (cp << 6) | (c & 0x3F);
+      }
+      if (whole) {
+        out.appendCodePoint(cp);
+      } else {
+        out.append('\uFFFD');  // the maximal subpart [i, j): one replacement
+      }
+      i = j;
+    }
+    return out.toString();
+  }
+
+  static boolean validUtf8(byte[] data, int start, int end) {
+    for (int i = start; i < end; i++) {
+      if (data[i] < 0) {
+        return validUtf8(StandardCharsets.UTF_8.newDecoder()
+            .onMalformedInput(CodingErrorAction.REPORT)
+            .onUnmappableCharacter(CodingErrorAction.REPORT), data, start, end);
+      }
+    }
+    return true;
+  }
+
+  private static boolean validUtf8(CharsetDecoder decoder, byte[] data, int start, int end) {
+    try {
+      decoder.reset().decode(ByteBuffer.wrap(data, start, end - start));
+      return true;
+    } catch (CharacterCodingException e) {
+      return false;
+    }
+  }
+}

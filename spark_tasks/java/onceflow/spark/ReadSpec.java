@@ -1,0 +1,135 @@
+package onceflow.spark;
+
+import java.util.ArrayList;
+import java.util.List;
+
+import com.fasterxml.jackson.databind.JsonNode;
+import com.fasterxml.jackson.databind.ObjectMapper;
+
+import org.apache.spark.sql.connector.read.InputPartition;
+import org.apache.spark.sql.types.DataType;
+import org.apache.spark.sql.types.DataTypes;
+import org.apache.spark.sql.types.StructField;
+import org.apache.spark.sql.types.StructType;
+
+/** The {@code spec} option of {@link JsonLinesSource}, parsed. */
+final class ReadSpec {
+  final List<Chunk> chunks = new ArrayList<>();
+  /** [name, type] pairs; null: payload lines. */
+  final String[][] columns;
+  /** -1: no limit. */
+  final long maxRecordBytes;
+
+  private ReadSpec(String[][] columns, long maxRecordBytes) {
+    this.columns = columns;
+    this.maxRecordBytes = maxRecordBytes;
+  }
+
+  static ReadSpec parse(String json) {
+    if (json == null) {
+      throw new IllegalArgumentException("onceflow-jsonl: the spec option is missing");
+    }
+    JsonNode root;
+    try {
+      root = new ObjectMapper().readTree(json);
+    } catch (java.io.IOException e) {
+      throw new IllegalArgumentException("onceflow-jsonl: the spec option is not JSON: " + e);
+    }
+    String[][] columns = null;
+    JsonNode cols = root.get("columns");
+    if (cols != null && !cols.isNull()) {
+      columns = new String[cols.size()][];
+      for (int i = 0; i < cols.size(); i++) {
+        String name = cols.get(i).get(0).asText();
+        String type = cols.get(i).get(1).asText();
+        typeOf(type);  // refuses an unknown type here, on the driver
+        columns[i] = new String[] {name, type};
+      }
+    }
+    JsonNode max = root.get("max_record_bytes");
+    ReadSpec spec = new ReadSpec(columns, max == null || max.isNull() ? -1 : max.asLong());
+    List<long[]> wanted = new ArrayList<>();
+    for (JsonNode w : root.get("wanted")) {
+      wanted.add(new long[] {w.get(0).asLong(), w.get(1).asLong(), w.get(2).asLong()});
+    }
+    for (JsonNode c : root.get("chunks")) {
+      int partition = c.get(6).asInt();
+      List<long[]> mine = new ArrayList<>();
+      for (long[] w : wanted) {
+        if (w[0] == partition) {
+          mine.add(new long[] {w[1], w[2]});
+        }
+      }
+      spec.chunks.add(new Chunk(c.get(0).asText(), c.get(1).asLong(), c.get(2).asDouble(),
+          c.get(3).asLong(), c.get(4).asLong(), c.get(5).asLong(), partition,
+          mine.toArray(new long[0][])));
+    }
+    return spec;
+  }
+
+  static DataType typeOf(String type) {
+    switch (type) {
+      case "string": return DataTypes.StringType;
+      case "boolean": return DataTypes.BooleanType;
+      case "tinyint": return DataTypes.ByteType;
+      case "smallint": return DataTypes.ShortType;
+      case "int": return DataTypes.IntegerType;
+      case "bigint": return DataTypes.LongType;
+      case "float": return DataTypes.FloatType;
+      case "double": return DataTypes.DoubleType;
+      default: throw new IllegalArgumentException("onceflow-jsonl: column type " + type
+          + " is not one a JSON line decodes to");
+    }
+  }
+
+  StructType schema() {
+    List<StructField> fields = new ArrayList<>();
+    fields.add(DataTypes.createStructField("partition", DataTypes.IntegerType, true));
+    fields.add(DataTypes.createStructField("offset", DataTypes.LongType, true));
+    if (columns == null) {
+      fields.add(DataTypes.createStructField("payload", DataTypes.StringType, true));
+    } else {
+      for (String[] c : columns) {
+        fields.add(DataTypes.createStructField(c[0], typeOf(c[1]), true));
+      }
+      fields.add(DataTypes.createStructField("_corrupt_record", DataTypes.StringType, true));
+      fields.add(DataTypes.createStructField("_problem", DataTypes.StringType, true));
+    }
+    return DataTypes.createStructType(fields);
+  }
+
+  /** One chunk of a file: bytes [byteStart, byteEnd), its first line at offset first. */
+  static final class Chunk implements InputPartition {
+    private static final long serialVersionUID = 1L;
+    final String path;
+    final long size;
+    final double mtime;
+    final long first;
+    final long byteStart;
+    final long byteEnd;
+    final int partition;
+    /** [start, end) offset ranges of this chunk's partition to keep. */
+    final long[][] wanted;
+
+    Chunk(String path, long size, double mtime, long first, long byteStart, long byteEnd,
+          int partition, long[][] wanted) {
+      this.path = path;
+      this.size = size;
+      this.mtime = mtime;
+      this.first = first;
+      this.byteStart = byteStart;
+      this.byteEnd = byteEnd;
+      this.partition = partition;
+      this.wanted = wanted;
+    }
+
+    boolean wants(long offset) {
+      for (long[] w : wanted) {
+        if (offset >= w[0] && offset < w[1]) {
+          return true;
+        }
+      }
+      return false;
+    }
+  }
+}

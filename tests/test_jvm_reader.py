@@ -1,0 +1,109 @@
+"""onceflow's JVM reader (spark_tasks/jvm, ``onceflow.spark.JsonLinesSource``) reads a landing
+folder's JSON lines into exactly the rows the Python reader gives: the same cut into lines,
+the same offsets, the same decoding rules (the json_records tests' cases and generated lines,
+mangled), the same refusals, the same replacement of bytes that are not UTF-8."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_json_records import ALL, CASES, lines
+
+from onceflow.core.planner import PartitionRange
+from onceflow.sources.landing import LandingFolder
+from spark_tasks.jvm import jvm_reader
+
+# Lines the cut and the UTF-8 replacement must agree on (each followed by LF unless it ends
+# the file): CRs before and inside line ends, empty lines, broken and surrogate UTF-8.
+ODD = [b"", b"\r", b"x\r\r", b'{"s": "\xed\xa0\x80"}', b"\xf0\x9f\x98", b"\xc3(", b"\xff\xfe",
+       b'{"s": "caf\xc3\xa9", "i": 3}\r', b'{"s": "a"}\r\r', b" \t{\"i\": -1}\r"]
+
+
+def write(folder, lines: list[bytes], end: bytes = b"") -> str:
+    """A settled file of ``lines`` (LF after each, CRLF after every third) plus ``end``."""
+    data = b"".join(line + (b"\r\n" if i % 3 == 2 else b"\n") for i, line in enumerate(lines))
+    name = f"{uuid.uuid4().hex}.jsonl"
+    (folder / name).write_bytes(data + end)
+    when = time.time() - 5
+    os.utime(folder / name, (when, when))
+    return name
+
+
+def both(spark, dsn, conn, source, name: str, cut=(0, 0)):
+    """The rows of file ``name`` (less ``cut`` records at either end) read by the JVM reader
+    and by the Python reader, by offset."""
+    with conn, conn.cursor() as cur:
+        source.positions(cur)  # indexes the new file
+        cur.execute("SELECT partition, base_offset, records FROM landing_files "
+                    "WHERE topic = %s AND path LIKE %s", (source.topic, f"%{name}"))
+        partition, base, records = cur.fetchone()
+    ranges = [PartitionRange(partition, base + cut[0], base + records - cut[1])]
+    out = []
+    for jvm in ("1", "0"):
+        os.environ["ONCEFLOW_JVM_READER"] = jvm
+        try:
+            df = source.read(spark, dsn, ranges)
+            assert ("onceflow JSON lines" in df._jdf.queryExecution().toString()) == \
+                (jvm == "1")
+            out.append([tuple(r) for r in df.orderBy("offset").collect()])
+        finally:
+            os.environ.pop("ONCEFLOW_JVM_READER")
+    assert len(out[0]) == records - cut[0] - cut[1]
+    return out
+
+
+@pytest.fixture
+def folders(conn, tmp_path):
+    made = {}
+    for kind, schema in (("decoded", ALL.ddl), ("payload", None)):
+        folder = tmp_path / kind
+        folder.mkdir()
+        source = LandingFolder(topic=f"jvm_{kind}", path=str(folder), partitions=2,
+                               chunk_bytes=512, settle_s=0.0, json_schema=schema,
+                               max_record_bytes=200)
+        source.ensure(conn, create=True)
+        made[kind] = (source, folder)
+    return made
+
+
+def test_the_test_session_has_the_jvm_reader(spark):
+    assert jvm_reader(spark)
+
+
+@pytest.mark.parametrize("kind", ["decoded", "payload"])
+def test_the_rules_cases_and_odd_lines_read_alike(spark, conn, dsn, folders, kind):
+    source, folder = folders[kind]
+    cases = [line for line, _ in CASES if b"\n" not in line]
+    big = b'{"s": "' + b"x" * 300 + b'"}'  # over max_record_bytes: refused, not decoded
+    name = write(folder, [*cases, *ODD, big, b'{"s": "a\x00b"}', b'{"i": 1}'],
+                 end=b'{"s": "last, no newline"}\r')
+    jvm, python = both(spark, dsn, conn, source, name)
+    assert jvm == python
+    if kind == "decoded":  # the cases' own verdicts hold (columns, _corrupt_record)
+        corrupt = len(ALL.columns) + 2
+        assert [r[corrupt] is None for r in jvm[:len(cases)]] == \
+            [want is not None for line, want in CASES if b"\n" not in line]
+        assert jvm[-4][-1].startswith("oversized record") and "NUL" in jvm[-3][-1]
+
+
+def test_ranges_that_start_and_end_inside_chunks_read_alike(spark, conn, dsn, folders):
+    source, folder = folders["decoded"]
+    name = write(folder, [b'{"i": %d, "s": "%s"}' % (i, b"y" * (i % 50)) for i in range(300)])
+    jvm, python = both(spark, dsn, conn, source, name, cut=(7, 11))
+    assert jvm == python and [r[1] for r in jvm][:2] == [7, 8]
+
+
+# (JVM_EXAMPLES=200: a longer search; each example is two Spark reads)
+@settings(max_examples=int(os.environ.get("JVM_EXAMPLES", "12")), deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(batch=st.lists(lines(), min_size=1, max_size=120))
+def test_generated_lines_read_alike(spark, conn, dsn, folders, batch):
+    source, folder = folders["decoded"]
+    name = write(folder, [line.replace(b"\n", b" ") for line in batch])
+    jvm, python = both(spark, dsn, conn, source, name)
+    assert jvm == python
