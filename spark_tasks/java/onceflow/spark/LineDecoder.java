@@ -1,6 +1,9 @@
 package onceflow.spark;
 
 import java.io.IOException;
+import java.lang.invoke.MethodHandles;
+import java.lang.invoke.VarHandle;
+import java.nio.ByteOrder;
 import java.nio.ByteBuffer;
 import java.nio.charset.CharacterCodingException;
 import java.nio.charset.CharsetDecoder;
@@ -14,6 +17,8 @@ import com.fasterxml.jackson.core.JsonFactory;
 import com.fasterxml.jackson.core.JsonParser;
 import com.fasterxml.jackson.core.JsonToken;
 import com.fasterxml.jackson.core.StreamReadConstraints;
+import com.fasterxml.jackson.core.util.BufferRecycler;
+import com.fasterxml.jackson.core.util.RecyclerPool;
 
 import org.apache.spark.sql.catalyst.InternalRow;
 import org.apache.spark.sql.catalyst.expressions.GenericInternalRow;
@@ -29,7 +34,34 @@ import org.apache.spark.unsafe.types.UTF8String;
  * max_record_bytes (not decoded), or a NUL byte.
  */
 final class LineDecoder {
-  private static final JsonFactory JSON = JsonFactory.builder()
+  private static final String NUL = "payload holds a NUL character, which PostgreSQL text "
+      + "cannot store";
+  private static final VarHandle LONGS =
+      MethodHandles.byteArrayViewVarHandle(long[].class, ByteOrder.LITTLE_ENDIAN);
+  private static final long ONES = 0x0101010101010101L;
+  private static final long HIGHS = 0x8080808080808080L;
+  private static final long BACKSLASHES = 0x5C5C5C5C5C5C5C5CL;
+
+  /**
+   * Jackson's buffers for this decoder's parsers, one parser at a time: Jackson's default pool
+   * finds them through a ThreadLocal, which cost a few percent of a batch's CPU in a Spark
+   * task's thread.
+   */
+  private static final class OwnBuffers implements RecyclerPool<BufferRecycler> {
+    private static final long serialVersionUID = 1L;
+    private final transient BufferRecycler buffers = new BufferRecycler();
+
+    @Override
+    public BufferRecycler acquirePooled() {
+      return buffers;
+    }
+
+    @Override
+    public void releasePooled(BufferRecycler pooled) {
+    }
+  }
+
+  private final JsonFactory json = JsonFactory.builder()
       // the rules bound a line by max_record_bytes only (the nesting depth keeps Jackson's
       // limit, about a thousand levels, as the Python decoder's)
       .streamReadConstraints(StreamReadConstraints.builder()
@@ -37,10 +69,8 @@ final class LineDecoder {
           .maxStringLength(Integer.MAX_VALUE)
           .maxNameLength(Integer.MAX_VALUE)
           .build())
+      .recyclerPool(new OwnBuffers())
       .build();
-  private static final String NUL = "payload holds a NUL character, which PostgreSQL text "
-      + "cannot store";
-
   private static final int STRING = 0, BOOLEAN = 1, TINYINT = 2, SMALLINT = 3, INT = 4,
       BIGINT = 5, FLOAT = 6, DOUBLE = 7;
 
@@ -88,20 +118,31 @@ final class LineDecoder {
   private boolean decode(byte[] data, int start, int end) {
     Arrays.fill(values, null);
     Arrays.fill(wrong, false);
-    boolean ascii = true;
-    boolean surrogates = false;  // a backslash-u escape of a surrogate (\\uD800-\\uDFFF) may occur
-    for (int i = start; i < end; i++) {
-      byte b = data[i];
-      if (b < 0) {
-        ascii = false;
-      } else if (b == 0) {
-        return false;  // a NUL byte: never valid JSON (a string holds it escaped)
-      } else if (b == '\\' && !surrogates && i + 3 < end && data[i + 1] == 'u'
-          && (data[i + 2] | 0x20) == 'd') {
-        int c = data[i + 3] | 0x20;
-        surrogates = c == '8' || c == '9' || (c >= 'a' && c <= 'f');
+    // Before Jackson: a NUL among the first four bytes would make it read the line as
+    // UTF-16 or UTF-32 (a NUL anywhere else fails the parse: a line holding one is never JSON);
+    // a line that is not all ASCII must be valid UTF-8 (Jackson does not check all of it)
+    // and must not start with a byte-order mark (Jackson skips one); and a backslash-u escape
+    // of a surrogate (\\uD800-\\uDFFF) makes every string be checked for a lone one.
+    for (int i = start; i < Math.min(end, start + 4); i++) {
+      if (data[i] == 0) {
+        return false;
       }
     }
+    long high = 0;
+    boolean backslash = false;
+    int at = start;
+    for (; at + 8 <= end; at += 8) {  // eight bytes at a time
+      long word = (long) LONGS.get(data, at);
+      high |= word;
+      long x = word ^ BACKSLASHES;  // a zero byte where a backslash was
+      backslash |= ((x - ONES) & ~x & HIGHS) != 0;
+    }
+    for (; at < end; at++) {
+      high |= data[at];
+      backslash |= data[at] == '\\';
+    }
+    boolean ascii = (high & HIGHS) == 0;
+    boolean surrogates = backslash && mayHaveSurrogateEscape(data, start, end);
     if (!ascii) {
       if (end - start >= 3 && data[start] == (byte) 0xEF && data[start + 1] == (byte) 0xBB
           && data[start + 2] == (byte) 0xBF) {
@@ -111,7 +152,7 @@ final class LineDecoder {
         return false;
       }
     }
-    try (JsonParser p = JSON.createParser(data, start, end - start)) {
+    try (JsonParser p = json.createParser(data, start, end - start)) {
       if (p.nextToken() != JsonToken.START_OBJECT) {
         return false;
       }
@@ -234,6 +275,18 @@ final class LineDecoder {
         return true;  // (the parser reports the unfinished document)
       }
     }
+  }
+
+  private static boolean mayHaveSurrogateEscape(byte[] data, int start, int end) {
+    for (int i = start; i + 3 < end; i++) {
+      if (data[i] == '\\' && data[i + 1] == 'u' && (data[i + 2] | 0x20) == 'd') {
+        int c = data[i + 3] | 0x20;
+        if (c == '8' || c == '9' || (c >= 'a' && c <= 'f')) {
+          return true;
+        }
+      }
+    }
+    return false;
   }
 
   private static boolean loneSurrogate(String s) {
