@@ -49,6 +49,9 @@ def test_the_server_starts_answers_and_stops_from_the_cli(tmp_path):
     assert spark("status").returncode == 0
     assert spark("stop").stdout.strip() == "stopped"
     assert spark("status").returncode == 1
+    jar = spark("jar")  # onceflow's JVM reader, for a Spark it does not start
+    assert jar.returncode == 0 and Path(jar.stdout.strip()).is_file(), jar.stderr
+    assert "--conf spark.onceflow.jvmReader=true" in jar.stderr
 
 
 def test_a_server_this_process_started_is_not_taken_for_alive_once_it_exits():
@@ -221,3 +224,30 @@ def test_processing_tasks_share_one_warmed_up_session_and_its_python_workers(tmp
     assert shared_session_id("views", now=0) == shared_session_id("views", now=period - 1)
     assert shared_session_id("views", now=0) != shared_session_id("views", now=period)
     assert shared_session_id("views", now=0) != shared_session_id("clicks", now=0)
+
+
+def test_the_local_server_reads_json_lines_in_its_jvm(spark_connect_server, conn, dsn,
+                                                      tmp_path):
+    """The server onceflow starts has onceflow's jar: a Connect client's landing-folder read
+    is done by the JVM reader there, with the rows the rules give."""
+    from onceflow.core.planner import PartitionRange
+    from onceflow.sources.landing import LandingFolder
+    from spark_tasks.jvm import jvm_reader
+    from spark_tasks.session import connect_session
+
+    folder = tmp_path / "lines"
+    folder.mkdir()
+    source = LandingFolder(topic="connect_lines", path=str(folder), chunk_bytes=256,
+                           settle_s=0.0, json_schema="s string, i int")
+    source.ensure(conn, create=True)
+    path = folder / "a.jsonl"
+    path.write_bytes(b'{"s": "a", "i": 1}\nnot json\n{"i": 2}\r\n{"s": "\\u00e9"}\n')
+    os.utime(path, (time.time() - 5, time.time() - 5))
+    with conn, conn.cursor() as cur:
+        source.positions(cur)
+    with connect_session(f"sc://127.0.0.1:{spark_connect_server}", "jvm-reader") as remote:
+        assert jvm_reader(remote)
+        rows = [tuple(r) for r in source.read(remote, dsn, [PartitionRange(0, 0, 4)])
+                .orderBy("offset").collect()]
+    assert rows == [(0, 0, "a", 1, None, None), (0, 1, None, None, "not json", None),
+                    (0, 2, None, 2, None, None), (0, 3, "\u00e9", None, None, None)]

@@ -340,6 +340,18 @@ def cmd_spark(args) -> int:
     elif args.action == "stop":
         stopped = localspark.stop(args.port)
         print("stopped" if stopped else "not running")
+    elif args.action == "jar":
+        from spark_tasks.jvm import ENABLED, jar
+
+        path = jar()
+        if path is None:
+            print("onceflow's JVM reader cannot be built here: it needs javac (a JDK 17, not "
+                  "only a JRE) and pyspark's jars; without it JSON lines are read by Python "
+                  "workers", file=sys.stderr)
+            return 1
+        print(path)
+        print(f"for a Spark that onceflow does not start (your Connect server, a cluster): "
+              f"--jars {path} --conf {ENABLED}=true", file=sys.stderr)
     else:
         current = localspark.status(args.port)
         print(current.line())
@@ -435,8 +447,9 @@ def build_parser() -> argparse.ArgumentParser:
             "it; --yes fixes it")
     p.add_argument("--yes", action="store_true", help="do the repairs")
     p = add("spark", cmd_spark, "start, stop or check the local Spark Connect server (the warm "
-            "Spark processing tasks use in local mode)", pipeline=False)
-    p.add_argument("action", choices=("start", "stop", "status"))
+            "Spark processing tasks use in local mode); jar: build onceflow's JVM reader and "
+            "print its path, for a Spark onceflow does not start", pipeline=False)
+    p.add_argument("action", choices=("start", "stop", "status", "jar"))
     p.add_argument("--port", type=_positive, default=None,
                    help="its port (default ONCEFLOW_SPARK_CONNECT_PORT or 15002)")
     add("ui", cmd_ui, "start the Airflow UI (airflow standalone on 127.0.0.1:8080) with the "
