@@ -10,8 +10,6 @@ import java.nio.charset.CharsetDecoder;
 import java.nio.charset.CodingErrorAction;
 import java.nio.charset.StandardCharsets;
 import java.util.Arrays;
-import java.util.HashMap;
-import java.util.Map;
 
 import com.fasterxml.jackson.core.JsonFactory;
 import com.fasterxml.jackson.core.JsonParser;
@@ -75,7 +73,7 @@ final class LineDecoder {
       BIGINT = 5, FLOAT = 6, DOUBLE = 7;
 
   private final int[] kinds;
-  private final Map<String, Integer> index = new HashMap<>();
+  private final String[] names;
   private final long maxBytes;
   private final Object[] values;
   private final boolean[] wrong;
@@ -85,8 +83,9 @@ final class LineDecoder {
 
   LineDecoder(String[][] columns, long maxBytes) {
     kinds = new int[columns.length];
+    names = new String[columns.length];
     for (int i = 0; i < columns.length; i++) {
-      index.put(columns[i][0], i);
+      names[i] = columns[i][0].intern();
       kinds[i] = Arrays.asList("string", "boolean", "tinyint", "smallint", "int", "bigint",
           "float", "double").indexOf(columns[i][1]);
     }
@@ -163,8 +162,8 @@ final class LineDecoder {
           return false;
         }
         t = p.nextToken();
-        Integer i = index.get(name);
-        if (i == null) {
+        int i = indexOf(name);
+        if (i < 0) {
           if (!skip(p, t, surrogates)) {
             return false;
           }
@@ -201,11 +200,37 @@ final class LineDecoder {
     return true;
   }
 
+  /** The index of the declared column named {@code name}, or -1. */
+  private int indexOf(String name) {
+    for (int i = names.length - 1; i >= 0; i--) {
+      if (names[i].equals(name)) {  // (an identity check first: Jackson interns names)
+        return i;
+      }
+    }
+    return -1;
+  }
+
+  /** The current string token as Spark's UTF-8 text, without a Java String when it is ASCII. */
+  private static UTF8String text(JsonParser p) throws IOException {
+    char[] chars = p.getTextCharacters();
+    int offset = p.getTextOffset();
+    int length = p.getTextLength();
+    byte[] bytes = new byte[length];
+    for (int k = 0; k < length; k++) {
+      char c = chars[offset + k];
+      if (c >= 0x80) {
+        return UTF8String.fromString(p.getText());
+      }
+      bytes[k] = (byte) c;
+    }
+    return UTF8String.fromBytes(bytes);
+  }
+
   /** The value of the current token as a column of {@code kind}, or null if it is not one. */
   private static Object value(JsonParser p, JsonToken t, int kind) throws IOException {
     switch (kind) {
       case STRING:
-        return t == JsonToken.VALUE_STRING ? UTF8String.fromString(p.getText()) : null;
+        return t == JsonToken.VALUE_STRING ? text(p) : null;
       case BOOLEAN:
         return t == JsonToken.VALUE_TRUE ? Boolean.TRUE
             : t == JsonToken.VALUE_FALSE ? Boolean.FALSE : null;
