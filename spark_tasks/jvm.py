@@ -95,13 +95,22 @@ def jar() -> Path | None:
     return out
 
 
-def jvm_conf() -> dict[str, str]:
-    """The Spark settings that give a session onceflow's JVM classes (static: for a session
-    that onceflow starts, a local one, spark-submit or the local Connect server)."""
-    if os.environ.get("ONCEFLOW_JVM_READER", "1").strip().lower() in ("0", "false", "no"):
-        return {}
-    path = jar()
-    return {"spark.jars": str(path), ENABLED: "true"} if path else {}
+def _turned_off() -> bool:
+    return os.environ.get("ONCEFLOW_JVM_READER", "1").strip().lower() in ("0", "false", "no")
+
+
+def jvm_conf(conf: dict[str, str] | None = None) -> dict[str, str]:
+    """``conf`` (Spark settings, e.g. an operator's) plus what gives a session onceflow's JVM
+    classes: the jar added to its ``spark.jars`` and the flag. Static settings: for a Spark
+    that onceflow starts (a local session, spark-submit, the local Connect server)."""
+    out = dict(conf or {})
+    path = None if _turned_off() else jar()
+    if path is None:
+        return out
+    jars = [j for j in out.get("spark.jars", "").split(",") if j.strip()]
+    out["spark.jars"] = ",".join([*jars, str(path)])
+    out.setdefault(ENABLED, "true")
+    return out
 
 
 _CONNECT_SESSIONS: dict[str, bool] = {}  # Spark Connect session id -> has the reader
@@ -110,7 +119,7 @@ _CONNECT_SESSIONS: dict[str, bool] = {}  # Spark Connect session id -> has the r
 def jvm_reader(spark) -> bool:
     """Whether ``spark`` can use onceflow's JVM reader: its Spark was started with the jar
     (asked once per Spark Connect session: a round trip to the server)."""
-    if os.environ.get("ONCEFLOW_JVM_READER", "1").strip().lower() in ("0", "false", "no"):
+    if _turned_off():
         return False
     session = getattr(spark, "session_id", None)
     if session is not None and session in _CONNECT_SESSIONS:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -16,7 +17,7 @@ from test_json_records import ALL, CASES, lines
 
 from onceflow.core.planner import PartitionRange
 from onceflow.sources.landing import LandingFolder
-from spark_tasks.jvm import jvm_reader
+from spark_tasks.jvm import jvm_conf, jvm_reader
 
 # Lines the cut and the UTF-8 replacement must agree on (each followed by LF unless it ends
 # the file): CRs before and inside line ends, empty lines, broken and surrogate UTF-8.
@@ -107,3 +108,12 @@ def test_generated_lines_read_alike(spark, conn, dsn, folders, batch):
     name = write(folder, [line.replace(b"\n", b" ") for line in batch])
     jvm, python = both(spark, dsn, conn, source, name)
     assert jvm == python
+
+
+def test_an_operators_own_jars_are_kept_beside_the_readers(monkeypatch):
+    conf = jvm_conf({"spark.jars": "/opt/theirs.jar", "spark.executor.cores": "2"})
+    jars = conf["spark.jars"].split(",")
+    assert jars[0] == "/opt/theirs.jar" and len(jars) == 2 and Path(jars[1]).is_file()
+    assert conf["spark.onceflow.jvmReader"] == "true" and conf["spark.executor.cores"] == "2"
+    monkeypatch.setenv("ONCEFLOW_JVM_READER", "0")  # turned off: the conf as it was
+    assert jvm_conf({"spark.jars": "/opt/theirs.jar"}) == {"spark.jars": "/opt/theirs.jar"}

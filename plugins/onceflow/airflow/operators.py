@@ -451,8 +451,8 @@ class ProcessBatchOperator(_Processes, SparkSubmitOperator):
         }
         from spark_tasks.jvm import jvm_conf
 
-        # onceflow's JVM reader travels with the application (the connection's conf wins)
-        self.conf = {**jvm_conf(), **(self.conf or {})}
+        # onceflow's JVM reader travels with the application (added to the conf's jars)
+        self.conf = jvm_conf(self.conf)
         self.log.info("processing %s of %s, group %d (spark-submit)", ta, pipeline.name, group)
         super().execute(context)
 

@@ -54,7 +54,13 @@ final class ChunkReader implements PartitionReader<InternalRow> {
       throw new IllegalStateException("landed file '" + chunk.path
           + "' changed after it was indexed: refused");
     }
-    int length = Math.toIntExact(chunk.byteEnd - chunk.byteStart);
+    long size = chunk.byteEnd - chunk.byteStart;
+    if (size > Integer.MAX_VALUE - 8) {
+      throw new IllegalStateException("landed file '" + chunk.path + "': a chunk of " + size
+          + " bytes is over what one read task holds (2 GiB): index the folder with a smaller "
+          + "chunk_bytes");
+    }
+    int length = (int) size;
     byte[] bytes = new byte[length];
     try (RandomAccessFile file = new RandomAccessFile(chunk.path, "r")) {
       file.seek(chunk.byteStart);
