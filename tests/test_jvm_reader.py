@@ -5,7 +5,10 @@ mangled), the same refusals, the same replacement of bytes that are not UTF-8.""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -117,3 +120,49 @@ def test_an_operators_own_jars_are_kept_beside_the_readers(monkeypatch):
     assert conf["spark.onceflow.jvmReader"] == "true" and conf["spark.executor.cores"] == "2"
     monkeypatch.setenv("ONCEFLOW_JVM_READER", "0")  # turned off: the conf as it was
     assert jvm_conf({"spark.jars": "/opt/theirs.jar"}) == {"spark.jars": "/opt/theirs.jar"}
+
+
+READ_UNDER_SPARK_SUBMIT = """
+import json, sys
+from onceflow.core.planner import PartitionRange
+from onceflow.sources.landing import LandingFolder
+from spark_tasks.jvm import jvm_reader
+from spark_tasks.session import get_spark
+
+spark = get_spark("jvm-reader-submit")
+source = LandingFolder(topic="submitted", path=sys.argv[2], settle_s=0.0,
+                       json_schema="s string, i int")
+df = source.read(spark, sys.argv[1], [PartitionRange(0, 0, 3)])
+print("RESULT " + json.dumps({
+    "jvm": jvm_reader(spark),
+    "planned": "onceflow JSON lines" in df._jdf.queryExecution().toString(),
+    "rows": [list(r) for r in df.orderBy("offset").collect()]}))
+"""
+
+
+def test_spark_submit_with_the_process_tasks_conf_reads_in_the_jvm(conn, dsn, tmp_path):
+    """What ProcessBatchOperator gives spark-submit (jvm_conf of its conf) brings the reader to
+    a driver onceflow did not start itself."""
+    folder = tmp_path / "submitted"
+    folder.mkdir()
+    source = LandingFolder(topic="submitted", path=str(folder), settle_s=0.0,
+                           json_schema="s string, i int")
+    source.ensure(conn, create=True)
+    write(folder, [b'{"s": "a", "i": 1}', b"{oops", b'{"i": 3}'])
+    with conn, conn.cursor() as cur:
+        source.positions(cur)
+    script = tmp_path / "read.py"
+    script.write_text(READ_UNDER_SPARK_SUBMIT)
+    conf = jvm_conf({"spark.ui.enabled": "false"})
+    done = subprocess.run(
+        [str(Path(sys.executable).with_name("spark-submit")), "--master", "local[1]",
+         *[arg for k, v in conf.items() for arg in ("--conf", f"{k}={v}")],
+         str(script), dsn, str(folder)],
+        env={**os.environ, "PYSPARK_PYTHON": sys.executable}, capture_output=True, text=True,
+        timeout=240)
+    lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, done.stderr[-3000:]
+    result = json.loads(lines[-1].removeprefix("RESULT "))
+    assert result["jvm"] and result["planned"]
+    assert result["rows"] == [[0, 0, "a", 1, None, None], [0, 1, None, None, "{oops", None],
+                              [0, 2, None, 3, None, None]]
