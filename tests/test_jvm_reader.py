@@ -25,7 +25,10 @@ from spark_tasks.jvm import jvm_conf, jvm_reader
 # Lines the cut and the UTF-8 replacement must agree on (each followed by LF unless it ends
 # the file): CRs before and inside line ends, empty lines, broken and surrogate UTF-8.
 ODD = [b"", b"\r", b"x\r\r", b'{"s": "\xed\xa0\x80"}', b"\xf0\x9f\x98", b"\xc3(", b"\xff\xfe",
-       b'{"s": "caf\xc3\xa9", "i": 3}\r', b'{"s": "a"}\r\r', b" \t{\"i\": -1}\r"]
+       b'{"s": "caf\xc3\xa9", "i": 3}\r', b'{"s": "a"}\r\r', b" \t{\"i\": -1}\r",
+       # overlong forms, past U+10FFFF, a whole 4-byte sequence, one cut at the line's end
+       b"\xc0\x80", b"\xe0\x80\x80", b"\xf4\x90\x80\x80", b'{"s": "\xf0\x9f\x98\x80"}',
+       b"x\xe2\x82"]
 
 
 def write(folder, lines: list[bytes], end: bytes = b"") -> str:

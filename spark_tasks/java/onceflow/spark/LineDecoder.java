@@ -4,10 +4,6 @@ import java.io.IOException;
 import java.lang.invoke.MethodHandles;
 import java.lang.invoke.VarHandle;
 import java.nio.ByteOrder;
-import java.nio.ByteBuffer;
-import java.nio.charset.CharacterCodingException;
-import java.nio.charset.CharsetDecoder;
-import java.nio.charset.CodingErrorAction;
 import java.nio.charset.StandardCharsets;
 import java.util.Arrays;
 
@@ -77,9 +73,6 @@ final class LineDecoder {
   private final long maxBytes;
   private final Object[] values;
   private final boolean[] wrong;
-  private final CharsetDecoder utf8 = StandardCharsets.UTF_8.newDecoder()
-      .onMalformedInput(CodingErrorAction.REPORT)
-      .onUnmappableCharacter(CodingErrorAction.REPORT);
 
   LineDecoder(String[][] columns, long maxBytes) {
     kinds = new int[columns.length];
@@ -147,7 +140,7 @@ final class LineDecoder {
           && data[start + 2] == (byte) 0xBF) {
         return false;  // a byte-order mark
       }
-      if (!validUtf8(utf8, data, start, end)) {
+      if (!validUtf8(data, start, end)) {
         return false;
       }
     }
@@ -340,6 +333,31 @@ final class LineDecoder {
   }
 
   /**
+   * The UTF-8 sequence at {@code data[i]} (i below end): its length when it is well-formed
+   * (Unicode's table of well-formed byte sequences: no overlong forms, no surrogates, nothing
+   * past U+10FFFF), else minus the length of its maximal ill-formed part (at least 1).
+   */
+  private static int sequence(byte[] data, int i, int end) {
+    int b = data[i] & 0xFF;
+    if (b < 0x80) {
+      return 1;
+    }
+    if (b < 0xC2 || b > 0xF4) {  // a continuation byte, or a byte that never starts one
+      return -1;
+    }
+    int need = b >= 0xF0 ? 3 : b >= 0xE0 ? 2 : 1;
+    int lo = b == 0xE0 ? 0xA0 : b == 0xF0 ? 0x90 : 0x80;  // the second byte's range
+    int hi = b == 0xED ? 0x9F : b == 0xF4 ? 0x8F : 0xBF;
+    for (int k = 1; k <= need; k++) {
+      int c = i + k < end ? data[i + k] & 0xFF : -1;
+      if (c < (k == 1 ? lo : 0x80) || c > (k == 1 ? hi : 0xBF)) {
+        return -k;
+      }
+    }
+    return need + 1;
+  }
+
+  /**
    * {@code data[start, end)} as text, each maximal part of an ill-formed UTF-8 sequence
    * replaced by one U+FFFD (Unicode's recommended practice, which Python's
    * {@code decode("utf-8", "replace")} follows; Java's decoder replaces differently, e.g. an
@@ -347,79 +365,30 @@ final class LineDecoder {
    */
   static String replacing(byte[] data, int start, int end) {
     StringBuilder out = new StringBuilder(end - start);
-    int i = start;
-    while (i < end) {
-      int b = data[i] & 0xFF;
-      if (b < 0x80) {
-        out.append((char) b);
-        i++;
-        continue;
-      }
-      int need;
-      int lo = 0x80;
-      int hi = 0xBF;  // the second byte's range
-      int cp;
-      if (b >= 0xC2 && b <= 0xDF) {
-        need = 1;
-        cp = b & 0x1F;
-      } else if (b >= 0xE0 && b <= 0xEF) {
-        need = 2;
-        cp = b & 0x0F;
-        if (b == 0xE0) {
-          lo = 0xA0;
-        } else if (b == 0xED) {
-          hi = 0x9F;
-        }
-      } else if (b >= 0xF0 && b <= 0xF4) {
-        need = 3;
-        cp = b & 0x07;
-        if (b == 0xF0) {
-          lo = 0x90;
-        } else if (b == 0xF4) {
-          hi = 0x8F;
-        }
-      } else {  // a continuation byte, or a byte that never starts a sequence
-        out.append('\uFFFD');
-        i++;
-        continue;
-      }
-      int j = i + 1;
-      boolean whole = true;
-      for (int k = 0; k < need; k++, j++) {
-        int c = j < end ? data[j] & 0xFF : -1;
-        if (c < (k == 0 ? lo : 0x80) || c > (k == 0 ? hi : 0xBF)) {
-          whole = false;
-          break;
-        }
-        cp = (cp << 6) | (c & 0x3F);
-      }
-      if (whole) {
-        out.appendCodePoint(cp);
+    for (int i = start; i < end; ) {
+      int n = sequence(data, i, end);
+      if (n == 1) {
+        out.append((char) data[i]);
+      } else if (n > 0) {
+        out.append(new String(data, i, n, StandardCharsets.UTF_8));
       } else {
-        out.append('\uFFFD');  // the maximal subpart [i, j): one replacement
+        out.append('\uFFFD');
+        n = -n;
       }
-      i = j;
+      i += n;
     }
     return out.toString();
   }
 
+  /** Whether {@code data[start, end)} is well-formed UTF-8. */
   static boolean validUtf8(byte[] data, int start, int end) {
-    for (int i = start; i < end; i++) {
-      if (data[i] < 0) {
-        return validUtf8(StandardCharsets.UTF_8.newDecoder()
-            .onMalformedInput(CodingErrorAction.REPORT)
-            .onUnmappableCharacter(CodingErrorAction.REPORT), data, start, end);
+    for (int i = start; i < end; ) {
+      int n = sequence(data, i, end);
+      if (n < 0) {
+        return false;
       }
+      i += n;
     }
     return true;
-  }
-
-  private static boolean validUtf8(CharsetDecoder decoder, byte[] data, int start, int end) {
-    try {
-      decoder.reset().decode(ByteBuffer.wrap(data, start, end - start));
-      return true;
-    } catch (CharacterCodingException e) {
-      return false;
-    }
   }
 }
