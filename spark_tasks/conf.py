@@ -12,6 +12,12 @@ No pyspark import: the Airflow operators read this too.
   between). Without it a batch is one job and the earliest submitted finishes first, so
   commits follow one another while later batches process. ONCEFLOW_SPARK_ADAPTIVE=true turns
   it back on (a bolt that joins skewed data may want it).
+- ``spark.python.sql.dataFrameDebugging.enabled`` false: with it on, PySpark records the Python
+  call site of every DataFrame and Column function it is given (for the "== DataFrame =="
+  context of a runtime error), which in a local or spark-submit session is about six round
+  trips to the JVM per function: planning one batch of the benchmark topology took 4,100
+  round trips and 0.9 CPU s in Python (plus as much in the JVM's py4j threads), against SQL
+  work of 2-3 CPU s. ONCEFLOW_DATAFRAME_DEBUGGING=true turns it back on while writing a bolt.
 """
 
 from __future__ import annotations
@@ -22,7 +28,10 @@ import os
 def processing_conf() -> dict[str, str]:
     """The SQL settings of a processing session (read from the environment when called)."""
     adaptive = os.environ.get("ONCEFLOW_SPARK_ADAPTIVE", "false").strip().lower()
+    debugging = os.environ.get("ONCEFLOW_DATAFRAME_DEBUGGING", "false").strip().lower()
     return {
         "spark.sql.shuffle.partitions": os.environ.get("ONCEFLOW_SHUFFLE_PARTITIONS", "4"),
         "spark.sql.adaptive.enabled": "true" if adaptive in ("1", "true", "yes") else "false",
+        "spark.python.sql.dataFrameDebugging.enabled":
+            "true" if debugging in ("1", "true", "yes") else "false",
     }
