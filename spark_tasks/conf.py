@@ -18,20 +18,28 @@ No pyspark import: the Airflow operators read this too.
   trips to the JVM per function: planning one batch of the benchmark topology took 4,100
   round trips and 0.9 CPU s in Python (plus as much in the JVM's py4j threads), against SQL
   work of 2-3 CPU s. ONCEFLOW_DATAFRAME_DEBUGGING=true turns it back on while writing a bolt.
+  A Spark Connect session cannot change it: a Connect client follows its server's setting
+  (the local server onceflow starts, and docker-compose.yml's, have it off).
 """
 
 from __future__ import annotations
 
 import os
 
+# Settings a Spark application takes when it starts, which a Spark Connect session cannot change
+# (its server's are the ones that hold).
+STATIC = frozenset({"spark.python.sql.dataFrameDebugging.enabled"})
 
-def processing_conf() -> dict[str, str]:
-    """The SQL settings of a processing session (read from the environment when called)."""
+
+def processing_conf(static: bool = True) -> dict[str, str]:
+    """The settings of a processing session (read from the environment when called);
+    ``static=False``: without STATIC, for a session of a running Spark Connect server."""
     adaptive = os.environ.get("ONCEFLOW_SPARK_ADAPTIVE", "false").strip().lower()
     debugging = os.environ.get("ONCEFLOW_DATAFRAME_DEBUGGING", "false").strip().lower()
-    return {
+    conf = {
         "spark.sql.shuffle.partitions": os.environ.get("ONCEFLOW_SHUFFLE_PARTITIONS", "4"),
         "spark.sql.adaptive.enabled": "true" if adaptive in ("1", "true", "yes") else "false",
         "spark.python.sql.dataFrameDebugging.enabled":
             "true" if debugging in ("1", "true", "yes") else "false",
     }
+    return conf if static else {k: v for k, v in conf.items() if k not in STATIC}

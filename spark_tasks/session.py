@@ -153,7 +153,8 @@ def connect_session(url: str, app_name: str, shared: str | None = None):
 
     def builder(remote: str):
         out = SparkSession.builder.remote(remote).appName(app_name)
-        for key, value in processing_conf().items():  # set with the app name: one round trip
+        # set with the app name: one round trip (the server's own settings hold the rest)
+        for key, value in processing_conf(static=False).items():
             out = out.config(key, value)
         return out
 

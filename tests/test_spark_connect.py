@@ -12,6 +12,8 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
+from contextlib import ExitStack
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -228,8 +230,8 @@ def test_processing_tasks_share_one_warmed_up_session_and_its_python_workers(tmp
 
 def test_the_local_server_reads_json_lines_in_its_jvm(spark_connect_server, conn, dsn,
                                                       tmp_path):
-    """The server onceflow starts has onceflow's jar: a Connect client's landing-folder read
-    is done by the JVM reader there, with the rows the rules give."""
+    """The server onceflow starts has onceflow's jar and settings: a Connect client's
+    landing-folder read is done by the JVM reader there, with the rows the rules give."""
     from onceflow.core.planner import PartitionRange
     from onceflow.sources.landing import LandingFolder
     from spark_tasks.jvm import jvm_reader
@@ -245,8 +247,14 @@ def test_the_local_server_reads_json_lines_in_its_jvm(spark_connect_server, conn
     os.utime(path, (time.time() - 5, time.time() - 5))
     with conn, conn.cursor() as cur:
         source.positions(cur)
-    with connect_session(f"sc://127.0.0.1:{spark_connect_server}", "jvm-reader") as remote:
+    with ExitStack() as stack:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no setting the session cannot take (a static one)
+            remote = stack.enter_context(
+                connect_session(f"sc://127.0.0.1:{spark_connect_server}", "jvm-reader"))
         assert jvm_reader(remote)
+        # planned without PySpark's DataFrame debugging (spark_tasks.conf), the server's
+        assert remote.conf.get("spark.python.sql.dataFrameDebugging.enabled") == "false"
         rows = [tuple(r) for r in source.read(remote, dsn, [PartitionRange(0, 0, 4)])
                 .orderBy("offset").collect()]
     assert rows == [(0, 0, "a", 1, None, None), (0, 1, None, None, "not json", None),
