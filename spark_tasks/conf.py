@@ -17,9 +17,10 @@ No pyspark import: the Airflow operators read this too.
   context of a runtime error), which in a local or spark-submit session is about six round
   trips to the JVM per function: planning one batch of the benchmark topology took 4,100
   round trips, 0.9 CPU s in Python and about 0.45 in the JVM's py4j threads (off: 1,600,
-  0.34 and 0.25), against SQL work of 2-3 CPU s. ONCEFLOW_DATAFRAME_DEBUGGING=true turns it back on while writing a bolt.
-  A Spark Connect session cannot change it: a Connect client follows its server's setting
-  (the local server onceflow starts, and docker-compose.yml's, have it off).
+  0.34 and 0.25), against SQL work of 2-3 CPU s. ONCEFLOW_DATAFRAME_DEBUGGING=true turns it
+  back on while writing a bolt. A Spark Connect session cannot change it: a Connect client
+  follows its server's setting (the local server onceflow starts, and docker-compose.yml's,
+  have it off).
 """
 
 from __future__ import annotations
