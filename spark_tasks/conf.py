@@ -27,6 +27,24 @@ from __future__ import annotations
 
 import os
 
+ON, OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def env_flag(name: str, default: bool) -> bool:
+    """An on/off environment variable (1/true/yes/on, 0/false/no/off; unset or empty: the
+    default). Any other value is a ConfigError naming it: a typo must not silently leave a
+    setting as it was."""
+    value = os.environ.get(name, "").strip().lower()
+    if not value:
+        return default
+    if value in ON or value in OFF:
+        return value in ON
+    from onceflow.core.errors import ConfigError
+
+    raise ConfigError(f"{name}={os.environ[name]!r} is not an on/off value: set it to one of "
+                      f"{', '.join(ON)} or {', '.join(OFF)}, or unset it")
+
+
 # Settings a Spark application takes when it starts, which a Spark Connect session cannot change
 # (its server's are the ones that hold).
 STATIC = frozenset({"spark.python.sql.dataFrameDebugging.enabled"})
@@ -35,12 +53,12 @@ STATIC = frozenset({"spark.python.sql.dataFrameDebugging.enabled"})
 def processing_conf(static: bool = True) -> dict[str, str]:
     """The settings of a processing session (read from the environment when called);
     ``static=False``: without STATIC, for a session of a running Spark Connect server."""
-    adaptive = os.environ.get("ONCEFLOW_SPARK_ADAPTIVE", "false").strip().lower()
-    debugging = os.environ.get("ONCEFLOW_DATAFRAME_DEBUGGING", "false").strip().lower()
+    def flag(name: str) -> str:
+        return "true" if env_flag(name, False) else "false"
+
     conf = {
         "spark.sql.shuffle.partitions": os.environ.get("ONCEFLOW_SHUFFLE_PARTITIONS", "4"),
-        "spark.sql.adaptive.enabled": "true" if adaptive in ("1", "true", "yes") else "false",
-        "spark.python.sql.dataFrameDebugging.enabled":
-            "true" if debugging in ("1", "true", "yes") else "false",
+        "spark.sql.adaptive.enabled": flag("ONCEFLOW_SPARK_ADAPTIVE"),
+        "spark.python.sql.dataFrameDebugging.enabled": flag("ONCEFLOW_DATAFRAME_DEBUGGING"),
     }
     return conf if static else {k: v for k, v in conf.items() if k not in STATIC}

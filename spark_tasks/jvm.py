@@ -10,7 +10,7 @@ Python reader, without a Python worker decoding lines and handing them over thro
 ``jvm_conf()`` is what a session needs for it (the jar, and ``spark.onceflow.jvmReader`` that
 tells the readers it is there); empty when no jar can be had (no javac: a JRE only), and then
 the Python reader does the work, as it does on a Spark that onceflow did not start (a
-cluster's Connect server without the jar). ONCEFLOW_JVM_READER=0 turns it off.
+cluster's Connect server without the jar). ONCEFLOW_JVM_READER=off (or 0) turns it off.
 No pyspark import: the Airflow operators read this too.
 """
 
@@ -26,6 +26,8 @@ import subprocess
 import tempfile
 import zipfile
 from pathlib import Path
+
+from spark_tasks.conf import env_flag
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +98,7 @@ def jar() -> Path | None:
 
 
 def _turned_off() -> bool:
-    return os.environ.get("ONCEFLOW_JVM_READER", "1").strip().lower() in ("0", "false", "no")
+    return not env_flag("ONCEFLOW_JVM_READER", True)
 
 
 def jvm_conf(conf: dict[str, str] | None = None) -> dict[str, str]:

@@ -121,8 +121,24 @@ def test_an_operators_own_jars_are_kept_beside_the_readers(monkeypatch):
     jars = conf["spark.jars"].split(",")
     assert jars[0] == "/opt/theirs.jar" and len(jars) == 2 and Path(jars[1]).is_file()
     assert conf["spark.onceflow.jvmReader"] == "true" and conf["spark.executor.cores"] == "2"
-    monkeypatch.setenv("ONCEFLOW_JVM_READER", "0")  # turned off: the conf as it was
-    assert jvm_conf({"spark.jars": "/opt/theirs.jar"}) == {"spark.jars": "/opt/theirs.jar"}
+    for off in ("0", "off", " False "):  # turned off: the conf as it was
+        monkeypatch.setenv("ONCEFLOW_JVM_READER", off)
+        assert jvm_conf({"spark.jars": "/opt/theirs.jar"}) == {"spark.jars": "/opt/theirs.jar"}
+
+
+def test_an_on_off_setting_with_a_typo_is_refused_not_ignored(monkeypatch):
+    from onceflow.core.errors import ConfigError
+    from spark_tasks.conf import processing_conf
+
+    monkeypatch.setenv("ONCEFLOW_JVM_READER", "of")
+    with pytest.raises(ConfigError, match="ONCEFLOW_JVM_READER='of' is not an on/off value"):
+        jvm_conf()
+    monkeypatch.setenv("ONCEFLOW_DATAFRAME_DEBUGGING", "ture")
+    with pytest.raises(ConfigError, match="ONCEFLOW_DATAFRAME_DEBUGGING='ture'.*unset it"):
+        processing_conf()
+    monkeypatch.setenv("ONCEFLOW_DATAFRAME_DEBUGGING", "ON")
+    assert processing_conf()["spark.python.sql.dataFrameDebugging.enabled"] == "true"
+    assert "spark.python.sql.dataFrameDebugging.enabled" not in processing_conf(static=False)
 
 
 READ_UNDER_SPARK_SUBMIT = """
