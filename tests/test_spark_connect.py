@@ -105,7 +105,12 @@ def test_a_server_that_is_down_is_a_clear_error(pageviews, conn, airflow_db):
 def test_a_server_killed_in_the_middle_of_a_batch(pageviews, conn, airflow_db, tmp_path):
     port = free_port()
     folder = tmp_path / "server"
-    localspark.start(port, driver_memory="1g", folder=folder)
+    # launched without waiting (as the demo does while it sets up Airflow): its JVM cannot
+    # answer yet; ready() waits until it does
+    launched = localspark.launch(port, driver_memory="1g", folder=folder)
+    assert not localspark.status(port, folder=folder).running
+    assert launched.ready().running
+    assert launched.ready().running  # again: the status, no second wait or warm-up
     release = tmp_path / "release"
     views = [json.dumps({"country": c, "page": "/p"}) for c in ("de", "fr", "de")] + [
         json.dumps({"country": "hold", "page": str(release)})]

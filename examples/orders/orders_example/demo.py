@@ -28,9 +28,12 @@ def _setup(name: str):
     from onceflow.core import db
     from onceflow.core.registration import register
     from onceflow.core.registry import get_pipeline
+    from onceflow.dev.demo import warm_dag_test
     from onceflow.dev.localenv import embedded_env
 
-    dsn = embedded_env()
+    # the Spark server and Airflow's in-process API start while this process sets up
+    dsn = embedded_env(wait_spark=False)
+    warm_dag_test()
     db.ensure_database(dsn)
     conn = db.connect(dsn)
     db.migrate(conn)

@@ -41,13 +41,18 @@ def _produce(args, conn, pipeline) -> int:
     return n
 
 
-def _setup(args):
+def _setup(args, for_runs: bool = False):
     from onceflow.core import db
     from onceflow.core.registration import register
     from onceflow.core.registry import get_pipeline
+    from onceflow.dev.demo import warm_dag_test
     from onceflow.dev.localenv import embedded_env
 
-    dsn = embedded_env()
+    # for DAG runs, the Spark server and Airflow's in-process API start while this process
+    # sets up (run_transactions waits for them)
+    dsn = embedded_env(wait_spark=not for_runs)
+    if for_runs:
+        warm_dag_test()
     db.ensure_database(dsn)
     conn = db.connect(dsn)
     db.migrate(conn)
@@ -72,7 +77,7 @@ def cmd_run(args) -> int:
 
     started = time.monotonic()
     logging.getLogger("airflow").setLevel(logging.WARNING)  # its output goes to the log file
-    _, conn, pipeline = _setup(args)
+    _, conn, pipeline = _setup(args, for_runs=True)
     try:
         _produce(args, conn, pipeline)
         dag = load_dag(project_dir() / "dags", f"onceflow_{pipeline.name}")

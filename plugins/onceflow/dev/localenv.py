@@ -88,10 +88,17 @@ def airflow_db_ready(root: Path) -> None:
     stamp.touch()
 
 
-def embedded_env(*, warm_spark: bool = True) -> str:
+_launched = None  # the local Spark Connect server embedded_env(wait_spark=False) started
+
+
+def embedded_env(*, warm_spark: bool = True, wait_spark: bool = True) -> str:
     """Find or start PostgreSQL (and, with ``warm_spark``, the local Spark Connect server),
     and set up the Airflow environment of the project folder (idempotent). Returns the DSN.
-    ONCEFLOW_SPARK=submit chooses spark-submit instead of the warm Spark."""
+    ONCEFLOW_SPARK=submit chooses spark-submit instead of the warm Spark. ``wait_spark``
+    False: return while the server starts (its JVM takes 10-12 s); ``spark_ready()`` then
+    waits for it, and no warm-up follows (localspark.warm_up): the caller's own batches come
+    at once, and a warm-up would only compete with them for the CPU."""
+    global _launched
     from onceflow.dev.localpg import ensure_postgres
 
     root = project_dir()
@@ -103,9 +110,18 @@ def embedded_env(*, warm_spark: bool = True) -> str:
             and "AIRFLOW_CONN_SPARK_DEFAULT" not in os.environ:
         from onceflow.dev import localspark
 
-        server = localspark.start(warm=True)
-        port = server.port
-        print(f"onceflow: Spark: {server.line()}", file=sys.stderr)
+        _launched = localspark.launch(warm=wait_spark)
+        port = _launched.port
+        if wait_spark:
+            spark_ready()
     apply_env(airflow_env(root, dsn, port))
     airflow_db_ready(root)
     return os.environ["ONCEFLOW_PG_DSN"]
+
+
+def spark_ready() -> None:
+    """Wait for the Spark Connect server embedded_env started, if it did (see there)."""
+    global _launched
+    if _launched is not None:
+        launched, _launched = _launched, None
+        print(f"onceflow: Spark: {launched.ready().line()}", file=sys.stderr)

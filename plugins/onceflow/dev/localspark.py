@@ -94,9 +94,57 @@ def start(port: int = DEFAULT_PORT, *, master: str | None = None, wait_s: float 
     its pid and log go (default $ONCEFLOW_HOME/.run/spark-connect). ``warm``: once it
     answers, warm it up in the background (``warm_up``, in a process of its own whose
     output goes to the server's log)."""
-    current = status(port, folder=folder)
-    if current.running:
-        return current
+    return launch(port, master=master, driver_memory=driver_memory, folder=folder,
+                  warm=warm).ready(wait_s)
+
+
+@dataclass
+class Launch:
+    """A server being started (``launch``): ``ready()`` waits until it answers. The JVM takes
+    10-12 s to start here, time in which its caller can do work of its own (the demo builds
+    its Airflow meanwhile)."""
+
+    port: int
+    folder: Path
+    warm: bool
+    proc: subprocess.Popen | None = None  # None: it was running already
+
+    def ready(self, wait_s: float = 90) -> ServerStatus:
+        """The server's status once it answers (then its warm-up starts, with ``warm``);
+        Unreachable with its log's end if it does not within ``wait_s``."""
+        if self.proc is None:
+            return status(self.port, folder=self.folder)
+        proc, self.proc = self.proc, None
+        log = self.folder / f"server-{self.port}.log"
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            if _answers(self.port):
+                if self.warm:
+                    with open(log, "ab") as out:
+                        subprocess.Popen(
+                            [sys.executable, "-m", "onceflow.dev.localspark", "warm-up",
+                             f"sc://127.0.0.1:{self.port}"], stdout=out,
+                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            start_new_session=True,
+                            env={k: v for k, v in os.environ.items()
+                                 if k not in ("SPARK_REMOTE", "SPARK_CONNECT_MODE_ENABLED")})
+                return status(self.port, folder=self.folder)
+            if proc.poll() is not None:
+                break
+            time.sleep(0.3)
+        tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+        proc.kill()
+        raise Unreachable(f"the Spark Connect server did not start on port {self.port} "
+                          f"within {wait_s:.0f}s; its log ({log}) ends:\n{tail}")
+
+
+def launch(port: int = DEFAULT_PORT, *, master: str | None = None,
+           driver_memory: str | None = None, folder: Path | None = None,
+           warm: bool = False) -> Launch:
+    """Start the server unless it runs, without waiting for it (see ``start``)."""
+    folder = _dir(folder)
+    if status(port, folder=folder).running:
+        return Launch(port, folder, warm)
     if _answers(port):
         raise ConfigError(f"port {port} is taken by another program: set "
                           "ONCEFLOW_SPARK_CONNECT_PORT to a free port")
@@ -105,7 +153,6 @@ def start(port: int = DEFAULT_PORT, *, master: str | None = None, wait_s: float 
     from spark_tasks.session import require_java
 
     require_java()
-    folder = _dir(folder)
     folder.mkdir(parents=True, exist_ok=True)
     submit = Path(sys.executable).with_name("spark-submit")
     conf = {
@@ -129,30 +176,11 @@ def start(port: int = DEFAULT_PORT, *, master: str | None = None, wait_s: float 
            "SPARK_LOG_DIR": str(folder)}
     env.pop("SPARK_CONNECT_MODE_ENABLED", None)
     env.pop("SPARK_REMOTE", None)
-    log = folder / f"server-{port}.log"
-    with open(log, "ab") as out:
+    with open(folder / f"server-{port}.log", "ab") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True, stdin=subprocess.DEVNULL)
     (folder / f"server-{port}.pid").write_text(str(proc.pid))
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
-        if _answers(port):
-            if warm:
-                with open(log, "ab") as out:
-                    subprocess.Popen(
-                        [sys.executable, "-m", "onceflow.dev.localspark", "warm-up",
-                         f"sc://127.0.0.1:{port}"], stdout=out, stderr=subprocess.STDOUT,
-                        stdin=subprocess.DEVNULL, start_new_session=True,
-                        env={k: v for k, v in os.environ.items()
-                             if k not in ("SPARK_REMOTE", "SPARK_CONNECT_MODE_ENABLED")})
-            return status(port, folder=folder)
-        if proc.poll() is not None:
-            break
-        time.sleep(0.3)
-    tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
-    proc.kill()
-    raise Unreachable(f"the Spark Connect server did not start on port {port} within "
-                      f"{wait_s:.0f}s; its log ({log}) ends:\n{tail}")
+    return Launch(port, folder, warm, proc)
 
 
 def stop(port: int = DEFAULT_PORT, wait_s: float = 30, *, folder: Path | None = None) -> bool:
