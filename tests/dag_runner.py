@@ -14,16 +14,15 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
-from onceflow.dev.demo import load_dag, ready_to_run, warm_dag_test
+from onceflow.dev.demo import load_dag, prepare_dag_test
 
 
 def main() -> None:
     logical_date = datetime.fromisoformat(sys.argv[1])
     conf = json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}
     dag_id = sys.argv[3] if len(sys.argv) > 3 else "onceflow_tweets"
-    warm_dag_test()  # as the demo does: Airflow's in-process API built while the DAG loads
+    prebuilt = prepare_dag_test()  # as the demo does: Airflow's in-process API built ahead
     dag = load_dag(Path(__file__).resolve().parents[1] / "dags", dag_id)
-    prebuilt = ready_to_run()
     dr = dag.test(logical_date=logical_date, run_conf=conf)
     tis = dr.get_task_instances()
     tasks = {f"{ti.task_id}[{ti.map_index}]": str(ti.state) for ti in tis}

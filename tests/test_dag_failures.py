@@ -76,7 +76,7 @@ def test_groups_retry_alone_and_a_crash_after_the_commit_is_a_no_op_on_retry(
         env={"ONCEFLOW_INJECT_FAULTS": "process.before.group1:1:1,commit.after:1:1"}))
     assert result["state"] == "success", result["log"][-3000:]
     # the runner built Airflow's in-process API ahead, as the demo does, and dag.test()
-    # ran on it (onceflow.dev.demo.warm_dag_test)
+    # ran on it (onceflow.dev.demo.prepare_dag_test)
     assert result["api_prebuilt"] is True
     assert result["tries"] == {"begin[-1]": 1, "process[0]": 1, "process[1]": 2,
                                "commit[-1]": 2}

@@ -28,12 +28,13 @@ def _setup(name: str):
     from onceflow.core import db
     from onceflow.core.registration import register
     from onceflow.core.registry import get_pipeline
-    from onceflow.dev.demo import warm_dag_test
+    from onceflow.dev.demo import prepare_dag_test
     from onceflow.dev.localenv import embedded_env
 
-    # the Spark server and Airflow's in-process API start while this process sets up
+    # Airflow's in-process API is built while the Spark server starts (run_transactions
+    # waits for the server)
     dsn = embedded_env(wait_spark=False)
-    warm_dag_test()
+    prepare_dag_test()
     db.ensure_database(dsn)
     conn = db.connect(dsn)
     db.migrate(conn)

@@ -45,14 +45,14 @@ def _setup(args, for_runs: bool = False):
     from onceflow.core import db
     from onceflow.core.registration import register
     from onceflow.core.registry import get_pipeline
-    from onceflow.dev.demo import warm_dag_test
+    from onceflow.dev.demo import prepare_dag_test
     from onceflow.dev.localenv import embedded_env
 
-    # for DAG runs, the Spark server and Airflow's in-process API start while this process
-    # sets up (run_transactions waits for them)
+    # for DAG runs, Airflow's in-process API is built while the Spark server starts
+    # (run_transactions waits for the server)
     dsn = embedded_env(wait_spark=not for_runs)
     if for_runs:
-        warm_dag_test()
+        prepare_dag_test()
     db.ensure_database(dsn)
     conn = db.connect(dsn)
     db.migrate(conn)

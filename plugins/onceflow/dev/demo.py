@@ -10,7 +10,6 @@ import importlib.util
 import logging
 import os
 import sys
-import threading
 import time
 from collections.abc import Mapping
 from contextlib import contextmanager
@@ -21,56 +20,33 @@ from typing import Any
 from onceflow.core.errors import ConfigError
 
 log = logging.getLogger(__name__)
-_warming: threading.Thread | None = None
 
 
-def warm_dag_test() -> None:
-    """Build Airflow's in-process execution API in a background thread, now, rather than in
-    the first task of the first dag.test(). dag.test() serves its tasks' calls from that API,
-    and its first request generates every version of every route (Cadwyn): 6-9 CPU s here,
-    a third of a demo's first run, while the Spark server's JVM starts and the process would
-    only wait; then the modules the tasks import. Airflow's own cache
-    (supervisor.in_process_api_server) keeps it for the runs; run_transactions waits for
-    it. A failure here only loses the head start."""
-    global _warming
-    if _warming is not None:
-        return
+def prepare_dag_test() -> bool:
+    """Build Airflow's in-process execution API now, rather than in the first task of the
+    first dag.test(), and import the modules the tasks import. dag.test() serves its tasks'
+    calls from that API, whose first request generates every version of every route
+    (Cadwyn): 6-9 CPU s here, a third of a demo's first run. Called while the Spark server's
+    JVM starts (embedded_env(wait_spark=False)), it costs no wall time: the process would
+    only wait. Airflow's own cache (supervisor.in_process_api_server) keeps the API for the
+    runs. Returns whether it is built, routes and all; a failure only loses the head start
+    (the first task builds it then)."""
+    try:
+        import httpx
+        from airflow.sdk.execution_time.supervisor import in_process_api_server
 
-    def build() -> None:
-        try:
-            import httpx
-            from airflow.sdk.execution_time.supervisor import in_process_api_server
+        api = in_process_api_server()
+        httpx.Client(transport=api.transport, base_url="http://in-process.invalid./") \
+            .get("health/ping")
+        # what the tasks import (as the PreloadingLocalExecutor does for Airflow's): the
+        # first processing task would import the Spark Connect client itself
+        from onceflow.airflow.executor import TASK_MODULES, preload
 
-            api = in_process_api_server()
-            httpx.Client(transport=api.transport, base_url="http://in-process.invalid./") \
-                .get("health/ping")
-            # and what the tasks import (as the PreloadingLocalExecutor does for Airflow's):
-            # the first processing task would import the Spark Connect client itself
-            from onceflow.airflow.executor import TASK_MODULES, preload
-
-            preload(TASK_MODULES)
-        except Exception as error:  # the first task builds it then, as without this
-            log.debug("building Airflow's in-process execution API ahead failed: %r", error)
-
-    _warming = threading.Thread(target=build, name="onceflow-warm-dag-test", daemon=True)
-    _warming.start()
-
-
-def ready_to_run() -> bool:
-    """Wait for what runs of dag.test() need first: the head starts of warm_dag_test and of
-    embedded_env(wait_spark=False). Returns whether Airflow's in-process execution API is
-    built, routes and all (warm_dag_test's work)."""
-    from onceflow.dev.localenv import spark_ready
-
-    if _warming is not None:
-        _warming.join()
-    spark_ready()
-    if "airflow.sdk.execution_time.supervisor" not in sys.modules:
+        preload(TASK_MODULES)
+        return bool(getattr(api.app, "_cadwyn_initialized", False))
+    except Exception as error:  # noqa: BLE001 (logged; the first task builds it then)
+        log.info("building Airflow's in-process execution API ahead failed: %r", error)
         return False
-    from airflow.sdk.execution_time.supervisor import in_process_api_server
-
-    return in_process_api_server.cache_info().currsize == 1 and bool(
-        getattr(in_process_api_server().app, "_cadwyn_initialized", False))
 
 
 def load_dag(dags_folder: Path, dag_id: str):
@@ -115,8 +91,11 @@ def output_to(path: Path):
 
 def run_transactions(dag, count: int, conf: Mapping[str, Any], log_file: Path
                      ) -> list[tuple[str, str, float]]:
-    """Run ``count`` DAG runs one after the other: (run_id, state, seconds) for each."""
-    ready_to_run()
+    """Run ``count`` DAG runs one after the other: (run_id, state, seconds) for each (once
+    the Spark server embedded_env(wait_spark=False) started answers)."""
+    from onceflow.dev.localenv import spark_ready
+
+    spark_ready()
     results = []
     base = datetime.now(UTC).replace(microsecond=0)
     for i in range(count):

@@ -125,9 +125,7 @@ class Launch:
                             [sys.executable, "-m", "onceflow.dev.localspark", "warm-up",
                              f"sc://127.0.0.1:{self.port}"], stdout=out,
                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            start_new_session=True,
-                            env={k: v for k, v in os.environ.items()
-                                 if k not in ("SPARK_REMOTE", "SPARK_CONNECT_MODE_ENABLED")})
+                            start_new_session=True, env=_own_env())
                 return status(self.port, folder=self.folder)
             if proc.poll() is not None:
                 break
@@ -136,6 +134,13 @@ class Launch:
         proc.kill()
         raise Unreachable(f"the Spark Connect server did not start on port {self.port} "
                           f"within {wait_s:.0f}s; its log ({log}) ends:\n{tail}")
+
+
+def _own_env() -> dict[str, str]:
+    """This environment without a Spark Connect client's markers (set while this process
+    holds a Connect session): a server or a warm-up started from here must not inherit them."""
+    return {k: v for k, v in os.environ.items()
+            if k not in ("SPARK_REMOTE", "SPARK_CONNECT_MODE_ENABLED")}
 
 
 def launch(port: int = DEFAULT_PORT, *, master: str | None = None,
@@ -172,10 +177,8 @@ def launch(port: int = DEFAULT_PORT, *, master: str | None = None,
            "--name", "onceflow-spark-connect",
            "--master", master or os.environ.get("ONCEFLOW_SPARK_MASTER", "local[2]"),
            *[arg for k, v in conf.items() for arg in ("--conf", f"{k}={v}")]]
-    env = {**os.environ, "PYSPARK_PYTHON": os.environ.get("PYSPARK_PYTHON", sys.executable),
+    env = {**_own_env(), "PYSPARK_PYTHON": os.environ.get("PYSPARK_PYTHON", sys.executable),
            "SPARK_LOG_DIR": str(folder)}
-    env.pop("SPARK_CONNECT_MODE_ENABLED", None)
-    env.pop("SPARK_REMOTE", None)
     with open(folder / f"server-{port}.log", "ab") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True, stdin=subprocess.DEVNULL)
