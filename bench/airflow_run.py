@@ -112,7 +112,7 @@ def _wait_for_runs(meta: str, dag_id: str, runs: int, deadline: float, logs: Pat
             return done
         if time.monotonic() > deadline:
             raise TimeoutError(f"{dag_id}: runs not done: {done} (logs in {logs})")
-        time.sleep(0.5)
+        time.sleep(0.1)  # the clock stops within 0.1 s of the last run's end
 
 
 def _cpu_s(pid: int) -> float:

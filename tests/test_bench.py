@@ -42,6 +42,7 @@ def test_the_peer_comparison_runs_every_system_and_checks_it(tmp_path, dsn, monk
     # the run's warm Spark Connect server (a user's running server: --spark-connect)
     out = _bench("compare.py", ["--events", "20000", "--batches", "2", "--acker-events", "4000",
                                 "--acker-rounds", "1", "--folder", str(tmp_path / "bench"),
+                                "--server-warm-up", "1",
                                 "--spark-connect", f"sc://127.0.0.1:{spark_connect_server}"],
                  tmp_path, dsn)
     preloaded = len(TASK_MODULES) + 1
@@ -62,4 +63,9 @@ def test_the_peer_comparison_runs_every_system_and_checks_it(tmp_path, dsn, monk
     # the systems but Airflow's ran twice, interleaved (the faster round counts)
     assert "round 2 of 2: onceflow library (local session)" in out, out
     assert "round 2 of 2: onceflow library (Spark Connect)" in out, out
+    # the Spark Connect server ran the workload once before its systems' clocks, checked
+    assert "Spark Connect server warm-up round 1 of 1: " in out, out
+    assert "warm-up round 1 of 1: " in out.split("round 1 of 2: onceflow library (Spark")[0]
+    assert [line.split()[-1] for line in out.splitlines()
+            if "server warm-up round" in line] == ["OK"], out
     assert "load average" in out and "acker (tweets topology" in out
