@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from helpers import produce, table, tweets_pipeline
+from onceflow.airflow.dags import STANDBY_RUNS
 from onceflow.core.begin import begin
 from onceflow.core.registration import register
 from onceflow.core.registry import clear_cache, get_pipeline
@@ -51,7 +52,7 @@ def test_each_run_is_one_task_that_commits_its_transaction_in_order(
     pipeline, dag = single
     produce(conn, pipeline.topic, generate(1000, seed=7, malformed_share=0.05))
     assert [t.task_id for t in dag.tasks] == ["transaction"]
-    assert dag.max_active_runs == pipeline.max_pending + 1
+    assert dag.max_active_runs == pipeline.max_pending + STANDBY_RUNS
     assert "in one task, **transaction**" in dag.doc_md
     monkeypatch.setenv("ONCEFLOW_INJECT_FAULTS", "process.before:2:1")
     base = datetime.now(UTC).replace(microsecond=0)
