@@ -56,8 +56,11 @@ def test_the_wait_for_a_place_past_max_pending_is_configurable_and_checked(monke
     from onceflow.core.errors import ConfigError
     from onceflow.core.registry import get_pipeline
 
-    dag = transaction_dag("tweets")  # two runs past max_pending may start: they wait in begin
-    assert dag.max_active_runs == get_pipeline("tweets").max_pending + 2
+    dag = transaction_dag("tweets")  # one run past max_pending may start: it waits in begin
+    assert dag.max_active_runs == get_pipeline("tweets").max_pending + 1
+    # a one-task DAG lets two (onceflow.airflow.dags.STANDBY_RUNS)
+    single = transaction_dag("tweets", shape="single")
+    assert single.max_active_runs == get_pipeline("tweets").max_pending + 2
     assert dag.get_task("begin").wait_for_slot == 300
     monkeypatch.setenv("ONCEFLOW_BEGIN_WAIT_S", "0")
     assert BeginBatchOperator(task_id="b", pipeline="tweets").wait_for_slot == 0

@@ -95,7 +95,7 @@ def test_a_pipeline_of_ones_own_runs_through_its_dag_and_the_cli(outside, dsn, c
     # the DAG from the Pipeline object: its reference is found, and travels to spark-submit
     dag = transaction_dag(PAGE_VIEWS)
     assert dag.dag_id == "onceflow_page_views" and dag.params["batch_size"] == 400
-    assert dag.max_active_runs == 4 and dag.default_args["retries"] == 1
+    assert dag.max_active_runs == 3 and dag.default_args["retries"] == 1
     base = datetime.now(UTC).replace(microsecond=0)
     for i in range(2):  # 600 records (and the replays of failures) in batches of 400
         dr = dag.test(logical_date=base + timedelta(seconds=i))

@@ -52,7 +52,7 @@ def test_each_run_is_one_task_that_commits_its_transaction_in_order(
     pipeline, dag = single
     produce(conn, pipeline.topic, generate(1000, seed=7, malformed_share=0.05))
     assert [t.task_id for t in dag.tasks] == ["transaction"]
-    assert dag.max_active_runs == pipeline.max_pending + STANDBY_RUNS
+    assert dag.max_active_runs == pipeline.max_pending + STANDBY_RUNS["single"]
     assert "in one task, **transaction**" in dag.doc_md
     monkeypatch.setenv("ONCEFLOW_INJECT_FAULTS", "process.before:2:1")
     base = datetime.now(UTC).replace(microsecond=0)

@@ -36,15 +36,18 @@ from onceflow.core.connections import DEFAULT_CONN_ID
 from onceflow.core.errors import ConfigError
 from onceflow.core.pipeline import DAG_SHAPES, Pipeline, check
 
-# Runs a transaction DAG lets start past its pipeline's max_pending: each waits in its begin
-# for a place and plans the moment a transaction commits. Two, not one: the scheduler takes
-# 0.3-3 s from a run's end to the next run's task (its one-second idle loop, busy cores),
-# often more than the time between two commits, so with one such run the place a commit
-# freed went unused until the scheduler started the next (measured on two cores, ten 1M-event
-# runs through Airflow on a warm Spark Connect server, three alternating pairs: 25.2, 23.2
-# and 25.2 s with one, 20.4, 21.7 and 20.4 s with two; three gave no more). Each holds a
-# worker slot and a PostgreSQL connection while it waits.
-STANDBY_RUNS = 2
+# Runs a transaction DAG lets start past its pipeline's max_pending, by DAG shape: each waits
+# in its begin for a place and plans the moment a transaction commits. A one-task DAG lets
+# two: the scheduler takes 0.3-3 s from a run's end to the next run's task (its one-second
+# idle loop, busy cores), often more than the time between two commits, so with one such run
+# the place a commit freed went unused until the scheduler started the next (measured on two
+# cores, ten 1M-event runs through Airflow on a warm Spark Connect server, three alternating
+# pairs: 25.2, 23.2 and 25.2 s with one, 20.4, 21.7 and 20.4 s with two; three gave no more).
+# A three-task DAG lets one: its transactions wait for the scheduler between their tasks
+# anyway, and a second waiting begin only held one more worker slot (26.1 and 24.6 s with
+# one, 26.2 and 32.9 with two). Each waiting run holds a worker slot and a PostgreSQL
+# connection.
+STANDBY_RUNS = {"single": 2, "phases": 1}
 
 DOC = """
 ### onceflow: {name}, exactly once
@@ -56,7 +59,7 @@ One DAG run is one attempt of one transaction:
 1. **begin** gives the run its transaction attempt (the txid from the trigger form: a
    backfill; the run's own txid: a Clear; the lowest failed or abandoned txid; or a new one)
    and stores the offsets it reads. Past `max_pending` open transactions it waits for one to
-   commit (the DAG lets two runs more start), and is skipped if none does within 300 s;
+   commit (the DAG lets one run more start), and is skipped if none does within 300 s;
 2. **process** runs the topology on Spark over exactly those offsets and stages the result;
 3. **commit** waits for txid - 1 (in the task up to 30 s, then deferred: no worker slot
    held), then applies the states, the offsets and the commit record in one PostgreSQL
@@ -99,8 +102,9 @@ def transaction_dag(pipeline: Pipeline | str, *, dag_id: str | None = None,
     ``dag_id`` defaults to ``onceflow_<name>``; the trigger form's batch_size and groups
     default to the pipeline's own; retries come from the pipeline (``retries``) unless
     ``default_args`` says otherwise; ``max_active_runs`` defaults to its ``max_pending`` +
-    STANDBY_RUNS: the runs past ``max_pending`` wait in their begin and one plans the moment
-    a transaction commits (``BeginBatchOperator``'s ``wait_for_slot``).
+    ``STANDBY_RUNS[shape]`` (2 for "single", 1 for "phases"): the runs past ``max_pending``
+    wait in their begin and one plans the moment a transaction commits
+    (``BeginBatchOperator``'s ``wait_for_slot``).
     """
     refs = tuple(pipeline_refs)
     if isinstance(pipeline, str):
@@ -136,7 +140,7 @@ def transaction_dag(pipeline: Pipeline | str, *, dag_id: str | None = None,
         start_date=start_date or datetime(2026, 1, 1),
         schedule=schedule,
         catchup=False,
-        max_active_runs=max_active_runs or pipeline.max_pending + STANDBY_RUNS,
+        max_active_runs=max_active_runs or pipeline.max_pending + STANDBY_RUNS[shape],
         render_template_as_native_obj=True,
         tags=["onceflow", "exactly-once", *tags],
         default_args=args,

@@ -299,10 +299,10 @@ class BeginBatchOperator(_Begins, BaseOperator):
     :param poll_interval: seconds between looks while waiting, besides the announcements.
 
     The first begin of a pipeline applies onceflow's migrations and registers it. Past the
-    pipeline's ``max_pending`` the task waits for a free place (the DAG lets two runs more
-    than ``max_pending`` start, onceflow.airflow.dags.STANDBY_RUNS, so the next transaction is
-    planned the moment one commits, not scheduler loops later); if none frees in
-    ``wait_for_slot`` seconds the task (and run) ends
+    pipeline's ``max_pending`` the task waits for a free place (the DAG lets one run more
+    than ``max_pending`` start, two in a one-task DAG: onceflow.airflow.dags.STANDBY_RUNS, so
+    the next transaction is planned the moment one commits, not scheduler loops later); if
+    none frees in ``wait_for_slot`` seconds the task (and run) ends
     as skipped: nothing planned. Returns one entry per processing group (the process task
     maps over them).
     """
