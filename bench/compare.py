@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"Spark Connect server warmed up in {localspark.warm_up(url):.1f}s", flush=True)
     warm_ok = True
     try:
-        if {"connect", "airflow", "airflow-phases"} & set(systems):
+        if args.server_warm_up and {"connect", "airflow", "airflow-phases"} & set(systems):
             warm_ok = warm_server(url, server, w, args, truth)
         if "connect" in systems:
             from spark_tasks.session import connect_session

@@ -302,9 +302,8 @@ class BeginBatchOperator(_Begins, BaseOperator):
     pipeline's ``max_pending`` the task waits for a free place (the DAG lets one run more
     than ``max_pending`` start, two in a one-task DAG: onceflow.airflow.dags.STANDBY_RUNS, so
     the next transaction is planned the moment one commits, not scheduler loops later); if
-    none frees in ``wait_for_slot`` seconds the task (and run) ends
-    as skipped: nothing planned. Returns one entry per processing group (the process task
-    maps over them).
+    none frees in ``wait_for_slot`` seconds the task (and run) ends as skipped: nothing
+    planned. Returns one entry per processing group (the process task maps over them).
     """
 
     template_fields = ("batch_size", "txid", "groups")
