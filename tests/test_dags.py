@@ -143,6 +143,37 @@ def test_the_preloading_executor_imports_what_it_can_and_reports_the_rest(monkey
     assert preload(TASK_MODULES)[1] == {}
 
 
+REHEARSAL = """
+import sys
+from onceflow.airflow.executor import TASK_MODULES, preload, rehearse
+assert preload(TASK_MODULES)[1] == {}
+if sys.argv[1] == "rehearse":
+    assert rehearse() is None
+before = set(sys.modules)
+from onceflow.airflow.dags import transaction_dag
+transaction_dag("tweets").get_template_env()  # what a task's parse and rendering make
+print(sorted(m for m in set(sys.modules) - before if m.startswith(("airflow.", "jinja2."))))
+"""
+
+
+@pytest.mark.parametrize("rehearse", [True, False])
+def test_the_preloading_executor_warms_what_a_tasks_dag_parse_needs(rehearse):
+    """After the scheduler's preload and rehearsal, building a transaction DAG and its
+    template environment (a task's parse) imports no module of Airflow's or Jinja's: the
+    providers' asset URI handlers were found before the workers were forked. Without the
+    rehearsal each task process finds them itself."""
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-c", REHEARSAL, "rehearse" if rehearse else "no"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    imported = eval(done.stdout.strip().splitlines()[-1])  # a printed list of names
+    if rehearse:
+        assert imported == []
+    else:  # what the first Asset of a process imports
+        assert "airflow.providers.postgres.assets.postgres" in imported, imported
+
+
 def test_the_provider_declares_its_executor_and_commands():
     """Airflow's providers manager finds onceflow's executor and its (empty) cli section: a
     provider with an executor and no cli section makes every airflow command warn."""

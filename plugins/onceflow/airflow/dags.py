@@ -163,13 +163,12 @@ def transaction_dag(pipeline: Pipeline | str, *, dag_id: str | None = None,
         # at once, and all but one such run failed on Airflow's unique index after committing.
         emits = {"outlets": [pipeline_alias(pipeline.name)],
                  "inlets": [state_asset(pipeline.name, spec.table) for spec in pipeline.states]}
-        form = {"batch_size": "{{ params.batch_size }}", "groups": "{{ params.groups }}",
-                "txid": "{{ params.txid }}"}
+        # batch_size, groups and txid: the trigger form's params, read by begin itself
         if shape == "single":
-            TransactionOperator(task_id="transaction", conn_id=spark_conn_id, **emits, **form,
+            TransactionOperator(task_id="transaction", conn_id=spark_conn_id, **emits,
                                 **common)
         else:
-            begin = BeginBatchOperator(task_id="begin", **form, **common)
+            begin = BeginBatchOperator(task_id="begin", **common)
             # one process task per processing group of the batch
             process = ProcessBatchOperator.partial(
                 task_id="process", conn_id=spark_conn_id, **common).expand(batch=begin.output)

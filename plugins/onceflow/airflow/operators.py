@@ -199,7 +199,9 @@ class _PipelineTask:
 
 class _Begins(_PipelineTask):
     """The begin phase (BeginBatchOperator, TransactionOperator): needs ``batch_size``,
-    ``groups``, ``txid``, ``wait_for_slot`` and ``poll_interval``."""
+    ``groups``, ``txid``, ``wait_for_slot`` and ``poll_interval``. A plan setting left None
+    is the run's param of that name (the trigger form of onceflow's DAGs), read directly:
+    a ``{{ params.x }}`` template would cost a Jinja compile per field in every task."""
 
     batch_size: Any
     groups: Any
@@ -223,8 +225,12 @@ class _Begins(_PipelineTask):
 
         try:
             with airflow_outcomes():
-                pipeline = self._pipeline(batch_size=self.batch_size, groups=self.groups)
-                txid = int(self.txid) if self.txid not in (None, "") else None
+                form = context.get("params") or {}
+                setting = {name: form.get(name) if getattr(self, name) is None
+                           else getattr(self, name) for name in ("batch_size", "groups", "txid")}
+                pipeline = self._pipeline(batch_size=setting["batch_size"],
+                                          groups=setting["groups"])
+                txid = int(setting["txid"]) if setting["txid"] not in (None, "") else None
                 with connection(self._dsn()) as conn:
                     ensure_ready(conn, pipeline)
                     batch = self._begin_when_free(pipeline, lambda: begin(
@@ -290,9 +296,12 @@ class BeginBatchOperator(_Begins, BaseOperator):
     :param pipeline_refs: ``module:attribute`` references where the pipeline is declared,
         besides entry points and ``ONCEFLOW_PIPELINES``.
     :param postgres_conn_id: the coordinator's PostgreSQL connection.
-    :param batch_size: records for a new transaction (default: the pipeline's own).
-    :param groups: processing groups for a new transaction (default: the pipeline's own).
-    :param txid: re-attempt this txid (a manual backfill); empty: the next one.
+    :param batch_size: records for a new transaction (default: the run's ``batch_size``
+        param, else the pipeline's own).
+    :param groups: processing groups for a new transaction (default: the run's ``groups``
+        param, else the pipeline's own).
+    :param txid: re-attempt this txid (a manual backfill); empty: the run's ``txid`` param,
+        else the next one.
     :param wait_for_slot: seconds a run past the pipeline's ``max_pending`` waits here for a
         transaction to commit (woken by the commit's announcement) before it ends as skipped
         (0: at once). Default: ONCEFLOW_BEGIN_WAIT_S, else 300.
