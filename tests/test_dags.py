@@ -174,6 +174,30 @@ def test_the_preloading_executor_warms_what_a_tasks_dag_parse_needs(rehearse):
         assert "airflow.providers.postgres.assets.postgres" in imported, imported
 
 
+def test_entry_points_are_read_once_until_a_package_is_installed(tmp_path, monkeypatch):
+    """The registry reads the installed packages' entry points once (the scheduler reads
+    them for the tasks it forks) and again when a directory on sys.path changes."""
+    import time
+    from importlib.metadata import entry_points
+
+    from onceflow.core.registry import GROUP, installed_entry_points
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    first = installed_entry_points(GROUP)
+    assert [ep.value for ep in first] == [ep.value for ep in entry_points(group=GROUP)]
+    assert any(ep.value.startswith("tweets_example") for ep in first), first
+    assert installed_entry_points(GROUP) is first  # remembered: nothing read again
+    time.sleep(0.05)  # (a directory's modification time has a clock tick's resolution)
+    info = tmp_path / "onceflow_probe-1.0.dist-info"  # a package installed there
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: onceflow-probe\n"
+                                   "Version: 1.0\n")
+    (info / "entry_points.txt").write_text(f"[{GROUP}]\nprobe = onceflow_probe:PIPELINE\n")
+    after = installed_entry_points(GROUP)
+    assert after is not first
+    assert "onceflow_probe:PIPELINE" in [ep.value for ep in after]
+
+
 def test_the_provider_declares_its_executor_and_commands():
     """Airflow's providers manager finds onceflow's executor and its (empty) cli section: a
     provider with an executor and no cli section makes every airflow command warn."""

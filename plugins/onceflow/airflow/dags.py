@@ -48,6 +48,8 @@ from onceflow.core.pipeline import DAG_SHAPES, Pipeline, check
 # one, 26.2 and 32.9 with two). Each waiting run holds a worker slot and a PostgreSQL
 # connection.
 STANDBY_RUNS = {"single": 2, "phases": 1}
+# The entry point group of the DAGs installed packages ship (shipped_dags).
+SHIPPED_DAGS = "onceflow.dags"
 
 DOC = """
 ### onceflow: {name}, exactly once
@@ -232,13 +234,13 @@ def shipped_dags(built: Mapping[str, DAG] | None = None) -> dict[str, DAG]:
     ``onceflow.dags`` (a DAG, or a list of them), e.g. a pipeline's downstream reports.
     ``built``: the DAGs the file built before; in a task's process whose DAG is among them
     no entry point is loaded (a transaction DAG's task does not import the reports)."""
-    from importlib.metadata import entry_points
+    from onceflow.core.registry import installed_entry_points
 
     wanted = get_parsing_context().dag_id
     if wanted and wanted in (built or {}):
         return {}
     out = {}
-    for ep in entry_points(group="onceflow.dags"):
+    for ep in installed_entry_points(SHIPPED_DAGS):
         value = ep.load()
         for dag in value if isinstance(value, list | tuple) else [value]:
             if not isinstance(dag, DAG):
