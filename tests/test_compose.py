@@ -62,6 +62,10 @@ def test_spark_runs_the_cluster_and_the_warm_server_on_it(compose):
     connect = " ".join(services["spark-connect"]["command"])
     assert SERVER_CLASS in connect and "--master spark://spark-master:7077" in connect
     assert "spark.connect.grpc.binding.port=15002" in connect
+    # the server's driver JVM has the options of the local server onceflow starts
+    from onceflow.dev.localspark import SERVER_JAVA_OPTIONS
+
+    assert f"spark.driver.extraJavaOptions={SERVER_JAVA_OPTIONS} " in connect
 
 
 def test_one_image_with_onceflow_and_shared_data_everywhere(compose):
