@@ -154,6 +154,10 @@ def process_batch(spark: SparkSession, dsn: str, pipeline: Pipeline, ta: Transac
             if state is not TxState.PLANNED:
                 raise Fenced(f"{ta} of {pipeline.name} is {state}: nothing to process")
             batch = txlog.load_batch(cur, pipeline.name, ta.txid)
+            ranges = batch.ranges_of(group)
+            # (a replayed record is looked at again: its failure was not a refusal, but
+            # max_record_bytes may have changed since)
+            refusals = bool(batch.replayed) or pipeline.source.may_refuse(cur, ranges)
         cleanup.enter_context(AttemptLease(dsn, pipeline.name, ta,
                                            pipeline.attempt_heartbeat_s))
         ship_code(pipeline.ref, pipeline.topology)
@@ -165,7 +169,6 @@ def process_batch(spark: SparkSession, dsn: str, pipeline: Pipeline, ta: Transac
             cleanup.callback(provider.close)
             stateful_steps.wait_for_turn(conn, pipeline.name, ta.txid)
             stateful_steps.recover(conn, provider, pipeline, stateful)
-        ranges = batch.ranges_of(group)
         eden = sum(r.size for r in ranges)
         replayed, replay_payloads = (read_claimed(spark, conn, pipeline, ta.txid, group)
                                      if batch.replayed else (None, {}))
@@ -180,7 +183,7 @@ def process_batch(spark: SparkSession, dsn: str, pipeline: Pipeline, ta: Transac
             out = run_topology(topology, source, attempt=ta.attempt, acker=pipeline.acker,
                                tuple_timeout_ms=pipeline.tuple_timeout_ms, state=context,
                                max_record_bytes=pipeline.source.max_record_bytes,
-                               max_key_bytes=pipeline.max_key_bytes,
+                               refusals=refusals, max_key_bytes=pipeline.max_key_bytes,
                                shapes={spec.source_name: spec.shape()
                                        for spec in pipeline.typed_states()}).collect()
             eden_failed = [(p, o) for p, o, again in out.failed if not again]

@@ -255,15 +255,17 @@ class _Chain:
 def run_topology(topology: Topology, source: DataFrame, *, attempt: int, acker: bool = True,
                  tuple_timeout_ms: int = 30_000, state: StateContext | None = None,
                  max_record_bytes: int = 64 * 1024, max_key_bytes: int = 2000,
-                 by_root: bool = False, shapes: Mapping[str, Shape] | None = None
-                 ) -> TopologyRun:
+                 by_root: bool = False, shapes: Mapping[str, Shape] | None = None,
+                 refusals: bool = True) -> TopologyRun:
     """Plan ``topology`` over ``source`` (partition, offset, the spout's record columns,
     replays, replayed; ``_problem`` too when the records are not payloads, see
     spark_tasks.records).
 
     Lazy: ``collect()`` on the result runs it (one Spark job) and returns the outputs.
     ``by_root``: deltas keep their record's root (verify's re-run). ``shapes``: the typed
-    states (onceflow.core.tables.Shape) by the sink that feeds them.
+    states (onceflow.core.tables.Shape) by the sink that feeds them. ``refusals``: whether
+    the spout may refuse a record (Source.may_refuse); False spares the count of refused
+    records, and a record refused all the same fails the run naming it.
     """
     shapes = dict(shapes or {})
     topology.validate(shapes)
@@ -280,14 +282,27 @@ def run_topology(topology: Topology, source: DataFrame, *, attempt: int, acker: 
     else:  # a decoding source found the records' problems where it read them
         problem = F.col(PROBLEM)
     # The spout, read once: the records it refuses are counted on the way (an observed
-    # metric) and read again only when there are some (rare).
+    # metric) and read again only when there are some (rare). The count costs about a tenth
+    # of a batch's CPU (the observation cuts the scan's generated code in two), so it is
+    # left out when the source knows there are none; a record refused then fails the run.
     spout = source.select(
         root.alias("_root"), F.xxhash64(root, F.lit("$spout"), F.lit(attempt)).alias("_tid"),
         F.col("replays").cast("int").alias("_replays"), "partition", "offset", *record,
         problem.alias("_problem"))
-    observed = Observation(f"onceflow_spout_{uuid.uuid4().hex}")
-    counted = spout.observe(observed, F.count("_problem").alias("refused"))
-    chain.frame = counted.where(F.col("_problem").isNull()).select(*_typed(chain.cols, {
+    observed = None
+    if refusals:
+        observed = Observation(f"onceflow_spout_{uuid.uuid4().hex}")
+        kept = spout.observe(observed, F.count("_problem").alias("refused")) \
+            .where(F.col("_problem").isNull())
+    else:
+        unexpected = F.concat(
+            F.lit("the spout refused the record at partition "),
+            F.col("partition").cast("string"), F.lit(" offset "), F.col("offset").cast("string"),
+            F.lit(" ("), F.col("_problem"), F.lit("), which its source had said none of this "
+                                                  "batch could be (Source.may_refuse): "
+                                                  "report this to onceflow"))
+        kept = spout.where(F.assert_true(F.col("_problem").isNull(), unexpected).isNull())
+    chain.frame = kept.select(*_typed(chain.cols, {
         "_kind": F.lit(TUPLE), "_stream": F.lit(SPOUT), "_root": F.col("_root"),
         "_tid": F.col("_tid"), "_replays": F.col("_replays"), "partition": F.col("partition"),
         "offset": F.col("offset"), **{c: F.col(c) for c in record}}))
@@ -352,7 +367,7 @@ class TopologyRun:
     """A planned run: ``output`` (one DataFrame, the OUTPUT columns, without the records
     the spout refused) and ``collect()``."""
 
-    def __init__(self, chain: _Chain, refused: DataFrame, observed: Observation,
+    def __init__(self, chain: _Chain, refused: DataFrame, observed: Observation | None,
                  max_key_bytes: int, by_root: bool,
                  shapes: Mapping[str, Shape] | None = None):
         self.chain, self.refused, self.observed = chain, refused, observed
@@ -828,7 +843,8 @@ class TopologyRun:
             # rows of no kind (see _finish); without the acker no failure is routed
             kept = (DELTA, REJECT, FAILED, CHANGE) if self.chain.acker else (DELTA, REJECT)
             table = table.filter(pc.is_in(table.column("kind"), pa.array(kept, pa.int32())))
-            if self.observed.get.get("refused"):  # read again for them: few, named
+            if self.observed is not None and self.observed.get.get("refused"):
+                # read again for them: few, named
                 refused = self.refused.toArrow()
                 table = pa.concat_tables([table, _rows_like(table.schema, {
                     c: refused.column(c) for c in refused.column_names})])

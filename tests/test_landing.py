@@ -172,13 +172,66 @@ def test_lines_are_cut_in_spark_as_python_cuts_them(spark, conn, dsn, landed):
                                          '{"n": "last, no newline"}']
 
 
-@settings(max_examples=300, deadline=None)
-@given(lines=st.lists(st.binary(max_size=12).map(lambda b: b.replace(b"\n", b"")), max_size=30),
-       last_newline=st.booleans(), header=st.booleans(), chunk_bytes=st.integers(1, 40))
+def test_a_batch_of_clean_chunks_is_not_searched_for_refusals(conn, tmp_path):
+    """The index marks the chunks whose records the spout cannot refuse; a batch of them only
+    is not searched for refusals, unless max_record_bytes shrank since they were indexed."""
+    import dataclasses
+
+    from onceflow.core.planner import PartitionRange
+
+    folder = tmp_path / "refusals"
+    folder.mkdir()
+    source = LandingFolder(topic="refusals", path=str(folder), chunk_bytes=32,
+                           max_record_bytes=20)
+    register(conn, get_pipeline("tweets", source=source), create_source=True)
+    land(folder, "a.jsonl", ["short"] * 20)  # offsets 0-19
+    land(folder, "b.jsonl", ["ok", "x" * 21, "ok"])  # 20-22: one chunk, a line over 20 bytes
+    land(folder, "c.jsonl", ["ok", "nul\0", "ok"])  # 23-25: a NUL
+    with conn.cursor() as cur:
+        assert source.positions(cur)[0].head == 26
+        assert not source.may_refuse(cur, [PartitionRange(0, 0, 20)])
+        assert source.may_refuse(cur, [PartitionRange(0, 19, 21)])
+        assert source.may_refuse(cur, [PartitionRange(0, 0, 10), PartitionRange(0, 25, 26)])
+        assert not source.may_refuse(cur, [PartitionRange(0, 5, 5)])
+        smaller = dataclasses.replace(source, max_record_bytes=10)
+        assert smaller.may_refuse(cur, [PartitionRange(0, 0, 20)])
+        larger = dataclasses.replace(source, max_record_bytes=30)
+        assert not larger.may_refuse(cur, [PartitionRange(0, 0, 20)])
+    conn.rollback()
+
+
+def _clean_to(chunk: bytes, limit: int) -> int | None:
+    """What the index must say of a chunk's bytes: ``limit`` when every line (its newline
+    not counted, a CR counted) is at most ``limit`` bytes, no byte is NUL and all is UTF-8."""
+    lines = chunk.split(b"\n")
+    if chunk.endswith(b"\n"):
+        lines.pop()
+    try:
+        chunk.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    if b"\0" in chunk or any(len(line) > limit for line in lines):
+        return None
+    return limit
+
+
+@settings(max_examples=400, deadline=None)
+@given(lines=st.lists(st.one_of(  # mostly clean text, sometimes any bytes
+    st.text("ab\r\u00e9\U0001f600", max_size=12).map(str.encode),
+    st.binary(max_size=12).map(lambda b: b.replace(b"\n", b""))), max_size=30),
+       last_newline=st.booleans(), header=st.booleans(), chunk_bytes=st.integers(1, 40),
+       limit=st.integers(1, 14))
+@example(lines=[b"ab", b"caf\xc3", b"\xa9!", b"12345678"], last_newline=True, header=False,
+         chunk_bytes=4, limit=8)  # a character cut by a block, then a line at the limit
+@example(lines=[b"h", b"a\x00", b"abcdefghi"], last_newline=False, header=True, chunk_bytes=3,
+         limit=8)  # a NUL, then a last line over the limit without a newline
+@example(lines=[b"abc\r", b"abcdefg"], last_newline=True, header=False, chunk_bytes=40,
+         limit=3)  # a CR counts
 def test_the_index_cuts_a_file_into_whole_lines(tmp_path_factory, lines, last_newline, header,
-                                                chunk_bytes):
+                                                chunk_bytes, limit):
     """A file's chunks cover it from the first record (after the header) to the end, each
-    cut after a newline (but the last), each counting the records its bytes hold."""
+    cut after a newline (but the last), each counting the records its bytes hold, each
+    marked clean (up to ``limit`` bytes a line, no NUL, UTF-8) exactly when it is."""
     import hashlib
 
     from onceflow.sources.landing import _filesystem, _fingerprint, _lines
@@ -187,16 +240,17 @@ def test_the_index_cuts_a_file_into_whole_lines(tmp_path_factory, lines, last_ne
     path = tmp_path_factory.mktemp("index") / "f.jsonl"
     path.write_bytes(data)
     digest, records, chunks = _fingerprint(_filesystem(str(path))[0], str(path), chunk_bytes,
-                                           "jsonl", header)
+                                           "jsonl", header, limit)
     assert digest == hashlib.sha256(data).hexdigest()
     body = data.split(b"\n", 1)[1] if header and b"\n" in data else b"" if header else data
     first_byte = len(data) - len(body)
     assert records == len(_lines(body))
     expected_first, expected_start = 0, first_byte
-    for first, start, end, count in chunks:
+    for first, start, end, count, clean_to in chunks:
         assert (first, start) == (expected_first, expected_start)
         assert end > start and (end == len(data) or data[end - 1:end] == b"\n")
         assert count == len(_lines(data[start:end]))
+        assert clean_to == _clean_to(data[start:end], limit), data[start:end]
         expected_first, expected_start = first + count, end
     assert (expected_first, expected_start) == (records, len(data) if body else first_byte)
 

@@ -166,6 +166,22 @@ def test_a_record_the_spout_refuses_is_read_again_only_then(spark):
     assert run.observed.get == {"refused": 0}
 
 
+def test_a_run_told_there_are_no_refusals_counts_none_and_fails_on_one(spark):
+    """refusals=False (the source said none of the batch could be refused): no observation,
+    the same outputs; a record refused all the same fails the run naming it, never dropped."""
+    topology = words_topology(lambda values: [{"key": values["key"].upper()}])
+    src = records(spark, ["a b", "c"])
+    run = run_topology(topology, src, attempt=1, max_record_bytes=50, refusals=False)
+    assert run.observed is None
+    assert run.collect().deltas == \
+        run_topology(topology, src, attempt=1, max_record_bytes=50).collect().deltas
+    bad = run_topology(topology, records(spark, ["a", "x" * 100]), attempt=1,
+                       max_record_bytes=50, refusals=False)
+    with pytest.raises(Exception, match=r"refused the record at partition 1 offset 1 "
+                                        r"\(oversized record \(100 bytes"):
+        bad.collect()
+
+
 def test_a_dataframe_bolt_fails_tuples_with_fail_column(spark):
     def check(df):
         return df.select(*ANCHORS, F.col("payload").alias("key"),

@@ -16,6 +16,8 @@ spout, Spark's ``Source``). The planner, the partition offsets, the commit and v
   (the verify oracle and retention use it).
 - ``first_at(cur, partition, when)``: where a ``timestamp:`` start policy starts.
 - ``ensure(conn, create=)``: the source exists (``create``: make it, e.g. a topic's partitions).
+- ``may_refuse(cur, ranges)``: whether the spout may refuse a record of the ranges (True
+  unless the source knows better), optional;
 - ``retain(cur, below)``: delete what lies below per-partition offsets (retention), optional;
   ``append(conn, payloads)``: add records, for logs onceflow itself keeps, optional.
 
@@ -113,6 +115,13 @@ class Source(ABC):
         for the backflow. Few: this default reads them one offset at a time."""
         ranges = [PartitionRange(p, o, o + 1) for p, o in sorted(set(positions))]
         return {(p, o): payload for p, o, payload in self.payloads(cur.connection, ranges)}
+
+    def may_refuse(self, cur, ranges: Iterable[PartitionRange]) -> bool:
+        """Whether a record of ``ranges`` may be one the spout refuses (over
+        ``max_record_bytes``, or holding a NUL byte). True unless the source knows better:
+        then the batch is not searched for them (a landing folder learns it as it indexes a
+        file). A wrong False is caught, not lost: the batch fails naming the record."""
+        return True
 
     def retain(self, cur, below: Mapping[int, int]) -> int:
         raise ConfigError(f"retention is not supported by a {self.kind} source "

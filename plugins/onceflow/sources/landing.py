@@ -47,7 +47,7 @@ from typing import ClassVar
 from onceflow.core.errors import ConfigError, SourceShortfall
 from onceflow.core.planner import PartitionRange
 from onceflow.sources import catalog
-from onceflow.sources.base import Position, Source
+from onceflow.sources.base import MAX_RECORD_BYTES, Position, Source
 from onceflow.sources.json_records import PROBLEM, JsonRecords
 
 log = logging.getLogger(__name__)
@@ -65,10 +65,67 @@ def _filesystem(path: str):
     return fs.LocalFileSystem(), path
 
 
-def _fingerprint(filesystem, path: str, chunk_bytes: int, fmt: str, header: bool):
-    """(sha256, records, chunks [(first_record, byte_start, byte_end, records)]) of a file,
-    in one pass. Text files are cut at newlines about every ``chunk_bytes``; a Parquet file
-    by row group (the byte fields then hold the row group's number)."""
+def _lines_within(block: bytes, start: int, end: int, limit: int) -> bool:
+    """Whether every line of ``block[start:end]`` (which ends with a newline) is at most
+    ``limit`` bytes long, not counting its newline. It jumps from line start to line start:
+    the last newline within ``limit`` + 1 bytes of one ends every line before it, and a
+    stretch that long without one is a longer line. About one search per ``limit`` bytes."""
+    while start < end:
+        last = block.rfind(b"\n", start, min(end, start + limit + 1))
+        if last < 0:
+            return False
+        start = last + 1
+    return True
+
+
+class _CleanLines:
+    """What ``_fingerprint`` learns of each chunk's lines on its way: every line valid UTF-8,
+    without a NUL byte, at most ``limit`` bytes long (the chunk's ``clean_to``; None when
+    not so). The bytes of a line that runs on past a block are carried into the next one
+    (at most ``limit`` of them: a longer line settles it)."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.head = b""  # the carried start of the line the next chunk begins with
+        self.head_over = False  # that line is over the limit already
+
+    def carry(self, tail: bytes) -> None:
+        """A block without a newline (or the bytes after its last one) continues the line."""
+        if not self.head_over:
+            if len(self.head) + len(tail) > self.limit:
+                self.head, self.head_over = b"", True
+            else:
+                self.head += tail
+
+    def chunk(self, block: bytes, start: int, end: int, *, head: bool = True) -> int | None:
+        """``clean_to`` of the chunk made of the carried bytes (``head``) and
+        ``block[start:end]``, which ends with a newline or the file; the carry is spent."""
+        first = block.find(b"\n", start, end)
+        first = end if first < 0 else first
+        carried, over = (self.head, self.head_over) if head else (b"", False)
+        self.head, self.head_over = b"", False
+        if over or len(carried) + first - start > self.limit:
+            return None
+        if b"\0" in carried or block.find(b"\0", start, end) >= 0:
+            return None
+        if not _lines_within(block, first + 1, end, self.limit):
+            return None
+        body = memoryview(block)[start:end]
+        if not (carried.isascii() and block.isascii()):
+            try:
+                str(carried + bytes(body) if carried else body, "utf-8")
+            except UnicodeDecodeError:
+                return None
+        return self.limit
+
+
+def _fingerprint(filesystem, path: str, chunk_bytes: int, fmt: str, header: bool,
+                 limit: int = MAX_RECORD_BYTES):
+    """(sha256, records, chunks [(first_record, byte_start, byte_end, records, clean_to)]) of
+    a file, in one pass. Text files are cut at newlines about every ``chunk_bytes``; a
+    Parquet file by row group (the byte fields then hold the row group's number).
+    ``clean_to``: ``limit`` when every line of the chunk is valid UTF-8, holds no NUL byte and
+    is at most ``limit`` bytes long (its records cannot be refused), else None."""
     digest = hashlib.sha256()
     if fmt == "parquet":
         import pyarrow.parquet as pq
@@ -81,14 +138,15 @@ def _fingerprint(filesystem, path: str, chunk_bytes: int, fmt: str, header: bool
         chunks, first = [], 0
         for g in range(meta.num_row_groups):
             rows = meta.row_group(g).num_rows
-            chunks.append((first, g, g + 1, rows))
+            chunks.append((first, g, g + 1, rows, None))
             first += rows
         return digest.hexdigest(), first, chunks
-    chunks: list[tuple[int, int, int, int]] = []
+    chunks: list[tuple[int, int, int, int, int | None]] = []
     records = 0
     start = 0  # where the chunk being read starts, in bytes
     carry = 0  # bytes after the last newline read so far: the start of the next chunk
     skip_header = header
+    clean = _CleanLines(limit)
     # The digest runs in a thread of its own (hashlib lets go of the GIL) while the newlines
     # are counted here, and no block is copied: the file is read once, at about the speed of
     # the hash alone.
@@ -102,23 +160,31 @@ def _fingerprint(filesystem, path: str, chunk_bytes: int, fmt: str, header: bool
             if not block:  # what follows the last newline is a last record
                 hashed.result()
                 if carry and not skip_header:
-                    chunks.append((records, start, start + carry, 1))
+                    chunks.append((records, start, start + carry, 1,
+                                   clean.chunk(b"", 0, 0)))
                     records += 1
                 return digest.hexdigest(), records, chunks
             last = block.rfind(b"\n")
             if last < 0:
                 carry += len(block)
+                clean.carry(block)
                 continue
             size, count = carry + last + 1, block.count(b"\n")
+            body_start, head = 0, True
             if skip_header:  # the first line; the bytes carried over hold no newline
-                header_end = carry + block.find(b"\n") + 1
+                body_start, head = block.find(b"\n") + 1, False
+                header_end = carry + body_start
                 start, size, count, skip_header = start + header_end, size - header_end, \
                     count - 1, False
             if size:
-                chunks.append((records, start, start + size, count))
+                chunks.append((records, start, start + size, count,
+                               clean.chunk(block, body_start, last + 1, head=head)))
                 records += count
                 start += size
+            else:
+                clean.chunk(b"", 0, 0, head=False)  # (the header alone: nothing carried)
             carry = len(block) - last - 1
+            clean.carry(block[last + 1:])
 
 
 def _lines(data: bytes) -> list[str]:
@@ -304,7 +370,8 @@ class LandingFolder(Source):
         # system's latency overlaps.
         with ThreadPoolExecutor(min(4, len(new)), thread_name_prefix="onceflow-index") as pool:
             prints = list(pool.map(lambda f: _fingerprint(
-                filesystem, f[0], self.chunk_bytes, self.format, self.csv_header), new))
+                filesystem, f[0], self.chunk_bytes, self.format, self.csv_header,
+                self.max_record_bytes), new))
         for (path, size, mtime), refused, (checksum, records, chunks) in zip(
                 new, refusals, prints, strict=True):
             file_no += 1
@@ -319,12 +386,12 @@ class LandingFolder(Source):
                    VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)""",
                 (self.topic, file_no, partition, path, size, mtime, checksum, records, base,
                  refused))
-            for first, start, end, count in chunks:
+            for first, start, end, count, clean_to in chunks:
                 cur.execute(
                     """INSERT INTO landing_chunks (topic, file_no, first_offset, byte_start,
-                                                   byte_end, records)
-                       VALUES (%s, %s, %s, %s, %s, %s)""",
-                    (self.topic, file_no, base + first, start, end, count))
+                                                   byte_end, records, clean_to)
+                       VALUES (%s, %s, %s, %s, %s, %s, %s)""",
+                    (self.topic, file_no, base + first, start, end, count, clean_to))
             heads[partition] = base + records
             cur.execute("UPDATE source_partitions SET next_offset = %s "
                         "WHERE topic = %s AND partition = %s", (heads[partition], self.topic,
@@ -369,6 +436,25 @@ class LandingFolder(Source):
                     f"holds offsets [{covered}, {r.end}) of the planned range")
             out += rows
         return list(dict.fromkeys(out))  # a chunk two ranges share is read once
+
+    def may_refuse(self, cur, ranges: Iterable[PartitionRange]) -> bool:
+        """True when a chunk of ``ranges`` was not found clean up to today's
+        max_record_bytes when its file was indexed (see _fingerprint; Parquet: always)."""
+        ranges = [r for r in ranges if r.size > 0]
+        if self.format == "parquet":
+            return True
+        if not ranges:
+            return False
+        cur.execute(
+            """SELECT coalesce(bool_or(c.clean_to IS NULL OR c.clean_to > %s), false)
+               FROM landing_chunks c JOIN landing_files f USING (topic, file_no)
+               JOIN unnest(%s::int[], %s::bigint[], %s::bigint[]) AS r (part, lo, hi)
+                 ON f.partition = r.part AND c.first_offset < r.hi
+                    AND c.first_offset + c.records > r.lo
+               WHERE c.topic = %s""",
+            (self.max_record_bytes, [r.partition for r in ranges], [r.start for r in ranges],
+             [r.end for r in ranges], self.topic))
+        return cur.fetchone()[0]
 
     def read(self, spark, dsn: str, ranges: Iterable[PartitionRange]):
         from onceflow.core.db import connection, transaction
