@@ -176,7 +176,8 @@ def test_the_preloading_executor_warms_what_a_tasks_dag_parse_needs(rehearse):
 
 def test_entry_points_are_read_once_until_a_package_is_installed(tmp_path, monkeypatch):
     """The registry reads the installed packages' entry points once (the scheduler reads
-    them for the tasks it forks) and again when a directory on sys.path changes."""
+    them for the tasks it forks), also after a directory without packages joins sys.path (a
+    task's DAG parse adds the DAG folder), and again when a package is installed."""
     import time
     from importlib.metadata import entry_points
 
@@ -187,6 +188,11 @@ def test_entry_points_are_read_once_until_a_package_is_installed(tmp_path, monke
     assert [ep.value for ep in first] == [ep.value for ep in entry_points(group=GROUP)]
     assert any(ep.value.startswith("tweets_example") for ep in first), first
     assert installed_entry_points(GROUP) is first  # remembered: nothing read again
+    dags = tmp_path.parent / f"{tmp_path.name}-dags"
+    dags.mkdir()
+    (dags / "pipelines.py").write_text("")
+    monkeypatch.syspath_prepend(str(dags))
+    assert installed_entry_points(GROUP) is first
     time.sleep(0.05)  # (a directory's modification time has a clock tick's resolution)
     info = tmp_path / "onceflow_probe-1.0.dist-info"  # a package installed there
     info.mkdir()

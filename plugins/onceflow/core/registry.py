@@ -35,26 +35,44 @@ ENV = "ONCEFLOW_PIPELINES"
 
 _cache: dict[tuple[str, ...], dict[str, Pipeline]] = {}
 _entry_points: dict[str, tuple[tuple, list[EntryPoint]]] = {}
+_bare: dict[str, int] = {}  # directory -> its modification time when it held no package
+
+
+def _holds_packages(path: str) -> bool:
+    try:
+        with os.scandir(path or ".") as entries:
+            return any(e.name.endswith((".dist-info", ".egg-info")) for e in entries)
+    except OSError:  # not a directory (a zip), or unreadable: counted as holding some
+        return True
 
 
 def _path_stamp() -> tuple:
-    """Each directory on sys.path with its modification time: installing or removing a
-    package adds or removes its metadata folder there, which changes the time."""
+    """Each directory on sys.path that holds installed packages' metadata, with its
+    modification time: installing or removing a package adds or removes its metadata folder
+    there, which changes the time. A directory without any (a DAG folder a task's DAG
+    parse puts on sys.path, the working directory) is left out until it changes."""
     stamp = []
     for path in sys.path:
         try:
-            stamp.append((path, os.stat(path or ".").st_mtime_ns))
-        except OSError:
-            stamp.append((path, None))
+            mtime = os.stat(path or ".").st_mtime_ns
+        except OSError:  # not there: nothing installed (made later, it is looked at then)
+            continue
+        if _bare.get(path) == mtime:
+            continue
+        if not _holds_packages(path):
+            _bare[path] = mtime
+            continue
+        stamp.append((path, mtime))
     return tuple(stamp)
 
 
 def installed_entry_points(group: str) -> list[EntryPoint]:
     """The installed packages' entry points in ``group``, remembered until a directory on
-    sys.path changes. Finding them reads every installed package's metadata (about 70 ms
-    with Airflow's few hundred packages on two cores), which a task's DAG parse paid each
-    time; the scheduler of onceflow's executor finds them once for the tasks it forks
-    (onceflow.airflow.executor). Only names and references are kept, never loaded code."""
+    sys.path that holds packages changes or one is added. Finding them reads every installed
+    package's metadata (about 70 ms with Airflow's few hundred packages on two cores), which
+    a task's DAG parse paid each time; the scheduler of onceflow's executor finds them once
+    for the tasks it forks (onceflow.airflow.executor), whose DAG parse adds the DAG folder
+    to sys.path. Only names and references are kept, never loaded code."""
     stamp = _path_stamp()
     known = _entry_points.get(group)
     if known is None or known[0] != stamp:
