@@ -73,6 +73,36 @@ def test_files_are_read_in_arrival_order_exactly_once(spark, conn, dsn, landed):
     assert rerun(conn, dsn, pipeline, spark).ok
 
 
+@pytest.mark.parametrize("policy", ["earliest", "latest"])
+def test_a_begin_indexes_what_its_batch_needs_and_leaves_the_rest(conn, tmp_path, policy):
+    """A backlog of files: a begin indexes them in arrival order in steps of 1, 2, 4, ...
+    files until its batch is full, and a later look (status, the next begins) the rest.
+    A first batch whose start the head decides (start_policy latest) indexes them all."""
+    folder = tmp_path / "backlog"
+    folder.mkdir()
+    source = LandingFolder(topic="backlog", path=str(folder), chunk_bytes=4096)
+    pipeline = get_pipeline("tweets", source=source, batch_size=150, start_policy=policy)
+    register(conn, pipeline, create_source=True)
+    for i in range(5):
+        land(folder, f"{i}.jsonl", list(generate(100, seed=i)), age_s=50 - i)
+
+    def indexed():
+        return table(conn, "SELECT path FROM landing_files ORDER BY file_no")
+
+    batch = begin(conn, pipeline, "run-1")
+    if policy == "latest":
+        assert batch.records == 0 and len(indexed()) == 5
+        return
+    assert batch.records == 150
+    assert [Path(p).name for p, in indexed()] == ["0.jsonl", "1.jsonl", "2.jsonl"]
+    assert begin(conn, pipeline, "run-2").records == 150  # what was indexed sufficed
+    assert len(indexed()) == 3
+    with conn.cursor() as cur:  # what status, alerts and retention see: everything landed
+        assert source.positions(cur)[0].head == 500
+    conn.commit()
+    assert [Path(p).name for p, in indexed()] == [f"{i}.jsonl" for i in range(5)]
+
+
 def test_a_changed_file_is_refused_loudly(spark, conn, dsn, landed):
     pipeline, folder = landed
     path = land(folder, "a.jsonl", list(generate(100, seed=3)))

@@ -60,8 +60,22 @@ def _plan(cur, pipeline: Pipeline, coordinator: txlog.Coordinator, groups: int, 
           size: int) -> list[tuple[PartitionRange, int]]:
     """Plan txid's batch; ``old`` is its previous plan (a re-plan): where the new plan starts
     later than the old one did, the records between were skipped (gone) and are recorded."""
-    positions = pipeline.source.positions(cur)
-    starts = offsets.resolve_starts(cur, pipeline, coordinator, positions, before_txid)
+    def resolve(positions):
+        return offsets.resolve_starts(cur, pipeline, coordinator, positions, before_txid)
+
+    def enough(positions) -> bool:
+        """The batch can be planned full, from starts the source's head does not decide."""
+        starts = resolve(positions)
+        if pipeline.out_of_range == "latest" and starts.gaps:
+            return False
+        if starts.chosen_by_policy and pipeline.start_policy != "earliest":
+            return False
+        cap = pipeline.max_per_partition or size
+        return sum(min(cap, max(0, starts.heads[p] - start))
+                   for p, start in starts.offsets.items()) >= size
+
+    positions = pipeline.source.positions_until(cur, enough)
+    starts = resolve(positions)
     gapped = {p for p, _, _ in starts.gaps}
     for r, _ in old:
         new_start = starts.offsets.get(r.partition)

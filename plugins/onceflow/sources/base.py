@@ -14,6 +14,8 @@ spout, Spark's ``Source``). The planner, the partition offsets, the commit and v
   batch. A range that cannot be read whole raises SourceShortfall; nothing is silently short.
 - ``payloads(conn, ranges)``: the same records in Python, ``(partition, offset, payload)``
   (the verify oracle and retention use it).
+- ``positions_until(cur, enough)``: positions, looking only as far as a begin needs
+  (optional: by default, positions);
 - ``first_at(cur, partition, when)``: where a ``timestamp:`` start policy starts.
 - ``ensure(conn, create=)``: the source exists (``create``: make it, e.g. a topic's partitions).
 - ``may_refuse(cur, ranges)``: whether the spout may refuse a record of the ranges (True
@@ -27,7 +29,7 @@ Adding a source is one new module implementing this class; no engine module chan
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, ClassVar
@@ -93,6 +95,13 @@ class Source(ABC):
     @abstractmethod
     def positions(self, cur) -> dict[int, Position]:
         """``partition -> Position`` for every partition, in one query where possible."""
+
+    def positions_until(self, cur, enough: Callable[[dict[int, Position]], bool]
+                        ) -> dict[int, Position]:
+        """``positions(cur)``, where a source whose look for new records is costly may stop
+        looking once ``enough(positions)`` holds (what a begin needs to plan its batch);
+        the rest is found by a later look. This default looks at everything."""
+        return self.positions(cur)
 
     def first_at(self, cur, partition: int, when: datetime, position: Position) -> int:
         raise ConfigError(f"start_policy='timestamp:...' is not supported by a {self.kind} "
