@@ -337,8 +337,9 @@ class LandingFolder(Source):
     def index(self, cur, enough=None) -> int:
         """Index the files landed since the last look (in the caller's transaction, which
         holds the partitions' locks until it ends), in arrival order. Returns how many.
-        ``enough()``: checked before each step (1, 2, 4, ... files); true, the rest waits
-        for a later look (a batch does not wait for a backlog's index: see positions_until)."""
+        ``enough()``: checked before the first step and after each (1, 2, 4, ... files);
+        true, the rest waits for a later look (a batch does not wait for a backlog's index:
+        see positions_until)."""
         cur.execute(
             """SELECT path, size, mtime FROM landing_files WHERE topic = %s""", (self.topic,))
         known = {p: (s, m) for p, s, m in cur.fetchall()}
@@ -361,11 +362,13 @@ class LandingFolder(Source):
                     (self.topic,))
         file_no = cur.fetchone()[0]
         done, step = 0, 1 if enough is not None else len(new)
-        while done < len(new) and not (enough is not None and enough()):
+        while done < len(new):
             files = new[done:done + step]
             file_no = self._index_files(cur, filesystem, files, file_no, heads)
             done += len(files)
             step *= 2
+            if enough is not None and done < len(new) and enough():
+                break
         log.info("LANDING topic=%s: indexed %d new file(s)%s", self.topic, done,
                  f", {len(new) - done} left for a later look" if done < len(new) else "")
         return done
