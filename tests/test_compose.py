@@ -65,7 +65,7 @@ def test_spark_runs_the_cluster_and_the_warm_server_on_it(compose):
     # the server's driver JVM has the options of the local server onceflow starts
     from onceflow.dev.localspark import SERVER_JAVA_OPTIONS
 
-    assert f"spark.driver.extraJavaOptions={SERVER_JAVA_OPTIONS} " in connect
+    assert f"'spark.driver.extraJavaOptions={SERVER_JAVA_OPTIONS}' " in connect
 
 
 def test_one_image_with_onceflow_and_shared_data_everywhere(compose):

@@ -245,6 +245,42 @@ def _clean_to(chunk: bytes, limit: int) -> int | None:
     return limit
 
 
+def _sampled_print(data: bytes) -> str:
+    """What a file's fingerprint must be: SHA-256 of its size and first and last 64 KiB."""
+    import hashlib
+
+    sample = 64 << 10
+    ends = data[:sample] + (data[-sample:] if len(data) > sample else b"")
+    return hashlib.sha256(b"%d\n" % len(data) + ends).hexdigest()
+
+
+def test_a_landed_files_fingerprint_is_its_size_and_ends(tmp_path):
+    """A text file read in many blocks (the last one short) and a Parquet file read by row
+    group get the same fingerprint as a plain hash of their size and ends; a file that
+    differs only in its last byte, or only in its length, gets another."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from onceflow.sources.landing import _filesystem, _fingerprint
+
+    lines = b"".join(b'{"n": %d, "pad": "%s"}\n' % (i, b"x" * (i % 97)) for i in range(5000))
+    assert len(lines) > 3 * (64 << 10)
+    prints = set()
+    for name, data in (("a", lines), ("b", lines[:-2] + b"!\n"), ("c", lines + lines[-40:])):
+        path = tmp_path / f"{name}.jsonl"
+        path.write_bytes(data)
+        got, records, _ = _fingerprint(_filesystem(str(path))[0], str(path), 7001, "jsonl",
+                                       False)
+        assert got == _sampled_print(data) and records == data.count(b"\n")
+        prints.add(got)
+    assert len(prints) == 3
+    path = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"n": list(range(50_000))}), path, row_group_size=20_000)
+    got, rows, groups = _fingerprint(_filesystem(str(path))[0], str(path), 1 << 20, "parquet",
+                                     False)
+    assert got == _sampled_print(path.read_bytes()) and rows == 50_000 and len(groups) == 3
+
+
 @settings(max_examples=400, deadline=None)
 @given(lines=st.lists(st.one_of(  # mostly clean text, sometimes any bytes
     st.text("ab\r\u00e9\U0001f600", max_size=12).map(str.encode),
@@ -262,8 +298,6 @@ def test_the_index_cuts_a_file_into_whole_lines(tmp_path_factory, lines, last_ne
     """A file's chunks cover it from the first record (after the header) to the end, each
     cut after a newline (but the last), each counting the records its bytes hold, each
     marked clean (up to ``limit`` bytes a line, no NUL, UTF-8) exactly when it is."""
-    import hashlib
-
     from onceflow.sources.landing import _filesystem, _fingerprint, _lines
 
     data = b"\n".join(lines) + (b"\n" if last_newline and lines else b"")
@@ -271,7 +305,7 @@ def test_the_index_cuts_a_file_into_whole_lines(tmp_path_factory, lines, last_ne
     path.write_bytes(data)
     digest, records, chunks = _fingerprint(_filesystem(str(path))[0], str(path), chunk_bytes,
                                            "jsonl", header, limit)
-    assert digest == hashlib.sha256(data).hexdigest()
+    assert digest == _sampled_print(data)
     body = data.split(b"\n", 1)[1] if header and b"\n" in data else b"" if header else data
     first_byte = len(data) - len(body)
     assert records == len(_lines(body))
