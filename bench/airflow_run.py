@@ -156,6 +156,25 @@ def _spark_server_pid(spark_url: str) -> int | None:
     return None
 
 
+def _idle_workers(scheduler_pid: int) -> int:
+    """How many of the LocalExecutor's worker processes under the scheduler wait for work
+    (Airflow titles an idle one ``... LocalExecutor: <idle>``)."""
+    import psutil
+
+    idle = 0
+    try:
+        workers = psutil.Process(scheduler_pid).children(recursive=True)
+    except psutil.Error:
+        return 0
+    for worker in workers:
+        try:
+            title = " ".join(worker.cmdline())
+        except psutil.Error:
+            continue
+        idle += "LocalExecutor: <idle>" in title
+    return idle
+
+
 def _healthy(api_port: int) -> bool:
     """Whether the API server says the scheduler, the triggerer and the DAG processor are
     up (each has a recent heartbeat)."""
@@ -287,6 +306,13 @@ def run_airflow(dsn: str, server: str, spark_url: str, folder: Path, pipelines: 
         trigger(WARM_UP, ["warm_up"])
         if _wait_for_runs(meta, WARM_UP, 1, deadline, logs).get("failed"):
             raise RuntimeError(f"the warm-up DAG {WARM_UP} failed: task logs under {home}/logs")
+        # A run is done when its tasks said so; the executor's worker behind a task may still
+        # be busy a few seconds more (seen: four of six warm-up tasks' workers 5 s after their
+        # run ended, so that three of the measured runs' first five tasks waited 1.2 s for one)
+        while _idle_workers(procs[1].pid) < int(env["AIRFLOW__CORE__PARALLELISM"]):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the executor's workers never became idle ({logs})")
+            time.sleep(0.1)
         print(f"Airflow's workers warmed up in {time.monotonic() - warming:.1f}s", flush=True)
         cpu_pids = {c: p.pid for c, p in zip(("api-server", "scheduler", "dag-processor",
                                               "triggerer"), procs, strict=True)}
