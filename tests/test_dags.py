@@ -174,6 +174,44 @@ def test_the_preloading_executor_warms_what_a_tasks_dag_parse_needs(rehearse):
         assert "airflow.providers.postgres.assets.postgres" in imported, imported
 
 
+EXIT_NOTICE = """
+import socket, subprocess, sys, time, uuid
+import psutil, structlog
+from airflow.sdk.execution_time.supervisor import ActivitySubprocess, PsutilTracker
+from onceflow.airflow.executor import hasten_exit_notice
+if sys.argv[1] == "hastened":
+    assert hasten_exit_notice() is None and hasten_exit_notice() is None  # (once is enough)
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"])
+ours, theirs = socket.socketpair()
+supervisor = ActivitySubprocess(id=uuid.uuid4(), pid=child.pid, stdin=ours, client=None,
+                                process=PsutilTracker(psutil.Process(child.pid)),
+                                process_log=structlog.get_logger())
+started = time.monotonic()  # every socket closed, the process still running: only its exit
+while supervisor._service_subprocess(max_wait_time=5.0) is None:  # the wait a heartbeat allows
+    pass
+print(round(time.monotonic() - started, 2))
+"""
+
+
+@pytest.mark.parametrize("hastened", [True, False])
+def test_a_worker_notices_its_tasks_exit_when_the_sockets_closed_first(hastened):
+    """Airflow's task supervisor, its task process's sockets all closed and the process
+    still exiting (here: a process with none, sleeping 0.5 s): with the preloading
+    executor's change it sees the exit within EXIT_POLL_S; without it, only when the wait a
+    heartbeat allows (5 s) is over, a worker held for nothing."""
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-c", EXIT_NOTICE,
+                           "hastened" if hastened else "as is"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    seconds = float(done.stdout.strip().splitlines()[-1])
+    if hastened:
+        assert 0.4 < seconds < 1.0, seconds
+    else:
+        assert seconds >= 4.9, seconds
+
+
 def test_entry_points_are_read_once_until_a_package_is_installed(tmp_path, monkeypatch):
     """The registry reads the installed packages' entry points once (the scheduler reads
     them for the tasks it forks), also after a directory without packages joins sys.path (a
