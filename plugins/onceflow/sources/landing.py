@@ -145,8 +145,8 @@ def _fingerprint(filesystem, path: str, chunk_bytes: int, fmt: str, header: bool
 
         with filesystem.open_input_file(path) as f:
             size = f.size()
-            print_ = _sampled(size, f.read_at(min(SAMPLE, size), 0),
-                              f.read_at(min(SAMPLE, size), max(0, size - SAMPLE)))
+            fingerprint = _sampled(size, f.read_at(min(SAMPLE, size), 0),
+                                   f.read_at(min(SAMPLE, size), max(0, size - SAMPLE)))
             f.seek(0)
             meta = pq.ParquetFile(f).metadata
         chunks, first = [], 0
@@ -154,7 +154,7 @@ def _fingerprint(filesystem, path: str, chunk_bytes: int, fmt: str, header: bool
             rows = meta.row_group(g).num_rows
             chunks.append((first, g, g + 1, rows, None))
             first += rows
-        return print_, first, chunks
+        return fingerprint, first, chunks
     chunks: list[tuple[int, int, int, int, int | None]] = []
     records = 0
     start = 0  # where the chunk being read starts, in bytes
