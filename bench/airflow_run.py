@@ -245,8 +245,8 @@ def run_airflow(dsn: str, server: str, spark_url: str, folder: Path, pipelines: 
         "AIRFLOW_HOME": str(home),
         "AIRFLOW__CORE__DAGS_FOLDER": str(dags),
         "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-        # a LocalExecutor whose task processes inherit onceflow's modules from the scheduler
-        "AIRFLOW__CORE__EXECUTOR": "onceflow.airflow.executor.PreloadingLocalExecutor",
+        # Airflow's stock executor, as users run it
+        "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
         "AIRFLOW__CORE__PARALLELISM": "6",
         "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
         "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": _sqlalchemy(meta),
@@ -296,10 +296,6 @@ def run_airflow(dsn: str, server: str, spark_url: str, folder: Path, pipelines: 
             time.sleep(1)
         print(f"Airflow up in {time.monotonic() - setup:.1f}s (metadata database migrated, "
               "DAGs parsed, components healthy)", flush=True)
-        for line in (logs / "scheduler.log").read_text(errors="replace").splitlines():
-            if "onceflow: " in line and "preload" in line:  # at log level INFO or finer
-                print("scheduler: " + line.split("onceflow: ", 1)[1].split(" [", 1)[0],
-                      flush=True)
         trigger = _Triggerer(env)
         # and its executor's worker processes have each run a task (see bench_warm_up.py)
         warming = time.monotonic()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -127,91 +126,6 @@ def test_three_transactions_through_the_dag(dagbag, conn, dsn, caplog, warm_spar
     assert str(downstream.test().state) == "success"
 
 
-def test_the_preloading_executor_imports_what_it_can_and_reports_the_rest(monkeypatch):
-    from onceflow.airflow.executor import TASK_MODULES, extra_modules, preload
-
-    monkeypatch.delitem(sys.modules, "colorsys", raising=False)
-    loaded, failed = preload(["colorsys", "onceflow_no_such_module"])
-    assert loaded == ["colorsys"] and "colorsys" in sys.modules
-    assert failed == {"onceflow_no_such_module":
-                      "ModuleNotFoundError: No module named 'onceflow_no_such_module'"}
-    monkeypatch.setenv("AIRFLOW__ONCEFLOW__PRELOAD_MODULES", " pandas, ,my_bolts.heavy ")
-    assert extra_modules() == ["pandas", "my_bolts.heavy"]
-    monkeypatch.delenv("AIRFLOW__ONCEFLOW__PRELOAD_MODULES")
-    assert extra_modules() == []
-    # every module a onceflow task needs is importable here, as in a scheduler
-    assert preload(TASK_MODULES)[1] == {}
-
-
-REHEARSAL = """
-import sys
-from onceflow.airflow.executor import TASK_MODULES, preload, rehearse
-assert preload(TASK_MODULES)[1] == {}
-if sys.argv[1] == "rehearse":
-    assert rehearse() is None
-before = set(sys.modules)
-from onceflow.airflow.dags import transaction_dag
-transaction_dag("tweets").get_template_env()  # what a task's parse and rendering make
-print(sorted(m for m in set(sys.modules) - before if m.startswith(("airflow.", "jinja2."))))
-"""
-
-
-@pytest.mark.parametrize("rehearse", [True, False])
-def test_the_preloading_executor_warms_what_a_tasks_dag_parse_needs(rehearse):
-    """After the scheduler's preload and rehearsal, building a transaction DAG and its
-    template environment (a task's parse) imports no module of Airflow's or Jinja's: the
-    providers' asset URI handlers were found before the workers were forked. Without the
-    rehearsal each task process finds them itself."""
-    import subprocess
-
-    done = subprocess.run([sys.executable, "-c", REHEARSAL, "rehearse" if rehearse else "no"],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    imported = eval(done.stdout.strip().splitlines()[-1])  # a printed list of names
-    if rehearse:
-        assert imported == []
-    else:  # what the first Asset of a process imports
-        assert "airflow.providers.postgres.assets.postgres" in imported, imported
-
-
-EXIT_NOTICE = """
-import socket, subprocess, sys, time, uuid
-import psutil, structlog
-from airflow.sdk.execution_time.supervisor import ActivitySubprocess, PsutilTracker
-from onceflow.airflow.executor import hasten_exit_notice
-if sys.argv[1] == "hastened":
-    assert hasten_exit_notice() is None and hasten_exit_notice() is None  # (once is enough)
-child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"])
-ours, theirs = socket.socketpair()
-supervisor = ActivitySubprocess(id=uuid.uuid4(), pid=child.pid, stdin=ours, client=None,
-                                process=PsutilTracker(psutil.Process(child.pid)),
-                                process_log=structlog.get_logger())
-started = time.monotonic()  # every socket closed, the process still running: only its exit
-while supervisor._service_subprocess(max_wait_time=5.0) is None:  # the wait a heartbeat allows
-    pass
-print(round(time.monotonic() - started, 2))
-"""
-
-
-@pytest.mark.parametrize("hastened", [True, False])
-def test_a_worker_notices_its_tasks_exit_when_the_sockets_closed_first(hastened):
-    """Airflow's task supervisor, its task process's sockets all closed and the process
-    still exiting (here: a process with none, sleeping 0.5 s): with the preloading
-    executor's change it sees the exit within EXIT_POLL_S; without it, only when the wait a
-    heartbeat allows (5 s) is over, a worker held for nothing."""
-    import subprocess
-
-    done = subprocess.run([sys.executable, "-c", EXIT_NOTICE,
-                           "hastened" if hastened else "as is"],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    seconds = float(done.stdout.strip().splitlines()[-1])
-    if hastened:
-        assert 0.2 < seconds < 2.0, seconds
-    else:
-        assert seconds >= 4.9, seconds
-
-
 def test_entry_points_are_read_once_until_a_package_is_installed(tmp_path, monkeypatch):
     """The registry reads the installed packages' entry points once (the scheduler reads
     them for the tasks it forks), also after a directory without packages joins sys.path (a
@@ -242,15 +156,15 @@ def test_entry_points_are_read_once_until_a_package_is_installed(tmp_path, monke
     assert "onceflow_probe:PIPELINE" in [ep.value for ep in after]
 
 
-def test_the_provider_declares_its_executor_and_commands():
-    """Airflow's providers manager finds onceflow's executor and its (empty) cli section: a
-    provider with an executor and no cli section makes every airflow command warn."""
+def test_the_provider_declares_no_executor():
+    """Airflow's providers manager finds onceflow as a provider, with no executor of its own:
+    the tasks run on whatever executor the team runs."""
     from airflow.providers_manager import ProvidersManager
 
     manager = ProvidersManager()
-    assert "onceflow" in manager.cli_command_providers
-    assert ("onceflow.airflow.executor.PreloadingLocalExecutor", "onceflow") in \
-        list(manager.executor_without_check)
+    assert "onceflow" in manager.providers
+    assert not [name for name, package in manager.executor_without_check
+                if package == "onceflow"]
 
 
 def test_a_transaction_dags_task_does_not_load_the_shipped_dags(monkeypatch):

@@ -19,15 +19,6 @@ def get_provider_info() -> dict:
         "triggers": [{"integration-name": "onceflow",
                       "python-modules": ["onceflow.airflow.triggers"]}],
         "asset-uris": [{"schemes": ["onceflow"]}],
-        "executors": ["onceflow.airflow.executor.PreloadingLocalExecutor"],
-        # a provider with an executor and no cli section makes every airflow command warn
-        "cli": ["onceflow.airflow.provider.get_cli_commands"],
         # the UI plugin registers itself by its own entry point (airflow.plugins): listed here
         # too, Airflow would load it twice
     }
-
-
-def get_cli_commands() -> list:
-    """The provider's ``airflow`` subcommands: none (onceflow's command is ``onceflow``, and
-    its executor needs no command of its own)."""
-    return []

@@ -69,10 +69,9 @@ def _path_stamp() -> tuple:
 def installed_entry_points(group: str) -> list[EntryPoint]:
     """The installed packages' entry points in ``group``, remembered until a directory on
     sys.path that holds packages changes or one is added. Finding them reads every installed
-    package's metadata (about 70 ms with Airflow's few hundred packages on two cores), which
-    a task's DAG parse paid each time; the scheduler of onceflow's executor finds them once
-    for the tasks it forks (onceflow.airflow.executor), whose DAG parse adds the DAG folder
-    to sys.path. Only names and references are kept, never loaded code."""
+    package's metadata, which every DAG parse would otherwise pay; a task's DAG parse adds the
+    DAG folder to sys.path, which holds no package and so reads nothing again. Only names and
+    references are kept, never loaded code."""
     stamp = _path_stamp()
     known = _entry_points.get(group)
     if known is None or known[0] != stamp:

@@ -38,11 +38,10 @@ def prepare_dag_test() -> bool:
         api = in_process_api_server()
         httpx.Client(transport=api.transport, base_url="http://in-process.invalid./") \
             .get("health/ping")
-        # what the tasks import (as the PreloadingLocalExecutor does for Airflow's): the
-        # first processing task would import the Spark Connect client itself
-        from onceflow.airflow.executor import TASK_MODULES, preload
+        # the first processing task would import the Spark Connect client itself
+        import pyspark.sql.connect.session  # noqa: F401
 
-        preload(TASK_MODULES)
+        import spark_tasks.processing  # noqa: F401
         return bool(getattr(api.app, "_cadwyn_initialized", False))
     except Exception as error:  # noqa: BLE001 (logged; the first task builds it then)
         log.info("building Airflow's in-process execution API ahead failed: %r", error)

@@ -50,8 +50,7 @@ def airflow_env(root: Path, dsn: str, connect_port: int | None = None) -> dict[s
         "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
         "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
         "AIRFLOW__CORE__PARALLELISM": "4",
-        # task processes inherit onceflow's modules from the scheduler (airflow/executor.py)
-        "AIRFLOW__CORE__EXECUTOR": "onceflow.airflow.executor.PreloadingLocalExecutor",
+        "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
         "AIRFLOW__API__HOST": "127.0.0.1",
         "AIRFLOW__LOGGING__LOGGING_LEVEL": "INFO",
         "AIRFLOW_CONN_ONCEFLOW_PG": airflow_connection_json(dsn),
