@@ -10,8 +10,8 @@
 #   bash run.sh ui      the Airflow UI on http://127.0.0.1:8080 (airflow standalone)
 #   bash run.sh onceflow ARGS...   any `onceflow` command inside the project's environment
 #
-# Each bootstraps what it needs, idempotently: a virtualenv in .venv with the pinned
-# dependencies, onceflow and its examples (re-installed only when a pyproject.toml changes).
+# Each bootstraps what it needs, idempotently: a virtualenv in .venv with the locked
+# dependencies (constraints.txt), onceflow and its examples (re-installed only when a pyproject.toml changes).
 # Set PYTHON to choose the interpreter (default python3.11, else python3).
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -20,18 +20,19 @@ root=$(pwd)
 python=${PYTHON:-$(command -v python3.11 || command -v python3)}
 venv="$root/.venv"
 stamp="$venv/.onceflow-installed"
-want=$(cat pyproject.toml examples/*/pyproject.toml | sha256sum | cut -d' ' -f1)
+want=$(cat pyproject.toml constraints.txt examples/*/pyproject.toml | sha256sum | cut -d' ' -f1)
 
 if [ ! -x "$venv/bin/python" ]; then
   echo "onceflow: creating the virtualenv in .venv ($("$python" --version))" >&2
   "$python" -m venv "$venv"
 fi
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  echo "onceflow: installing pinned dependencies into .venv (a few minutes the first time)" >&2
+  echo "onceflow: installing onceflow and the locked dependencies (constraints.txt) into .venv (a few minutes the first time)" >&2
   "$venv/bin/pip" install --quiet --disable-pip-version-check --upgrade pip
   examples=()
   for example in examples/*/pyproject.toml; do examples+=(-e "$(dirname "$example")"); done
-  "$venv/bin/pip" install --quiet --disable-pip-version-check -e ".[test]" "${examples[@]}"
+  "$venv/bin/pip" install --quiet --disable-pip-version-check -c constraints.txt \
+    -e ".[spark,redis,test]" "${examples[@]}"
   echo "$want" > "$stamp"
 fi
 need_java() {

@@ -123,7 +123,11 @@ def _connection_dsn(conn_id: str) -> str:
 
 # -- redis --------------------------------------------------------------------------------------
 def _open_redis(config: dict) -> Provider:
-    import redis
+    try:  # an optional dependency: the `redis` extra
+        import redis
+    except ImportError as missing:
+        raise ConfigError("state_provider='redis' needs the redis client: "
+                          "pip install 'onceflow[redis]'") from missing
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 
