@@ -45,8 +45,8 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from airflow.sdk import DAG, BaseOperator
-from airflow.sdk.exceptions import AirflowFailException
 
+from onceflow.airflow.compat import AirflowFailException
 from onceflow.core.connections import DEFAULT_CONN_ID, resolve_dsn
 from onceflow.core.errors import ConfigError
 from onceflow.core.pipeline import Pipeline

@@ -34,9 +34,9 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from airflow.sdk import DAG, BaseOperator, Param
-from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 
 from onceflow.airflow.alerts import pipeline_with_refs
+from onceflow.airflow.compat import AirflowFailException, AirflowSkipException
 from onceflow.core.connections import DEFAULT_CONN_ID, resolve_dsn
 from onceflow.core.pipeline import Pipeline
 

@@ -27,8 +27,8 @@ from typing import Any
 
 from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
 from airflow.sdk import BaseOperator
-from airflow.sdk.exceptions import AirflowFailException, AirflowSkipException
 
+from onceflow.airflow.compat import AirflowFailException, AirflowSkipException
 from onceflow.core.connections import DEFAULT_CONN_ID, resolve_dsn
 from spark_tasks.conf import processing_conf
 
