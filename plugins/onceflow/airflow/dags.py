@@ -22,7 +22,7 @@ from typing import Any
 
 from airflow.sdk import DAG, Param, get_parsing_context
 
-from onceflow.airflow.assets import pipeline_alias, state_asset
+from onceflow.airflow.assets import commit_outlets
 from onceflow.airflow.operators import (
     BeginBatchOperator,
     CommitBatchOperator,
@@ -159,12 +159,9 @@ def transaction_dag(pipeline: Pipeline | str, *, dag_id: str | None = None,
     ) as dag:
         common = {"pipeline": pipeline.name, "pipeline_refs": refs,
                   "postgres_conn_id": postgres_conn_id}
-        # The committing task's outlet is the alias (an event only for a committed txid); its
-        # inlets, the state tables it writes, make Airflow create their Assets when it parses
-        # the DAG: else the first commits of runs in flight each created them from the alias
-        # at once, and all but one such run failed on Airflow's unique index after committing.
-        emits = {"outlets": [pipeline_alias(pipeline.name)],
-                 "inlets": [state_asset(pipeline.name, spec.table) for spec in pipeline.states]}
+        # The committing task produces the state tables: their Assets are its outlets (an
+        # event for each only when it committed a txid: onceflow.airflow.assets).
+        emits = {"outlets": commit_outlets(pipeline)}
         # batch_size, groups and txid: the trigger form's params, read by begin itself
         if shape == "single":
             TransactionOperator(task_id="transaction", conn_id=spark_conn_id, **emits,

@@ -559,11 +559,14 @@ class _Commits(_PipelineTask):
                                           self.postgres_conn_id, self.poll_interval, deadline),
                 method_name="execute_complete", kwargs={"batch": self.batch},
             )
-        if result.status == "committed" and context and "outlet_events" in context:
-            from onceflow.airflow.assets import emit
+        if context and "outlet_events" in context:
+            from onceflow.airflow.assets import emit, no_events
 
-            emit(context, pipeline, txid=ta.txid, rows=result.rows_applied,
-                 ranges=result.ranges)
+            if result.status == "committed":
+                emit(context, pipeline, txid=ta.txid, table_rows=result.table_rows,
+                     ranges=result.ranges)
+            else:  # committed before (this run's earlier try, or another run): no event
+                no_events(self)
         if context and "ti" in context:
             inject_fault("commit.after", ta.txid, context["ti"].try_number)
         return {"txid": ta.txid, "attempt": ta.attempt, "status": result.status,
