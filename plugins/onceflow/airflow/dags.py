@@ -50,6 +50,12 @@ from onceflow.core.pipeline import DAG_SHAPES, Pipeline, check
 STANDBY_RUNS = {"single": 2, "phases": 1}
 # The entry point group of the DAGs installed packages ship (shipped_dags).
 SHIPPED_DAGS = "onceflow.dags"
+# The schema of a trigger-form number that must be 1 or more. Not a top-level "minimum":
+# Airflow's trigger form gives that to its number field, which on leaving the field turns
+# 0 into 1 without a word (a run of one record); inside allOf the form leaves the value
+# alone and the same validation (the form's POST, the REST API, dag.test) refuses 0 with
+# "Invalid input for param batch_size: 0 is less than the minimum of 1".
+AT_LEAST_ONE = {"allOf": [{"minimum": 1}]}
 
 DOC = """
 ### onceflow: {name}, exactly once
@@ -147,13 +153,15 @@ def transaction_dag(pipeline: Pipeline | str, *, dag_id: str | None = None,
         tags=["onceflow", "exactly-once", *tags],
         default_args=args,
         params={
-            "batch_size": Param(pipeline.batch_size, type="integer", minimum=1,
+            "batch_size": Param(pipeline.batch_size, type="integer", **AT_LEAST_ONE,
                                 description="Records per new transaction, across all "
-                                            "partitions."),
-            "groups": Param(pipeline.groups, type="integer", minimum=1,
-                            description="Parallel Spark tasks per new transaction."),
-            "txid": Param(None, type=["null", "integer"], minimum=1,
-                          description="Re-attempt this txid (backfill). Empty: the next one."),
+                                            "partitions: 1 or more."),
+            "groups": Param(pipeline.groups, type="integer", **AT_LEAST_ONE,
+                            description="Parallel Spark tasks per new transaction: 1 or "
+                                        "more."),
+            "txid": Param(None, type=["null", "integer"], **AT_LEAST_ONE,
+                          description="Re-attempt this txid (backfill): 1 or more. Empty: "
+                                      "the next one."),
         },
         **dag_kwargs,
     ) as dag:
