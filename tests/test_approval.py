@@ -150,7 +150,7 @@ def choose(**conf) -> dict:
     """A whole trigger form: dag.test() runs every task of the same DAG object in this
     process, and Airflow keeps a run's conf in the DAG's Params (Param.resolve sets its
     value), so a value left out would be the previous run's."""
-    return {"records": [], "error_contains": None, "all": False, **conf}
+    return {"records": [], "error_contains": None, "last_error": None, "all": False, **conf}
 
 
 def run_with_answer(dag, conf: dict, answer: Answer, when: datetime):
@@ -315,3 +315,34 @@ def test_begin_refuses_a_plan_setting_below_one_naming_it(pipeline, conn):
     # a whole number given as text or 5.0 is that number
     (batch,) = form.execute({"params": {"batch_size": "5", "groups": 1.0}, "run_id": "run-2"})
     assert (batch["records"], batch["groups"]) == (0, 1)  # nothing produced: an empty batch
+
+
+# -- the exact reason the onceflow view replays ---------------------------------------------------
+def test_the_preview_chooses_the_dead_letters_of_one_whole_last_error(pipeline, conn):
+    """last_error (what the onceflow view's buttons send): the letters whose last error is
+    exactly that text, not those sharing its first 80 characters nor one that had it before."""
+    from onceflow.airflow.approval import DeadLetterPreviewOperator, preview_text
+    from onceflow.core import backflow
+
+    prefix = "bolt country: LookupError: the geo service does not know the country code of " \
+             "this page view; "
+    first, second = prefix + "'zz' is unknown", prefix + "'Zz' is unknown"
+    with conn.cursor() as cur:
+        backflow.ensure_pointers(cur, "page_views")
+        for partition, offset, errors in [(0, 1, [first]), (0, 2, [second, first]),
+                                          (1, 4, [second]), (2, 9, [first, second])]:
+            cur.execute(
+                """INSERT INTO dead_letters (pipeline, partition, "offset", payload, failures,
+                                             errors, txid)
+                   VALUES ('page_views', %s, %s, '{}', %s, %s, 1)""",
+                (partition, offset, len(errors), errors))
+    conn.commit()
+    preview = DeadLetterPreviewOperator(task_id="preview", pipeline="page_views")
+    shown = preview.execute({"params": choose(last_error=second)})
+    assert shown["count"] == 2
+    assert sorted((p, o) for p, o, _ in shown["shown"]) == [(1, 4), (2, 9)]
+    assert shown["by_reason"] == [[second, 2]]
+    # the request shows a long reason cut at a word, with an ellipsis
+    _, body, _ = preview_text("page_views", "x", [(0, 1, 1, "word " * 60, 1, datetime.now(UTC))],
+                              0)
+    assert f"| {'word ' * 39}word… | 1 |" in body
