@@ -97,7 +97,10 @@ def allowed(user, pipeline: str, method: str) -> bool:
 def _pipeline(name: str, user, method: str = "GET"):
     known = _registered()
     if name not in known or not allowed(user, name, "GET"):
-        raise HTTPException(404, f"no pipeline {name!r} here")
+        # only the names this user may read: the others stay unknown to them
+        visible = [n for n in known if allowed(user, n, "GET")]
+        raise HTTPException(404, f"no pipeline {name!r} here: known pipelines are "
+                                 f"{', '.join(visible) or 'none'}")
     if method != "GET" and not allowed(user, name, method):
         raise HTTPException(403, f"{user.get_name()} may not operate pipeline {name!r}: it "
                                  f"takes the permission to trigger runs of DAG "
@@ -148,14 +151,19 @@ def _templates():
 _env = None
 
 
-def _page(request: Request, template: str, **values) -> HTMLResponse:
+def _page(request: Request, template: str, status_code: int = 200, **values) -> HTMLResponse:
     global _env
     if _env is None:
         _env = _templates()
     root = request.scope.get("root_path", "").removesuffix(MOUNT)
     html = _env.get_template(template).render(
         base=f"{root}{MOUNT}", airflow=root or "", **values)
-    return HTMLResponse(html, headers=_SECURITY_HEADERS)
+    return HTMLResponse(html, status_code=status_code, headers=_SECURITY_HEADERS)
+
+
+def _error_page(request: Request, user, error: HTTPException) -> HTMLResponse:
+    """The error page, answered with the error's own status (a 404 is a 404 to a script)."""
+    return _page(request, "error.html", error.status_code, user=user, error=error.detail)
 
 
 def _login(request: Request) -> RedirectResponse:
@@ -176,9 +184,9 @@ def create_app() -> FastAPI:
         try:
             rows = [data.summary(p) for p in _visible(user)]
         except HTTPException as error:
-            return _page(request, "error.html", user=user, error=error.detail)
+            return _error_page(request, user, error)
         except Exception as error:
-            return _page(request, "error.html", user=user, error=_failure(error).detail)
+            return _error_page(request, user, _failure(error))
         return _page(request, "index.html", user=user, pipelines=rows)
 
     @app.get("/pipelines/{name}", response_class=HTMLResponse, include_in_schema=False)
@@ -189,9 +197,9 @@ def create_app() -> FastAPI:
             pipeline = _pipeline(name, user)
             view = data.pipeline_view(pipeline, all_dead=all_dead)
         except HTTPException as error:
-            return _page(request, "error.html", user=user, error=error.detail)
+            return _error_page(request, user, error)
         except Exception as error:
-            return _page(request, "error.html", user=user, error=_failure(error).detail)
+            return _error_page(request, user, _failure(error))
         return _page(request, "pipeline.html", user=user, p=view,
                      can_operate=allowed(user, name, "POST"))
 
@@ -282,10 +290,13 @@ def create_app() -> FastAPI:
 
 
 class ReplayBody(BaseModel):
-    """Which dead letters: ``records`` ("PARTITION:OFFSET"), ``error_contains``, or ``all``."""
+    """Which dead letters: ``records`` ("PARTITION:OFFSET"), ``error_contains`` (a text of
+    any of their errors), ``last_error`` (their whole last error, one reason of the page's
+    list), or ``all``."""
 
     records: list[str] | None = None
     error_contains: str | None = Field(None, min_length=1, max_length=2000)
+    last_error: str | None = Field(None, min_length=1, max_length=100_000)
     all: bool = False
     confirm: bool = False
 
@@ -299,11 +310,13 @@ class ReplayBody(BaseModel):
                     raise HTTPException(400, f"record {item!r} is not PARTITION:OFFSET")
                 positions.append((int(partition), int(offset)))
             positions = tuple(positions)
-        if positions is None and self.error_contains is None and not self.all:
-            raise HTTPException(400, "choose the dead letters: records, error_contains or all")
-        if self.all and (positions is not None or self.error_contains is not None):
-            raise HTTPException(400, "all excludes records and error_contains")
-        return data.Choice(positions, self.error_contains, self.all)
+        narrower = (positions, self.error_contains, self.last_error)
+        if all(c is None for c in narrower) and not self.all:
+            raise HTTPException(400, "choose the dead letters: records, error_contains, "
+                                     "last_error or all")
+        if self.all and any(c is not None for c in narrower):
+            raise HTTPException(400, "all excludes records, error_contains and last_error")
+        return data.Choice(positions, self.error_contains, self.all, self.last_error)
 
 
 class BackfillBody(BaseModel):
