@@ -33,6 +33,8 @@ import pytest
 from helpers import table, tweets_pipeline
 from onceflow.airflow import airflow_cli
 
+TESTS = Path(__file__).resolve().parent
+APPROVED = "helpers:TWEETS_APPROVED"  # the tweets pipeline with dead_letter_approval=True
 CHROMIUM = os.environ.get("ONCEFLOW_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
@@ -137,6 +139,9 @@ def api_server(airflow_db, tmp_path_factory):
         "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(folder / "passwords.json"),
         "AIRFLOW__API__HOST": "127.0.0.1",
         "AIRFLOW__API__PORT": str(port),
+        # a pipeline whose dead letters are replayed only after approval, as a user adds one
+        "ONCEFLOW_PIPELINES": ",".join(filter(None, [env.get("ONCEFLOW_PIPELINES"), APPROVED])),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), env.get("PYTHONPATH")])),
     })
     log = folder / "api-server.log"
     with open(log, "wb") as out:
@@ -629,7 +634,7 @@ def test_an_unknown_pipeline_answers_404_with_the_known_names(api_server, oncefl
 
     api_server.wait_up()
     known = [p["pipeline"] for p in _get(api_server, "/api/pipelines").json()]
-    assert "tweets" in known
+    assert {"tweets", "tweets_approved"} <= set(known)
     says = f"no pipeline 'tweet' here: known pipelines are {', '.join(known)}"
     page = _get(api_server, "/pipelines/tweet")
     assert page.status_code == 404
@@ -756,3 +761,88 @@ def test_a_long_reason_is_shown_whole_and_replays_exactly_its_dead_letters(
         (2, 11), (3, 5)]
     assert table(conn, 'SELECT partition, "offset" FROM backflow_items ORDER BY 1') == [
         (0, 3), (1, 7)]
+
+
+def _sync_dags() -> None:
+    """The DAG files' DAGs into Airflow's metadata database, as this process builds them now
+    (what ``airflow dags reserialize`` and dag.test() do)."""
+    from airflow.dag_processing.bundles.manager import DagBundlesManager
+    from airflow.dag_processing.dagbag import BundleDagBag, sync_bag_to_db
+
+    manager = DagBundlesManager()
+    manager.sync_bundles_to_db()
+    for bundle in manager.get_all_dag_bundles():
+        if not bundle.is_initialized:
+            bundle.initialize()
+        bag = BundleDagBag(dag_folder=bundle.path, bundle_path=bundle.path,
+                           bundle_name=bundle.name)
+        assert not bag.import_errors, bag.import_errors
+        sync_bag_to_db(bag, bundle.name, bundle.version)
+
+
+def test_replays_of_a_pipeline_that_needs_approval_go_through_its_approval_dag(
+        api_server, onceflow_connection, conn, monkeypatch):
+    """A pipeline with dead_letter_approval: the replay endpoint refuses even a direct POST;
+    the page's buttons ask for the approval, which queues a run of the approval DAG with the
+    same choice (nothing replayed); a read-only user may not ask."""
+    from airflow.models.dagrun import DagRun
+    from airflow.utils.session import create_session
+
+    from onceflow.airflow.approval import replay_dag_id
+    from onceflow.core.registration import register
+    from onceflow.core.registry import clear_cache, get_pipeline
+
+    monkeypatch.setenv("ONCEFLOW_PIPELINES", APPROVED)
+    clear_cache()
+    pipeline = get_pipeline("tweets_approved")
+    assert pipeline.dead_letter_approval
+    register(conn, pipeline, create_source=True)
+    _dead_letters(conn, pipeline.name)
+    _sync_dags()  # its approval DAG, as Airflow's DAG processor would have it
+    dag_id = replay_dag_id(pipeline.name)
+    path = f"/api/pipelines/{pipeline.name}/dead-letters"
+    reason = "bolt normalize_domain: ValueError: bad host"
+    api_server.wait_up()
+    try:
+        # a direct replay is refused, with the way to ask
+        for confirm in (False, True):
+            refused = _post(api_server, f"{path}/replay", {"all": True, "confirm": confirm})
+            assert refused.status_code == 409, refused.text
+            assert dag_id in refused.json()["detail"]
+            assert "request-approval" in refused.json()["detail"]
+        # the page: every button asks for the approval, none replays; the DAG is named
+        page = _get(api_server, f"/pipelines/{pipeline.name}").text
+        buttons = _buttons(page)
+        assert len(buttons) == 6  # two reasons, three dead letters, all
+        assert {p for p, _ in buttons} == {f"{path}/request-approval"}
+        assert "dead-letters/replay" not in page
+        assert f'href="/dags/{dag_id}"' in page and 'id="approval-note"' in page
+        # asking: first what it would ask, then a queued run of the approval DAG
+        body = {"last_error": reason}
+        asked = _post(api_server, f"{path}/request-approval", body)
+        assert asked.status_code == 200 and asked.json()["count"] == 2, asked.text
+        assert "nothing is replayed unless it is approved" in asked.json()["message"]
+        done = _post(api_server, f"{path}/request-approval", {**body, "confirm": True})
+        assert done.status_code == 200, done.text
+        run_id = done.json()["run_id"]
+        with create_session() as session:
+            run = session.query(DagRun).filter(DagRun.dag_id == dag_id,
+                                               DagRun.run_id == run_id).one()
+            assert (run.conf, str(run.state)) == ({"records": [], "error_contains": None,
+                                                   "last_error": reason, "all": False},
+                                                  "queued")
+            assert run.note.startswith("replay of dead letters asked for by admin")
+        assert table(conn, "SELECT count(*) FROM dead_letters") == [(3,)]  # nothing replayed
+        # a read-only user sees no buttons and may not ask
+        assert _buttons(_get(api_server, f"/pipelines/{pipeline.name}", "viewer").text) == []
+        refused = _post(api_server, f"{path}/request-approval", {**body, "confirm": True},
+                        "viewer")
+        assert refused.status_code == 403, refused.text
+        # a pipeline without dead_letter_approval has nothing to ask
+        assert _post(api_server, "/api/pipelines/tweets/dead-letters/request-approval",
+                     {"all": True}).status_code == 409
+    finally:
+        with create_session() as session:
+            for run in session.query(DagRun).filter(DagRun.dag_id == dag_id).all():
+                session.delete(run)
+        clear_cache()

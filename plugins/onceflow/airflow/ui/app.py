@@ -10,6 +10,9 @@ Routes (under the mount):
 ``GET  /api/pipelines/{name}``                             JSON: one pipeline (``?all_dead=1``:
                                                            every dead letter)
 ``POST /api/pipelines/{name}/dead-letters/replay``         put dead letters back in the backflow
+``POST /api/pipelines/{name}/dead-letters/request-approval``  ask a person to approve a replay
+                                                           (a pipeline with
+                                                           ``dead_letter_approval``)
 ``POST /api/pipelines/{name}/backfill``                    one DAG run per open txid
 =========================================================  ======================================
 
@@ -20,7 +23,14 @@ the auth manager's, on the pipeline's DAG (``onceflow_<name>``) as for its runs:
 needs ``GET`` on its DAG runs, the actions ``POST`` on them (what triggering a run needs).
 A user without it sees no buttons, and the endpoints refuse (403).
 
-Both actions take two steps: a POST with ``"confirm": false`` says what would happen (the
+A pipeline declared with ``dead_letter_approval=True`` replays dead letters only after a
+person approves: for it the replay endpoint refuses (409, naming the way), and the page's
+Replay buttons ask for the approval instead: a run of its DAG
+``onceflow_<name>_replay_dead_letters`` (``onceflow.airflow.approval``) with the same choice,
+which shows the letters in Airflow's Required actions and replays them only once approved.
+Asking takes the permission to trigger that DAG.
+
+The actions take two steps: a POST with ``"confirm": false`` says what would happen (the
 page shows it in a confirmation dialog), the same POST with ``"confirm": true`` does it. They
 need the header ``X-Requested-By`` (a cross-site form cannot send it) and a JSON body.
 """
@@ -77,6 +87,12 @@ User = Annotated[Any, Depends(_user)]
 def allowed(user, pipeline: str, method: str) -> bool:
     """Whether ``user`` may ``GET`` (read) or ``POST`` (act on) the runs of ``pipeline``'s
     DAG, by Airflow's auth manager."""
+    return allowed_dag(user, data.dag_id_of(pipeline), method)
+
+
+def allowed_dag(user, dag_id: str, method: str) -> bool:
+    """Whether ``user`` may ``GET`` (read) or ``POST`` (trigger) the runs of ``dag_id``, by
+    Airflow's auth manager."""
     from airflow.api_fastapi.app import get_auth_manager
     from airflow.api_fastapi.auth.managers.models.resource_details import (
         DagAccessEntity,
@@ -84,7 +100,6 @@ def allowed(user, pipeline: str, method: str) -> bool:
     )
     from airflow.models.dag import DagModel
 
-    dag_id = data.dag_id_of(pipeline)
     try:
         team = DagModel.get_team_name(dag_id)
     except Exception:  # no team tables to ask: no team
@@ -106,6 +121,12 @@ def _pipeline(name: str, user, method: str = "GET"):
                                  f"takes the permission to trigger runs of DAG "
                                  f"{data.dag_id_of(name)}")
     return known[name]
+
+
+def _may_request(user, pipeline) -> bool:
+    """Whether ``user`` may ask for an approved replay of ``pipeline``'s dead letters."""
+    return bool(pipeline.dead_letter_approval) and allowed_dag(
+        user, data.approval_dag_id(pipeline.name), "POST")
 
 
 def _registered() -> dict[str, Any]:
@@ -201,7 +222,8 @@ def create_app() -> FastAPI:
         except Exception as error:
             return _error_page(request, user, _failure(error))
         return _page(request, "pipeline.html", user=user, p=view,
-                     can_operate=allowed(user, name, "POST"))
+                     can_operate=allowed(user, name, "POST"),
+                     can_request=_may_request(user, pipeline))
 
     @app.get("/api/pipelines")
     def api_pipelines(user: User) -> list[dict[str, Any]]:
@@ -219,13 +241,21 @@ def create_app() -> FastAPI:
             view = data.pipeline_view(pipeline, all_dead=all_dead)
         except Exception as error:
             raise _failure(error) from error
-        return {**view, "can_operate": allowed(user, name, "POST")}
+        return {**view, "can_operate": allowed(user, name, "POST"),
+                "can_request_approval": _may_request(user, pipeline)}
 
     @app.post("/api/pipelines/{name}/dead-letters/replay")
     def api_replay(name: str, body: ReplayBody, request: Request,
                    user: User) -> dict[str, Any]:
         _guard_post(request)
         pipeline = _pipeline(name, user, "POST")
+        if pipeline.dead_letter_approval:
+            approval = data.approval_dag_id(pipeline.name)
+            raise HTTPException(409, (
+                f"pipeline {pipeline.name!r} replays dead letters only after a person approves "
+                f"(dead_letter_approval): ask for the approval instead (POST "
+                f"{MOUNT}/api/pipelines/{pipeline.name}/dead-letters/request-approval, the "
+                f"page's buttons), or trigger the DAG {approval} with the same choice"))
         choice = body.choice()
         try:
             count = data.replay_dead_letters(pipeline.name, choice, apply=body.confirm)
@@ -241,6 +271,54 @@ def create_app() -> FastAPI:
         return {"confirm": True, "count": count, "message": (
             f"{count} dead letter(s) of {pipeline.name} put back in the backflow from-queue: "
             "the next transactions replay them.")}
+
+    @app.post("/api/pipelines/{name}/dead-letters/request-approval")
+    def api_request_approval(name: str, body: ReplayBody, request: Request,
+                             user: User) -> dict[str, Any]:
+        _guard_post(request)
+        pipeline = _pipeline(name, user)
+        dag_id = data.approval_dag_id(pipeline.name)
+        if not pipeline.dead_letter_approval:
+            raise HTTPException(409, (
+                f"pipeline {pipeline.name!r} does not ask for approvals of replays (no "
+                f"dead_letter_approval): replay with POST "
+                f"{MOUNT}/api/pipelines/{pipeline.name}/dead-letters/replay"))
+        if not allowed_dag(user, dag_id, "POST"):
+            raise HTTPException(403, f"{user.get_name()} may not ask for a replay of "
+                                     f"{pipeline.name!r}: it takes the permission to trigger "
+                                     f"runs of DAG {dag_id}")
+        choice = body.choice()
+        paused = data.dag_paused(dag_id)
+        if paused is None:
+            raise HTTPException(404, (
+                f"Airflow has no DAG {dag_id}: its DAG file must load (transaction_dags() "
+                f"gives it to a pipeline with dead_letter_approval, or call "
+                f"replay_dead_letters_dag({pipeline.name!r}) in a DAG file)"))
+        try:
+            count = data.replay_dead_letters(pipeline.name, choice, apply=False)
+        except Exception as error:
+            raise _failure(error) from error
+        note = (f" The DAG {dag_id} is paused: unpause it for the request to be made."
+                if paused else "")
+        if not body.confirm or count == 0:
+            return {"confirm": False, "count": count, "message": (
+                f"Ask a person to approve a replay of {count} dead letter(s) of "
+                f"{pipeline.name} ({choice.describe()})? A run of {dag_id} shows them in "
+                "Airflow's Required actions; nothing is replayed unless it is approved."
+                f"{note}" if count else
+                f"No dead letter of {pipeline.name} is {choice.describe()}: nothing to ask.")}
+        try:
+            run = data.trigger_approval(pipeline.name, choice, user.get_name())
+        except Exception as error:
+            raise _failure(error) from error
+        log.warning("REPLAY REQUEST by %s in the onceflow view: %d dead letter(s) of %s (%s): "
+                    "run %s of %s", user.get_name(), count, pipeline.name, choice.describe(),
+                    run, dag_id)
+        return {"confirm": True, "count": count, "dag_id": dag_id, "run_id": run,
+                "message": (
+                    f"Asked for an approval: run {run} of {dag_id} shows {count} dead "
+                    "letter(s) in Airflow's Required actions; they are replayed once a person "
+                    f"approves.{note}")}
 
     @app.post("/api/pipelines/{name}/backfill")
     def api_backfill(name: str, body: BackfillBody, request: Request,

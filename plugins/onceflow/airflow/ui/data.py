@@ -30,6 +30,12 @@ def dag_id_of(pipeline: str) -> str:
     return f"onceflow_{pipeline}"
 
 
+def approval_dag_id(pipeline: str) -> str:
+    """The DAG that replays a pipeline's dead letters after a person approves
+    (``onceflow.airflow.approval.replay_dag_id``)."""
+    return f"onceflow_{pipeline}_replay_dead_letters"
+
+
 def server_dsn(conn_id: str = DEFAULT_CONN_ID, *, session=None) -> str:
     """The coordinator's DSN in an Airflow server process: the connection from Airflow's
     secrets backends as the server has them (a custom backend, ``AIRFLOW_CONN_*``, the
@@ -114,6 +120,9 @@ def pipeline_view(pipeline, *, timeline: int = TIMELINE, dead_letters: int = DEA
     from onceflow.ops.status import activity, pipeline_status, progress
 
     view: dict[str, Any] = {"pipeline": pipeline.name, "dag_id": dag_id_of(pipeline.name),
+                            "dead_letter_approval": bool(pipeline.dead_letter_approval),
+                            "approval_dag_id": approval_dag_id(pipeline.name)
+                            if pipeline.dead_letter_approval else None,
                             "description": pipeline.description,
                             "source": pipeline.source.describe(), "initialised": False,
                             "error": None}
@@ -212,6 +221,12 @@ class Choice:
             parts.append(f"dead letters whose last error is {self.last_error!r}")
         return " and ".join(parts)
 
+    def conf(self) -> dict[str, Any]:
+        """The same choice as the conf of a run of the approval DAG (its params)."""
+        return {"records": [f"{p}:{o}" for p, o in self.positions or ()],
+                "error_contains": self.error_contains, "last_error": self.last_error,
+                "all": self.everything}
+
 
 def replay_dead_letters(pipeline: str, choice: Choice, *, apply: bool) -> int:
     """Put the chosen dead letters back in the backflow from-queue, as ``onceflow
@@ -276,6 +291,22 @@ def trigger_backfill(pipeline: str, txids: Iterable[int], user_name: str | None
             note=f"txid {txid} · backfill queued by {user_name or 'a user'} (onceflow view)")
         made.append({"txid": txid, "run_id": run.run_id if run else None})
     return made
+
+
+def trigger_approval(pipeline: str, choice: Choice, user_name: str | None) -> str:
+    """A queued run of the pipeline's approval DAG with ``choice`` as its conf (what its
+    trigger form takes), through Airflow's own trigger. Returns its run id."""
+    from airflow.api.common.trigger_dag import trigger_dag
+    from airflow.utils.types import DagRunTriggeredByType
+
+    run = trigger_dag(
+        approval_dag_id(pipeline), triggered_by=DagRunTriggeredByType.UI,
+        triggering_user_name=user_name,
+        run_id=f"onceflow_replay_request__{datetime.now(UTC):%Y%m%dT%H%M%S%f}",
+        conf=choice.conf(),
+        note=f"replay of dead letters asked for by {user_name or 'a user'} (onceflow view): "
+             f"{choice.describe()}"[:1000])
+    return run.run_id
 
 
 def dag_paused(dag_id: str) -> bool | None:
