@@ -24,6 +24,9 @@ OUTSIDE = Path(__file__).parent / "outside"  # the outside pipeline package (pag
 # The tweets pipeline with a one-task transaction DAG, reached as "helpers:TWEETS_SINGLE"
 # (tests/test_single_task_dag.py)
 TWEETS_SINGLE = dataclasses.replace(TWEETS, name="tweets_single", dag_shape="single")
+# The tweets pipeline whose dead letters are replayed only after a person approves, reached as
+# "helpers:TWEETS_APPROVED" (tests/test_ui.py)
+TWEETS_APPROVED = dataclasses.replace(TWEETS, name="tweets_approved", dead_letter_approval=True)
 
 
 @contextmanager

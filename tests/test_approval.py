@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import threading
 import time
 from datetime import UTC, datetime, timedelta
@@ -149,7 +150,7 @@ def choose(**conf) -> dict:
     """A whole trigger form: dag.test() runs every task of the same DAG object in this
     process, and Airflow keeps a run's conf in the DAG's Params (Param.resolve sets its
     value), so a value left out would be the previous run's."""
-    return {"records": [], "error_contains": None, "all": False, **conf}
+    return {"records": [], "error_contains": None, "last_error": None, "all": False, **conf}
 
 
 def run_with_answer(dag, conf: dict, answer: Answer, when: datetime):
@@ -278,3 +279,70 @@ def test_trigger_forms_refuse_bad_values_with_a_message(pipeline, conn, airflow_
     assert "Invalid input for param batch_size: 0 is less than the minimum of 1" in refused.text
     # nothing ran: no transaction was planned with a bad value
     assert table(conn, "SELECT count(*) FROM transactions") == [(0,)]
+    # Airflow's trigger form gives a top-level "minimum" to its number field, which turns 0
+    # into 1 without a word: the minimum is checked inside allOf (tests/test_ui.py types 0
+    # in the form itself)
+    for name in ("batch_size", "groups", "txid"):
+        schema = transactions.params.get_param(name).schema
+        assert "minimum" not in schema and {"minimum": 1} in schema["allOf"], (name, schema)
+
+
+def test_begin_refuses_a_plan_setting_below_one_naming_it(pipeline, conn):
+    """Whatever starts a run without the trigger form's check (an operator's argument, a
+    param of another schema), begin refuses a batch_size, groups or txid below 1 or not a
+    whole number, naming it and where it came from: never another value."""
+    from airflow.sdk.exceptions import AirflowFailException
+
+    from onceflow.airflow.operators import BeginBatchOperator
+
+    form = BeginBatchOperator(task_id="begin", pipeline="page_views")
+    for params, says in [
+        ({"batch_size": 0}, "batch_size=0 (the run's param) is invalid: give a whole number, "
+                            "1 or more, or leave it empty for the pipeline's own"),
+        ({"groups": -1}, "groups=-1 (the run's param) is invalid"),
+        ({"batch_size": 2.5}, "batch_size=2.5 (the run's param) is invalid"),
+        ({"batch_size": True}, "batch_size=True (the run's param) is invalid"),
+        ({"txid": "0"}, "txid='0' (the run's param) is invalid: give a whole number, 1 or "
+                        "more, or leave it empty for the next txid"),
+    ]:
+        with pytest.raises(AirflowFailException, match=re.escape(says)):
+            form.execute({"params": params, "run_id": "run-1"})
+    argument = BeginBatchOperator(task_id="begin", pipeline="page_views", batch_size=0)
+    with pytest.raises(AirflowFailException,
+                       match=re.escape("batch_size=0 (the task's argument) is invalid")):
+        argument.execute({"params": {"batch_size": 400}, "run_id": "run-1"})
+    assert table(conn, "SELECT count(*) FROM transactions") == [(0,)]
+    # a whole number given as text or 5.0 is that number
+    (batch,) = form.execute({"params": {"batch_size": "5", "groups": 1.0}, "run_id": "run-2"})
+    assert (batch["records"], batch["groups"]) == (0, 1)  # nothing produced: an empty batch
+
+
+# -- the exact reason the onceflow view replays ---------------------------------------------------
+def test_the_preview_chooses_the_dead_letters_of_one_whole_last_error(pipeline, conn):
+    """last_error (what the onceflow view's buttons send): the letters whose last error is
+    exactly that text, not those sharing its first 80 characters nor one that had it before."""
+    from onceflow.airflow.approval import DeadLetterPreviewOperator, preview_text
+    from onceflow.core import backflow
+
+    prefix = "bolt country: LookupError: the geo service does not know the country code of " \
+             "this page view; "
+    first, second = prefix + "'zz' is unknown", prefix + "'Zz' is unknown"
+    with conn.cursor() as cur:
+        backflow.ensure_pointers(cur, "page_views")
+        for partition, offset, errors in [(0, 1, [first]), (0, 2, [second, first]),
+                                          (1, 4, [second]), (2, 9, [first, second])]:
+            cur.execute(
+                """INSERT INTO dead_letters (pipeline, partition, "offset", payload, failures,
+                                             errors, txid)
+                   VALUES ('page_views', %s, %s, '{}', %s, %s, 1)""",
+                (partition, offset, len(errors), errors))
+    conn.commit()
+    preview = DeadLetterPreviewOperator(task_id="preview", pipeline="page_views")
+    shown = preview.execute({"params": choose(last_error=second)})
+    assert shown["count"] == 2
+    assert sorted((p, o) for p, o, _ in shown["shown"]) == [(1, 4), (2, 9)]
+    assert shown["by_reason"] == [[second, 2]]
+    # the request shows a long reason cut at a word, with an ellipsis
+    _, body, _ = preview_text("page_views", "x", [(0, 1, 1, "word " * 60, 1, datetime.now(UTC))],
+                              0)
+    assert f"| {'word ' * 39}word… | 1 |" in body

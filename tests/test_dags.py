@@ -120,10 +120,41 @@ def test_three_transactions_through_the_dag(dagbag, conn, dsn, caplog, warm_spar
     assert {k: sorted(v) for k, v in by_table.items()} == {
         "onceflow/tweets/url_counts": [1, 2, 3], "onceflow/tweets/domain_counts": [1, 2, 3]}
     assert all(extra["ranges"] and extra["rows"] > 0 for _, extra in events)
+    # each table's event says that table's own rows of the commit; both make the commit's
+    rows = {(name, extra["txid"]): extra["rows"] for name, extra in events}
+    url, domain = "onceflow/tweets/url_counts", "onceflow/tweets/domain_counts"
+    for txid, applied in table(conn, "SELECT txid, rows_applied FROM transactions"):
+        assert rows[url, txid] + rows[domain, txid] == applied
+    # the last commit wrote every key now at txid 3 (the two tables: different counts)
+    assert (rows[url, 3], rows[domain, 3]) == (
+        table(conn, "SELECT count(*) FROM url_counts WHERE txid = 3")[0][0],
+        table(conn, "SELECT count(*) FROM domain_counts WHERE txid = 3")[0][0])
+    assert rows[url, 3] != rows[domain, 3]
+    # a run that commits nothing (txid 1 again) succeeds without an event
+    noop = dag.test(logical_date=base + timedelta(seconds=3), run_conf={"txid": 1})
+    assert str(noop.state) == "success"
+    with create_session() as session:
+        assert session.query(AssetEvent).filter(
+            AssetEvent.source_run_id == noop.run_id).count() == 0
     # the downstream DAG is scheduled on that data, and reads it
     downstream = dagbag.get_dag("tweets_top_domains")
     assert "onceflow/tweets/domain_counts" in str(downstream.timetable.asset_condition)
     assert str(downstream.test().state) == "success"
+
+
+def test_the_commit_task_produces_the_state_tables(airflow_db):
+    """Airflow's lineage, as its Assets view shows it (the DAG files serialized by `airflow
+    dags reserialize`): the commit task produces each state table's Asset and consumes none."""
+    from airflow.models.asset import AssetModel
+    from airflow.utils.session import create_session
+
+    with create_session() as session:
+        for name in ("url_counts", "domain_counts"):
+            asset = session.query(AssetModel).filter(
+                AssetModel.name == f"onceflow/tweets/{name}").one()
+            assert {(t.dag_id, t.task_id) for t in asset.producing_tasks} == {
+                ("onceflow_tweets", "commit")}
+            assert {t.dag_id for t in asset.consuming_tasks} <= {"tweets_top_domains"}
 
 
 def test_entry_points_are_read_once_until_a_package_is_installed(tmp_path, monkeypatch):

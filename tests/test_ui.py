@@ -33,6 +33,8 @@ import pytest
 from helpers import table, tweets_pipeline
 from onceflow.airflow import airflow_cli
 
+TESTS = Path(__file__).resolve().parent
+APPROVED = "helpers:TWEETS_APPROVED"  # the tweets pipeline with dead_letter_approval=True
 CHROMIUM = os.environ.get("ONCEFLOW_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
@@ -137,6 +139,9 @@ def api_server(airflow_db, tmp_path_factory):
         "AIRFLOW__CORE__SIMPLE_AUTH_MANAGER_PASSWORDS_FILE": str(folder / "passwords.json"),
         "AIRFLOW__API__HOST": "127.0.0.1",
         "AIRFLOW__API__PORT": str(port),
+        # a pipeline whose dead letters are replayed only after approval, as a user adds one
+        "ONCEFLOW_PIPELINES": ",".join(filter(None, [env.get("ONCEFLOW_PIPELINES"), APPROVED])),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), env.get("PYTHONPATH")])),
     })
     log = folder / "api-server.log"
     with open(log, "wb") as out:
@@ -388,6 +393,7 @@ def test_run_notes_and_the_onceflow_view_in_a_browser(chromium, api_server, once
         _browse(browser, api_server, conn, tmp_path, committed_run, failed_run, noop_run)
     browsing_s = time.monotonic() - browsing
     _check_api(api_server, conn)
+    _check_lineage_and_events(api_server, conn, committed_run, noop_run)
     print(f"setup {setup_s:.1f}s, browsing {browsing_s:.1f}s")
 
 
@@ -413,6 +419,7 @@ def _browse(browser, api_server, conn, tmp_path, committed_run, failed_run, noop
         errors = httpx.get(f"{api_server.url}/api/v2/plugins/importErrors", timeout=30,
                            headers={"Authorization": f"Bearer {_token(api_server, 'admin')}"})
         assert errors.status_code == 200 and errors.json()["total_entries"] == 0, errors.text
+        _trigger_form_refuses_a_batch_size_of_zero(page, api_server)
 
         # the onceflow view, from the UI's navigation
         page.get_by_test_id("nav-sidebar").get_by_role("link", name="onceflow").click()
@@ -478,6 +485,65 @@ def _browse(browser, api_server, conn, tmp_path, committed_run, failed_run, noop
     context.close()
 
 
+def _trigger_form_refuses_a_batch_size_of_zero(page, api_server) -> None:
+    """Airflow's trigger form keeps a batch_size of 0 as typed (its number field would turn
+    it into 1 if the param's schema had a top-level minimum) and shows the refusal; no run."""
+    from airflow.models.dagrun import DagRun
+    from airflow.utils.session import create_session
+
+    def runs() -> int:
+        with create_session() as session:
+            return session.query(DagRun).filter(DagRun.dag_id == "onceflow_tweets").count()
+
+    before = runs()
+    page.goto(f"{api_server.url}/dags/onceflow_tweets")
+    page.get_by_role("button", name="Trigger").first.click()
+    dialog = page.get_by_role("dialog")
+    field = dialog.locator("input[name=element_batch_size]")
+    field.fill("0")
+    field.blur()
+    assert field.input_value() == "0"
+    dialog.get_by_role("button", name="Trigger").click()
+    dialog.get_by_text("Invalid input for param batch_size: 0 is less than the minimum of 1"
+                       ).wait_for()
+    page.keyboard.press("Escape")
+    dialog.wait_for(state="hidden")
+    assert runs() == before
+
+
+def _check_lineage_and_events(api_server, conn, committed_run, noop_run) -> None:
+    """What Airflow's Assets view shows: the commit task produces each state table (and does
+    not consume it); the DAG run that committed txid 3 gave each table an event with that
+    table's own rows; the no-op run gave none."""
+    import httpx
+
+    viewer = {"Authorization": f"Bearer {_token(api_server, 'viewer')}"}
+    assets = httpx.get(f"{api_server.url}/api/v2/assets", headers=viewer, timeout=30,
+                       params={"name_pattern": "onceflow/tweets/"}).json()["assets"]
+    by_name = {a["name"]: a for a in assets}
+    for name in ("url_counts", "domain_counts"):
+        asset = by_name[f"onceflow/tweets/{name}"]
+        assert [(t["dag_id"], t["task_id"]) for t in asset["producing_tasks"]] == [
+            ("onceflow_tweets", "commit")]
+        assert "onceflow_tweets" not in {t["dag_id"] for t in asset.get("consuming_tasks", [])}
+    events = {}
+    for run in (committed_run, noop_run):
+        answer = httpx.get(f"{api_server.url}/api/v2/assets/events", headers=viewer, timeout=30,
+                           params={"source_run_id": run.run_id})
+        assert answer.status_code == 200, answer.text
+        events[run.run_id] = {e["name"]: e["extra"] for e in answer.json()["asset_events"]}
+    assert events[noop_run.run_id] == {}
+    rows = {}
+    for name in ("url_counts", "domain_counts"):
+        extra = events[committed_run.run_id][f"onceflow/tweets/{name}"]
+        assert extra["txid"] == 3
+        rows[name] = extra["rows"]
+        # txid 3 is the last commit: the keys at txid 3 are what it applied
+        assert rows[name] == table(conn, f"SELECT count(*) FROM {name} WHERE txid = 3")[0][0]
+    assert sum(rows.values()) == table(conn, "SELECT rows_applied FROM transactions "
+                                             "WHERE txid = 3")[0][0]
+
+
 def _check_api(api_server, conn) -> None:
     """The data endpoints refuse a read-only user's actions and anonymous requests."""
     import httpx
@@ -523,3 +589,260 @@ def _check_backfill_run(txid: int) -> None:
         assert runs[0].note.startswith(f"txid {txid} · backfill queued by admin")
         for run in runs:
             session.delete(run)
+
+
+# -- what the view says, against onceflow's own records (a real api-server, no browser) -----------
+def _headers(api_server, user: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {_token(api_server, user)}", "X-Requested-By": "test"}
+
+
+def _get(api_server, path: str, user: str = "admin"):
+    import httpx
+
+    return httpx.get(f"{api_server.url}/onceflow{path}", headers=_headers(api_server, user),
+                     timeout=30)
+
+
+def _post(api_server, path: str, body: dict, user: str = "admin"):
+    import httpx
+
+    return httpx.post(f"{api_server.url}/onceflow{path}", headers=_headers(api_server, user),
+                      json=body, timeout=30)
+
+
+def _by_id(page: str, element_id: str) -> str:
+    """The text of the element ``element_id`` of a server-rendered page (no markup inside)."""
+    import html
+    import re
+
+    found = re.search(rf'id="{element_id}"[^>]*>([^<]*)<', page)
+    assert found, f"no #{element_id} in the page"
+    return html.unescape(found.group(1)).strip()
+
+
+def _buttons(page: str) -> list[tuple[str, dict]]:
+    """(endpoint, JSON body) of every action button of a server-rendered page."""
+    import html
+    import re
+
+    return [(path, json.loads(html.unescape(body))) for path, body in re.findall(
+        r'data-post="([^"]+)"\s+data-body=\'([^\']*)\'', page)]
+
+
+def test_an_unknown_pipeline_answers_404_with_the_known_names(api_server, onceflow_connection):
+    import html
+
+    api_server.wait_up()
+    known = [p["pipeline"] for p in _get(api_server, "/api/pipelines").json()]
+    assert {"tweets", "tweets_approved"} <= set(known)
+    says = f"no pipeline 'tweet' here: known pipelines are {', '.join(known)}"
+    page = _get(api_server, "/pipelines/tweet")
+    assert page.status_code == 404
+    assert says in html.unescape(page.text)
+    answer = _get(api_server, "/api/pipelines/tweet")
+    assert answer.status_code == 404 and answer.json()["detail"] == says
+
+
+def test_the_lag_card_counts_the_records_waiting_in_the_backflow(
+        api_server, onceflow_connection, conn, dsn, spark, capsys):
+    from helpers import run_transaction
+    from onceflow.ops.cli import main
+
+    pipeline = tweets_pipeline(conn, events=1000, batch_size=400, malformed_share=0,
+                               poison_share=0.05, flaky_share=0)
+    _, result = run_transaction(spark, dsn, conn, pipeline, "lib-1")
+    assert result.status == "committed" and result.failed > result.dead  # some wait to replay
+    waiting = table(conn, "SELECT count(*) FROM backflow_items")[0][0]
+    assert waiting == result.failed - result.dead
+    assert main(["status", "--pipeline", "tweets", "--json"]) == 0
+    status = json.loads(capsys.readouterr().out)
+    lag = sum(p["lag"] for p in status["partitions"])
+    assert lag == 600
+    assert status["backflow"]["to_items"] + status["backflow"]["from_items"] == waiting
+
+    api_server.wait_up()
+    page = _get(api_server, "/pipelines/tweets").text
+    assert (_by_id(page, "lag"), _by_id(page, "backflow-waiting"), _by_id(page, "behind")) == (
+        f"{lag:,}", f"{waiting:,}", f"{lag + waiting:,}")
+    view = _get(api_server, "/api/pipelines/tweets").json()
+    assert (view["lag"], view["backflow_waiting"], view["behind"]) == (
+        lag, waiting, lag + waiting)
+    overview = {p["pipeline"]: p for p in _get(api_server, "/api/pipelines").json()}["tweets"]
+    assert (overview["lag"], overview["backflow_waiting"], overview["behind"]) == (
+        lag, waiting, lag + waiting)
+
+
+def test_processing_txids_say_what_they_do_and_only_a_processed_one_waits(
+        api_server, onceflow_connection, conn, dsn, spark):
+    import re
+
+    from onceflow.core.begin import begin
+    from onceflow.core.commit import commit
+    from spark_tasks.processing import process_batch
+
+    pipeline = tweets_pipeline(conn, events=400, batch_size=100, groups=2, malformed_share=0,
+                               poison_share=0, flaky_share=0)
+    first, second = begin(conn, pipeline, "run-1"), begin(conn, pipeline, "run-2")
+    assert (first.attempt.txid, second.attempt.txid, second.groups) == (1, 2, 2)
+    process_batch(spark, dsn, pipeline, second.attempt, 0)
+    api_server.wait_up()
+
+    def holds() -> dict[int, str]:
+        return {t["txid"]: t["holds"] for t in _get(api_server, "/api/pipelines/tweets")
+                .json()["open"]}
+
+    now = holds()
+    assert re.match(r"processing since \d\d:\d\d:\d\d UTC: 0 of 2 group\(s\) staged \(run run-1, "
+                    r"attempt 1\); last reported", now[1]), now[1]
+    assert re.fullmatch(r"processing since \d\d:\d\d:\d\d UTC: 1 of 2 group\(s\) staged \(run "
+                        r"run-2, attempt 1\)", now[2]), now[2]
+    assert "waits" not in now[1] + now[2]
+
+    # processed, its commit asked for: it waits for txid 1, for as long as it has been waiting
+    process_batch(spark, dsn, pipeline, second.attempt, 1)
+    assert commit(conn, pipeline, second.attempt).status == "waiting"
+    now = holds()
+    waited = table(conn, "SELECT EXTRACT(EPOCH FROM now() - commit_requested_at)::float "
+                         "FROM transactions WHERE txid = 2")[0][0]
+    found = re.fullmatch(r"processed; its commit waits for txid 1 to commit: waiting "
+                         r"(\d+\.\d)s so far \(run run-2, attempt 1\)", now[2])
+    assert found, now[2]
+    assert 0 <= float(found.group(1)) <= waited + 0.05
+    # `onceflow status` says the same
+    from onceflow.ops.status import pipeline_status, render
+
+    with conn.cursor() as cur:
+        lines = "\n".join(render(pipeline_status(cur, pipeline.source, "tweets")))
+    conn.commit()
+    assert "txid 2 (planned): processed; its commit waits for txid 1 to commit: waiting" in lines
+
+
+LONG = ("bolt enrich_author: LookupError: the profile service answered 404 for the author of "
+        "this tweet; ")
+
+
+def test_a_long_reason_is_shown_whole_and_replays_exactly_its_dead_letters(
+        api_server, onceflow_connection, conn):
+    """Reasons longer than 80 characters that share their first 80: the page shows each whole
+    (its title; the cell cut at a word), and its Replay button replays exactly the dead
+    letters whose last error it is, not the others, nor one that had it as an earlier error."""
+    import html
+    import re
+
+    from onceflow.core import backflow
+
+    first, second = LONG + "user 1001 is gone", LONG + "user 2002 is private"
+    tweets_pipeline(conn)
+    letters = [(0, 3, [first, first]), (1, 7, [first]), (2, 11, [second]),
+               (3, 5, [first, "bolt enrich_author: TimeoutError: slow"])]
+    with conn.cursor() as cur:
+        backflow.ensure_pointers(cur, "tweets")
+        for partition, offset, errors in letters:
+            cur.execute(
+                """INSERT INTO dead_letters (pipeline, partition, "offset", payload, failures,
+                                             errors, txid)
+                   VALUES ('tweets', %s, %s, '{}', %s, %s, 1)""",
+                (partition, offset, len(errors), errors))
+    conn.commit()
+
+    api_server.wait_up()
+    page = _get(api_server, "/pipelines/tweets").text
+    titles = [html.unescape(t) for t in re.findall(r'class="err reason" title="([^"]*)"', page)]
+    assert sorted(titles) == sorted([first, second, "bolt enrich_author: TimeoutError: slow"])
+    buttons = [body for path, body in _buttons(page)
+               if path.endswith("/dead-letters/replay") and "last_error" in body]
+    assert {b["last_error"] for b in buttons} == set(titles)
+    (body,) = [b for b in buttons if b["last_error"] == first]
+    preview = _post(api_server, "/api/pipelines/tweets/dead-letters/replay", body)
+    assert preview.status_code == 200 and preview.json()["count"] == 2, preview.text
+    done = _post(api_server, "/api/pipelines/tweets/dead-letters/replay", {**body, "confirm": True})
+    assert done.status_code == 200 and done.json()["count"] == 2, done.text
+    assert table(conn, 'SELECT partition, "offset" FROM dead_letters ORDER BY 1') == [
+        (2, 11), (3, 5)]
+    assert table(conn, 'SELECT partition, "offset" FROM backflow_items ORDER BY 1') == [
+        (0, 3), (1, 7)]
+
+
+def _sync_dags() -> None:
+    """The DAG files' DAGs into Airflow's metadata database, as this process builds them now
+    (what ``airflow dags reserialize`` and dag.test() do)."""
+    from airflow.dag_processing.bundles.manager import DagBundlesManager
+    from airflow.dag_processing.dagbag import BundleDagBag, sync_bag_to_db
+
+    manager = DagBundlesManager()
+    manager.sync_bundles_to_db()
+    for bundle in manager.get_all_dag_bundles():
+        if not bundle.is_initialized:
+            bundle.initialize()
+        bag = BundleDagBag(dag_folder=bundle.path, bundle_path=bundle.path,
+                           bundle_name=bundle.name)
+        assert not bag.import_errors, bag.import_errors
+        sync_bag_to_db(bag, bundle.name, bundle.version)
+
+
+def test_replays_of_a_pipeline_that_needs_approval_go_through_its_approval_dag(
+        api_server, onceflow_connection, conn, monkeypatch):
+    """A pipeline with dead_letter_approval: the replay endpoint refuses even a direct POST;
+    the page's buttons ask for the approval, which queues a run of the approval DAG with the
+    same choice (nothing replayed); a read-only user may not ask."""
+    from airflow.models.dagrun import DagRun
+    from airflow.utils.session import create_session
+
+    from onceflow.airflow.approval import replay_dag_id
+    from onceflow.core.registration import register
+    from onceflow.core.registry import clear_cache, get_pipeline
+
+    monkeypatch.setenv("ONCEFLOW_PIPELINES", APPROVED)
+    clear_cache()
+    pipeline = get_pipeline("tweets_approved")
+    assert pipeline.dead_letter_approval
+    register(conn, pipeline, create_source=True)
+    _dead_letters(conn, pipeline.name)
+    _sync_dags()  # its approval DAG, as Airflow's DAG processor would have it
+    dag_id = replay_dag_id(pipeline.name)
+    path = f"/api/pipelines/{pipeline.name}/dead-letters"
+    reason = "bolt normalize_domain: ValueError: bad host"
+    api_server.wait_up()
+    try:
+        # a direct replay is refused, with the way to ask
+        for confirm in (False, True):
+            refused = _post(api_server, f"{path}/replay", {"all": True, "confirm": confirm})
+            assert refused.status_code == 409, refused.text
+            assert dag_id in refused.json()["detail"]
+            assert "request-approval" in refused.json()["detail"]
+        # the page: every button asks for the approval, none replays; the DAG is named
+        page = _get(api_server, f"/pipelines/{pipeline.name}").text
+        buttons = _buttons(page)
+        assert len(buttons) == 6  # two reasons, three dead letters, all
+        assert {p for p, _ in buttons} == {f"{path}/request-approval"}
+        assert "dead-letters/replay" not in page
+        assert f'href="/dags/{dag_id}"' in page and 'id="approval-note"' in page
+        # asking: first what it would ask, then a queued run of the approval DAG
+        body = {"last_error": reason}
+        asked = _post(api_server, f"{path}/request-approval", body)
+        assert asked.status_code == 200 and asked.json()["count"] == 2, asked.text
+        assert "nothing is replayed unless it is approved" in asked.json()["message"]
+        done = _post(api_server, f"{path}/request-approval", {**body, "confirm": True})
+        assert done.status_code == 200, done.text
+        run_id = done.json()["run_id"]
+        with create_session() as session:
+            run = session.query(DagRun).filter(DagRun.dag_id == dag_id,
+                                               DagRun.run_id == run_id).one()
+            assert (run.conf, str(run.state)) == ({"records": [], "error_contains": None,
+                                                   "last_error": reason, "all": False},
+                                                  "queued")
+            assert run.note.startswith("replay of dead letters asked for by admin")
+        assert table(conn, "SELECT count(*) FROM dead_letters") == [(3,)]  # nothing replayed
+        # a read-only user sees no buttons and may not ask
+        assert _buttons(_get(api_server, f"/pipelines/{pipeline.name}", "viewer").text) == []
+        refused = _post(api_server, f"{path}/request-approval", {**body, "confirm": True},
+                        "viewer")
+        assert refused.status_code == 403, refused.text
+        # a pipeline without dead_letter_approval has nothing to ask
+        assert _post(api_server, "/api/pipelines/tweets/dead-letters/request-approval",
+                     {"all": True}).status_code == 409
+    finally:
+        with create_session() as session:
+            for run in session.query(DagRun).filter(DagRun.dag_id == dag_id).all():
+                session.delete(run)
+        clear_cache()

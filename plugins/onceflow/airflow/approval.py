@@ -3,14 +3,15 @@
 
 A pipeline opts in with ``Pipeline(..., dead_letter_approval=True)``; ``transaction_dags()``
 then gives it this DAG (or call ``replay_dead_letters_dag(PIPELINE)`` in a DAG file). Trigger
-it with what to replay, as ``onceflow replay-dead-letters`` takes it: ``records`` (a list of
-``"PARTITION:OFFSET"``), ``error_contains`` (a text any of a letter's errors contains), both
-(each letter must match both), or ``all``. Then:
+it with what to replay: ``records`` (a list of ``"PARTITION:OFFSET"``), ``error_contains`` (a
+text any of a letter's errors contains), ``last_error`` (a letter's whole last error: one
+reason of the onceflow view's list), several of them (each letter must match each), or
+``all``. The onceflow view's buttons trigger it so for such a pipeline: it never replays
+its dead letters itself. Then:
 
 1. **preview** reads the chosen dead letters and says what would go back to the backflow
-   queue: how many, how many per reason (the last error's first 80 characters), the newest
-   ten. Nothing chosen is refused; nothing matching ends the run (skipped, nothing to
-   approve);
+   queue: how many, how many per reason (the last error), the newest ten. Nothing chosen is
+   refused; nothing matching ends the run (skipped, nothing to approve);
 2. **approve** (Airflow's ``ApprovalOperator``, standard provider) shows that as a required
    action in Airflow's UI (or the HITL REST API): *Approve* or *Reject*. Rejected, or
    unanswered within ``response_timeout`` (the default answer is *Reject*), the replay is
@@ -41,7 +42,7 @@ from onceflow.core.connections import DEFAULT_CONN_ID, resolve_dsn
 from onceflow.core.pipeline import Pipeline
 
 NEWEST = 10  # dead letters listed one by one in the request
-REASON_CHARS = 80  # as dead_letter_summary groups them
+REASON_CHARS = 200  # a reason longer than this is shown cut (at a word), never grouped so
 
 _CHOSEN = """
     SELECT partition, "offset", failures, errors[array_upper(errors, 1)], txid, dead_at
@@ -50,6 +51,7 @@ _CHOSEN = """
            (SELECT * FROM unnest(%(parts)s::int[], %(offsets)s::bigint[])))
       AND (%(pattern)s::text IS NULL OR EXISTS (
            SELECT 1 FROM unnest(d.errors) e WHERE strpos(e, %(pattern)s) > 0))
+      AND (%(last)s::text IS NULL OR d.errors[array_upper(d.errors, 1)] = %(last)s)
     ORDER BY dead_at DESC, partition, "offset"
 """
 
@@ -63,11 +65,24 @@ def _cell(text: Any) -> str:
     return " ".join(str(text if text is not None else "-").split()).replace("|", "\\|")
 
 
-def parse_choice(params: dict[str, Any]) -> tuple[list[tuple[int, int]] | None, str | None, str]:
-    """The trigger form's choice: (positions or None, error text or None, in words). Refuses
-    nothing chosen and ``all`` with a narrower choice, with the fix."""
+def shorten(text: str, width: int = REASON_CHARS) -> str:
+    """``text`` at most ``width`` characters long, cut at a word with an ellipsis."""
+    if len(text) <= width:
+        return text
+    cut = text[:width - 1]
+    if " " in cut and not text[width - 1].isspace():
+        cut = cut.rsplit(" ", 1)[0]
+    return cut.rstrip() + "…"
+
+
+def parse_choice(params: dict[str, Any]
+                 ) -> tuple[list[tuple[int, int]] | None, str | None, str | None, str]:
+    """The trigger form's choice: (positions or None, error text or None, whole last error
+    or None, in words). Refuses nothing chosen and ``all`` with a narrower choice, with the
+    fix."""
     records = params.get("records") or []
     error_contains = params.get("error_contains") or None
+    last_error = params.get("last_error") or None
     everything = bool(params.get("all"))
     if isinstance(records, str):
         records = [r for r in records.replace(",", " ").split() if r]
@@ -79,18 +94,21 @@ def parse_choice(params: dict[str, Any]) -> tuple[list[tuple[int, int]] | None, 
                 f"records: {item!r} is not PARTITION:OFFSET, e.g. 2:1041 (the onceflow view and "
                 "`onceflow status` list the dead letters)")
         positions.append((int(partition), int(offset)))
-    if everything and (positions or error_contains):
-        raise AirflowFailException("all replays every dead letter: leave records and "
-                                   "error_contains empty, or set all to false")
-    if not (everything or positions or error_contains):
+    if everything and (positions or error_contains or last_error):
+        raise AirflowFailException("all replays every dead letter: leave records, "
+                                   "error_contains and last_error empty, or set all to false")
+    if not (everything or positions or error_contains or last_error):
         raise AirflowFailException("nothing chosen: give records (PARTITION:OFFSET, ...), "
-                                   "error_contains (a text of their errors), or all")
+                                   "error_contains (a text of their errors), last_error (their "
+                                   "whole last error), or all")
     words = []
     if positions:
         words.append("record(s) " + ", ".join(f"p{p}:{o}" for p, o in positions))
     if error_contains:
         words.append(f"dead letters whose errors contain {error_contains!r}")
-    return (positions or None, error_contains,
+    if last_error:
+        words.append(f"dead letters whose last error is {shorten(last_error)!r}")
+    return (positions or None, error_contains, last_error,
             " and ".join(words) if words else "every dead letter")
 
 
@@ -98,7 +116,7 @@ def preview_text(pipeline: str, choice: str, rows: list[tuple], max_replays: int
                  ) -> tuple[str, str, list[list[Any]]]:
     """(subject, Markdown body, reasons) of the approval request for ``rows`` (partition,
     offset, failures, last error, txid, dead_at; newest first)."""
-    reasons = Counter(str(r[3] or "-")[:REASON_CHARS] for r in rows)
+    reasons = Counter(str(r[3] or "-") for r in rows)
     by_reason = [[reason, count] for reason, count in
                  sorted(reasons.items(), key=lambda rc: (-rc[1], rc[0]))]
     n = len(rows)
@@ -111,14 +129,14 @@ def preview_text(pipeline: str, choice: str, rows: list[tuple], max_replays: int
         "",
         "| last error | dead letters |",
         "| --- | ---: |",
-        *[f"| {_cell(reason)} | {count:,} |" for reason, count in by_reason],
+        *[f"| {_cell(shorten(reason))} | {count:,} |" for reason, count in by_reason],
         "",
         f"Newest {min(n, NEWEST)} of {n:,}:" if n > NEWEST else "The dead letters:",
         "",
         "| record | failures | txid | dead at | last error |",
         "| --- | ---: | ---: | --- | --- |",
         *[f"| p{p}:{o} | {failures} | {txid} | {dead_at:%Y-%m-%d %H:%M:%S} | "
-          f"{_cell(str(error or '-')[:200])} |"
+          f"{_cell(shorten(str(error or '-')))} |"
           for p, o, failures, error, txid, dead_at in rows[:NEWEST]],
     ]
     return subject, "\n".join(lines), by_reason
@@ -167,7 +185,7 @@ class DeadLetterPreviewOperator(_DeadLetterTask, BaseOperator):
         from onceflow.airflow.operators import airflow_outcomes
         from onceflow.core.db import connection, transaction
 
-        positions, error_contains, choice = parse_choice(dict(context["params"]))
+        positions, error_contains, last_error, choice = parse_choice(dict(context["params"]))
         with airflow_outcomes():
             pipeline = self._load()
             with connection(resolve_dsn(self.postgres_conn_id),
@@ -176,7 +194,8 @@ class DeadLetterPreviewOperator(_DeadLetterTask, BaseOperator):
                 cur.execute(_CHOSEN, {
                     "pipeline": pipeline.name, "any_pos": positions is None,
                     "parts": [p for p, _ in positions or []],
-                    "offsets": [o for _, o in positions or []], "pattern": error_contains})
+                    "offsets": [o for _, o in positions or []], "pattern": error_contains,
+                    "last": last_error})
                 rows = cur.fetchall()
         if not rows:
             text = f"no dead letter of {pipeline.name} matches ({choice}): nothing to replay"
@@ -262,7 +281,8 @@ class ReplayApprovedDeadLettersOperator(_DeadLetterTask, BaseOperator):
 DOC = """
 ### onceflow: replay dead letters of {name}, after approval
 
-Trigger with **records** (`PARTITION:OFFSET`, ...), **error_contains**, or **all**.
+Trigger with **records** (`PARTITION:OFFSET`, ...), **error_contains**, **last_error** (a
+whole last error), or **all**: the onceflow view's Replay buttons trigger it so.
 `preview` shows what would go back to the backflow queue (per reason, the newest);
 `approve` waits for a person (Airflow's *Required actions*); `replay` puts back exactly the
 letters shown, only after *Approve*. *Reject* (or no answer within {timeout}) changes nothing.
@@ -307,6 +327,10 @@ def replay_dead_letters_dag(pipeline: Pipeline | str, *, dag_id: str | None = No
             "error_contains": Param(None, type=["null", "string"], minLength=1,
                                     description="Replay the dead letters whose errors contain "
                                                 "this text (with records: both must match)."),
+            "last_error": Param(None, type=["null", "string"], minLength=1,
+                                description="Replay the dead letters whose last error is "
+                                            "exactly this text (one reason of the onceflow "
+                                            "view's list)."),
             "all": Param(False, type="boolean",
                          description="Replay every dead letter of the pipeline."),
         },

@@ -1,9 +1,12 @@
 """Airflow Assets for onceflow's state tables: downstream DAGs schedule on committed data.
 
-Each state table of a pipeline is an Asset (``onceflow/<pipeline>/<table>``). The commit task
-has the pipeline's AssetAlias as its outlet and attaches an event to each state's Asset only
-when it committed a txid: a failed attempt, a fenced one or a no-op re-run emits nothing. The
-event's extra says what was committed: ``{"txid": 17, "rows": 1021, "ranges": [...]}``.
+Each state table of a pipeline is an Asset (``onceflow/<pipeline>/<table>``), an outlet of
+the task that commits (``commit_outlets``): Airflow's lineage lists that task as producing
+the table. An event goes to each table only when the task committed a txid, saying what that
+commit applied to that table: ``{"txid": 17, "rows": 1021, "ranges": [...]}`` (``rows``: the
+table's own rows). A failed attempt or a fenced one ends the task failed or skipped (no
+event); a run that committed nothing (a no-op re-run of a committed txid) drops the outlets
+before it succeeds (``no_events``), so Airflow records no event for it.
 
     from onceflow.airflow.assets import state_asset
 
@@ -12,6 +15,8 @@ event's extra says what was committed: ``{"txid": 17, "rows": 1021, "ranges": [.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 from airflow.sdk import Asset, AssetAlias
 
@@ -23,13 +28,28 @@ def state_asset(pipeline: str, table: str) -> Asset:
 
 
 def pipeline_alias(pipeline: str) -> AssetAlias:
-    """The commit task's outlet: the events of the tables a commit changed."""
+    """An alias of the pipeline's state tables (the commit task's outlet before its tables
+    were: kept for DAGs that name it)."""
     return AssetAlias(name=f"onceflow/{pipeline}", group="onceflow")
 
 
-def emit(context, pipeline, *, txid: int, rows: int, ranges: list[str]) -> None:
-    """One event per state table for a committed txid."""
-    events = context["outlet_events"][pipeline_alias(pipeline.name)]
+def commit_outlets(pipeline) -> list[Asset]:
+    """The outlets of the task that commits ``pipeline``'s transactions: its state tables.
+    Declared, they also make Airflow create the Assets when it parses the DAG (the first
+    commits of runs in flight would otherwise create them at once, and all but one fail on
+    Airflow's unique index after committing)."""
+    return [state_asset(pipeline.name, spec.table) for spec in pipeline.states]
+
+
+def emit(context, pipeline, *, txid: int, table_rows: Mapping[str, int],
+         ranges: list[str] | tuple[str, ...]) -> None:
+    """The event of each state table for a committed txid: its own rows applied."""
     for spec in pipeline.states:
-        events.add(state_asset(pipeline.name, spec.table),
-                   extra={"txid": txid, "rows": rows, "ranges": ranges})
+        context["outlet_events"][state_asset(pipeline.name, spec.table)].extra = {
+            "txid": txid, "rows": int(table_rows.get(spec.table, 0)), "ranges": list(ranges)}
+
+
+def no_events(task) -> None:
+    """This try of ``task`` (the running copy Airflow made of it) committed nothing: Airflow
+    records an event for every outlet of a task that succeeds, so it has none."""
+    task.outlets = []

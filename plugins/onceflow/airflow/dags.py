@@ -22,7 +22,7 @@ from typing import Any
 
 from airflow.sdk import DAG, Param, get_parsing_context
 
-from onceflow.airflow.assets import pipeline_alias, state_asset
+from onceflow.airflow.assets import commit_outlets
 from onceflow.airflow.operators import (
     BeginBatchOperator,
     CommitBatchOperator,
@@ -50,6 +50,12 @@ from onceflow.core.pipeline import DAG_SHAPES, Pipeline, check
 STANDBY_RUNS = {"single": 2, "phases": 1}
 # The entry point group of the DAGs installed packages ship (shipped_dags).
 SHIPPED_DAGS = "onceflow.dags"
+# The schema of a trigger-form number that must be 1 or more. Not a top-level "minimum":
+# Airflow's trigger form gives that to its number field, which on leaving the field turns
+# 0 into 1 without a word (a run of one record); inside allOf the form leaves the value
+# alone and the same validation (the form's POST, the REST API, dag.test) refuses 0 with
+# "Invalid input for param batch_size: 0 is less than the minimum of 1".
+AT_LEAST_ONE = {"allOf": [{"minimum": 1}]}
 
 DOC = """
 ### onceflow: {name}, exactly once
@@ -147,24 +153,23 @@ def transaction_dag(pipeline: Pipeline | str, *, dag_id: str | None = None,
         tags=["onceflow", "exactly-once", *tags],
         default_args=args,
         params={
-            "batch_size": Param(pipeline.batch_size, type="integer", minimum=1,
+            "batch_size": Param(pipeline.batch_size, type="integer", **AT_LEAST_ONE,
                                 description="Records per new transaction, across all "
-                                            "partitions."),
-            "groups": Param(pipeline.groups, type="integer", minimum=1,
-                            description="Parallel Spark tasks per new transaction."),
-            "txid": Param(None, type=["null", "integer"], minimum=1,
-                          description="Re-attempt this txid (backfill). Empty: the next one."),
+                                            "partitions: 1 or more."),
+            "groups": Param(pipeline.groups, type="integer", **AT_LEAST_ONE,
+                            description="Parallel Spark tasks per new transaction: 1 or "
+                                        "more."),
+            "txid": Param(None, type=["null", "integer"], **AT_LEAST_ONE,
+                          description="Re-attempt this txid (backfill): 1 or more. Empty: "
+                                      "the next one."),
         },
         **dag_kwargs,
     ) as dag:
         common = {"pipeline": pipeline.name, "pipeline_refs": refs,
                   "postgres_conn_id": postgres_conn_id}
-        # The committing task's outlet is the alias (an event only for a committed txid); its
-        # inlets, the state tables it writes, make Airflow create their Assets when it parses
-        # the DAG: else the first commits of runs in flight each created them from the alias
-        # at once, and all but one such run failed on Airflow's unique index after committing.
-        emits = {"outlets": [pipeline_alias(pipeline.name)],
-                 "inlets": [state_asset(pipeline.name, spec.table) for spec in pipeline.states]}
+        # The committing task produces the state tables: their Assets are its outlets (an
+        # event for each only when it committed a txid: onceflow.airflow.assets).
+        emits = {"outlets": commit_outlets(pipeline)}
         # batch_size, groups and txid: the trigger form's params, read by begin itself
         if shape == "single":
             TransactionOperator(task_id="transaction", conn_id=spark_conn_id, **emits,

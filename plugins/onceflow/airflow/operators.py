@@ -178,6 +178,30 @@ def seconds_setting(name: str, value: Any, env: str, default: float) -> float:
     return seconds
 
 
+def plan_setting(name: str, value: Any, where: str) -> int | None:
+    """A plan setting of a run (batch_size, groups, txid): a whole number, 1 or more, or
+    None (empty: the pipeline's own, the next txid). Anything else is refused with a
+    ConfigError naming the setting and where it came from: a run never goes on with another
+    value than the one it was given."""
+    from onceflow.core.errors import ConfigError
+
+    if value is None or value == "":
+        return None
+    number = None
+    if isinstance(value, int | str) and not isinstance(value, bool):
+        try:
+            number = int(value)
+        except ValueError:
+            pass
+    elif isinstance(value, float) and value.is_integer():
+        number = int(value)
+    if number is None or number < 1:
+        empty = "the next txid" if name == "txid" else "the pipeline's own"
+        raise ConfigError(f"{name}={value!r} ({where}) is invalid: give a whole number, 1 or "
+                          f"more, or leave it empty for {empty}; nothing was planned")
+    return number
+
+
 class _PipelineTask:
     """What the three operators share: which pipeline, found how, in which database."""
 
@@ -226,11 +250,13 @@ class _Begins(_PipelineTask):
         try:
             with airflow_outcomes():
                 form = context.get("params") or {}
-                setting = {name: form.get(name) if getattr(self, name) is None
-                           else getattr(self, name) for name in ("batch_size", "groups", "txid")}
+                setting = {name: plan_setting(name, form.get(name), "the run's param")
+                           if getattr(self, name) is None else
+                           plan_setting(name, getattr(self, name), "the task's argument")
+                           for name in ("batch_size", "groups", "txid")}
                 pipeline = self._pipeline(batch_size=setting["batch_size"],
                                           groups=setting["groups"])
-                txid = int(setting["txid"]) if setting["txid"] not in (None, "") else None
+                txid = setting["txid"]
                 with connection(self._dsn()) as conn:
                     ensure_ready(conn, pipeline)
                     batch = self._begin_when_free(pipeline, lambda: begin(
@@ -559,11 +585,14 @@ class _Commits(_PipelineTask):
                                           self.postgres_conn_id, self.poll_interval, deadline),
                 method_name="execute_complete", kwargs={"batch": self.batch},
             )
-        if result.status == "committed" and context and "outlet_events" in context:
-            from onceflow.airflow.assets import emit
+        if context and "outlet_events" in context:
+            from onceflow.airflow.assets import emit, no_events
 
-            emit(context, pipeline, txid=ta.txid, rows=result.rows_applied,
-                 ranges=result.ranges)
+            if result.status == "committed":
+                emit(context, pipeline, txid=ta.txid, table_rows=result.table_rows,
+                     ranges=result.ranges)
+            else:  # committed before (this run's earlier try, or another run): no event
+                no_events(self)
         if context and "ti" in context:
             inject_fault("commit.after", ta.txid, context["ti"].try_number)
         return {"txid": ta.txid, "attempt": ta.attempt, "status": result.status,

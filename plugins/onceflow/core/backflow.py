@@ -285,12 +285,13 @@ def queue_sizes(cur, pipeline: str) -> QueueSizes:
 
 def dead_letter_summary(cur, pipeline: str, newest: int = 5, everything: bool = False
                         ) -> dict:
-    """How many dead letters, how many per last error (its first 80 characters), the newest
-    few (or ``everything``)."""
+    """How many dead letters, how many per last error (the whole text: a replay of one
+    reason, ``replay_dead_letters(last_error=...)``, takes exactly the letters counted), the
+    newest few (or ``everything``)."""
     cur.execute("SELECT count(*) FROM dead_letters WHERE pipeline = %s", (pipeline,))
     total = cur.fetchone()[0]
     cur.execute(
-        """SELECT left(errors[array_upper(errors, 1)], 80) AS reason, count(*) FROM dead_letters
+        """SELECT errors[array_upper(errors, 1)] AS reason, count(*) FROM dead_letters
            WHERE pipeline = %s GROUP BY reason ORDER BY count(*) DESC, reason LIMIT 10""",
         (pipeline,),
     )
@@ -308,10 +309,13 @@ def dead_letter_summary(cur, pipeline: str, newest: int = 5, everything: bool = 
 
 
 def replay_dead_letters(cur, pipeline: str, *, positions: list[tuple[int, int]] | None = None,
-                        error_contains: str | None = None) -> int:
+                        error_contains: str | None = None, last_error: str | None = None
+                        ) -> int:
     """Put chosen dead letters back in the from-queue with their failure count reset (their
-    errors kept). ``positions`` (partition, offset) and/or ``error_contains`` (a substring of
-    any error) choose; neither: all. Call under the coordinator lock. Returns how many."""
+    errors kept). ``positions`` (partition, offset), ``error_contains`` (a substring of any
+    error) and ``last_error`` (the whole last error, as ``dead_letter_summary`` groups them)
+    choose, each that is given must match; none: all. Call under the coordinator lock.
+    Returns how many."""
     cur.execute(
         """WITH chosen AS (
                DELETE FROM dead_letters d WHERE d.pipeline = %(pipeline)s
@@ -319,6 +323,7 @@ def replay_dead_letters(cur, pipeline: str, *, positions: list[tuple[int, int]] 
                       (SELECT * FROM unnest(%(parts)s::int[], %(offsets)s::bigint[])))
                  AND (%(pattern)s::text IS NULL OR EXISTS (
                       SELECT 1 FROM unnest(d.errors) e WHERE strpos(e, %(pattern)s) > 0))
+                 AND (%(last)s::text IS NULL OR d.errors[array_upper(d.errors, 1)] = %(last)s)
                RETURNING d.*)
            INSERT INTO backflow_items (pipeline, partition, "offset", queue, payload, failures,
                                        errors, first_txid, last_txid)
@@ -328,7 +333,7 @@ def replay_dead_letters(cur, pipeline: str, *, positions: list[tuple[int, int]] 
            ON CONFLICT (pipeline, partition, "offset") DO NOTHING""",
         {"pipeline": pipeline, "any_pos": positions is None,
          "parts": [p for p, _ in positions or []], "offsets": [o for _, o in positions or []],
-         "pattern": error_contains},
+         "pattern": error_contains, "last": last_error},
     )
     moved = cur.rowcount
     maybe_swap(cur, pipeline)

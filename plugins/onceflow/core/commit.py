@@ -22,7 +22,7 @@ import logging
 import os
 from collections.abc import Callable, Mapping
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from onceflow.core import backflow, offsets, rejects, staging, tables, txlog
 from onceflow.core import state_tables as state_tables
@@ -52,6 +52,8 @@ class CommitResult:
     dead: int = 0
     blocker: Blocker | None = None
     ranges: tuple[str, ...] = ()  # what the txid read, "p0:[0,500)"
+    # rows applied per state table (key-value state of stateful bolts apart: in rows_applied)
+    table_rows: Mapping[str, int] = field(default_factory=dict)
 
 
 class MissingStaging(OnceflowError):
@@ -136,9 +138,10 @@ def _commit(conn, pipeline: Pipeline, ta: TransactionAttempt, on_step: Step,
         on_step("locked")
         keys = {"pipeline": pipeline.name, "txid": ta.txid, "attempt": ta.attempt}
         rows = 0
+        table_rows: dict[str, int] = {}
         for spec in pipeline.external_states():
-            rows += _apply_external(cur, pipeline.name, spec, external_dsn(spec, state_dsns),
-                                    keys, groups)
+            table_rows[spec.table] = _apply_external(
+                cur, pipeline.name, spec, external_dsn(spec, state_dsns), keys, groups)
             on_step(f"external:{spec.name}")
         if proof.stateful:
             bolts = stateful_steps.stateful_bolts(pipeline, proof.stateful)
@@ -149,16 +152,17 @@ def _commit(conn, pipeline: Pipeline, ta: TransactionAttempt, on_step: Step,
             on_step("kv_state")
         for spec in pipeline.states:
             if spec.conn_id is None and spec.typed:
-                rows += tables.apply_batch(
+                table_rows[spec.table] = tables.apply_batch(
                     cur, spec.shape(), spec.opaque, ta.txid,
                     tables.staged_batch(pipeline.name, spec.shape(), groups), keys)
                 on_step(f"state:{spec.name}")
             elif spec.conn_id is None:
-                rows += state_tables.apply_source(
+                table_rows[spec.table] = state_tables.apply_source(
                     cur, spec, ta.txid, state_tables.staged_source(groups),
                     {**keys, "state": spec.source_name},
                 )
                 on_step(f"state:{spec.name}")
+        rows += sum(table_rows.values())
         rejects.keep(cur, pipeline.name, ta.txid, ta.attempt)
         on_step("rejects")
         settled = backflow.settle(cur, pipeline, ta, batch.replayed)
@@ -178,4 +182,5 @@ def _commit(conn, pipeline: Pipeline, ta: TransactionAttempt, on_step: Step,
     return CommitResult("committed", ta, rows_applied=rows, waited_s=waited,
                         failed=settled.failed, dead=settled.dead,
                         ranges=tuple(f"p{r.partition}:[{r.start},{r.end})"
-                                     for r, _ in batch.ranges))
+                                     for r, _ in batch.ranges),
+                        table_rows=table_rows)

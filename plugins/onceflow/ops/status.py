@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 from onceflow.core import backflow, offsets, txlog
@@ -52,7 +53,56 @@ class PipelineStatus:
         return json.dumps(dataclasses.asdict(self), default=str, indent=2)
 
 
-def _stuck(pipeline: str, rows: list[TxRow], last_committed: int) -> list[Stuck]:
+@dataclass(frozen=True)
+class Progress:
+    """How far a planned transaction's current attempt is."""
+
+    groups: int
+    staged: int  # groups whose processing staged its result
+    started_at: datetime | None  # when the attempt began
+    commit_wait_s: float | None  # since its commit was asked for; None: not yet
+
+
+def progress(cur, pipeline: str) -> dict[int, Progress]:
+    """The progress of every planned transaction of ``pipeline``, by txid."""
+    cur.execute(
+        """SELECT t.txid, t.groups,
+                  (SELECT count(*) FROM staged_groups g WHERE g.pipeline = t.pipeline
+                     AND g.txid = t.txid AND g.attempt = t.attempt),
+                  a.started_at, EXTRACT(EPOCH FROM now() - t.commit_requested_at)
+           FROM transactions t LEFT JOIN transaction_attempts a
+             ON a.pipeline = t.pipeline AND a.txid = t.txid AND a.attempt = t.attempt
+           WHERE t.pipeline = %s AND t.state = 'planned'""",
+        (pipeline,),
+    )
+    return {txid: Progress(groups, staged, started,
+                           float(waited) if waited is not None else None)
+            for txid, groups, staged, started, waited in cur.fetchall()}
+
+
+def activity(row: TxRow, done: Progress | None, last_committed: int) -> str:
+    """What a planned transaction is doing: processing (how many groups staged), or
+    processed and committing, or processed and waiting for the txid before it to commit
+    (for how long)."""
+    run = f"run {row.run_id or '-'}, attempt {row.attempt}"
+    if done is None:
+        return f"in flight ({run})"
+    if done.commit_wait_s is None:
+        since = (f" since {done.started_at.astimezone(UTC):%H:%M:%S} UTC"
+                 if done.started_at is not None else "")
+        if done.staged < done.groups:
+            return (f"processing{since}: {done.staged} of {done.groups} group(s) staged "
+                    f"({run})")
+        return (f"processed ({done.groups} of {done.groups} group(s) staged), its commit not "
+                f"started yet ({run})")
+    if row.txid > last_committed + 1:
+        return (f"processed; its commit waits for txid {last_committed + 1} to commit: "
+                f"waiting {done.commit_wait_s:.1f}s so far ({run})")
+    return f"processed; committing, asked {done.commit_wait_s:.1f}s ago ({run})"
+
+
+def _stuck(pipeline: str, rows: list[TxRow], last_committed: int,
+           done: dict[int, Progress] | None = None) -> list[Stuck]:
     backfill = f"onceflow backfill --pipeline {pipeline}"
     out = []
     for row in rows:
@@ -69,7 +119,7 @@ def _stuck(pipeline: str, rows: list[TxRow], last_committed: int) -> list[Stuck]
                              f"the next run adopts it; now: {backfill}"))
         elif row.txid > last_committed + 1:
             out.append(Stuck(row.txid, str(row.state),
-                             f"waits for txid {last_committed + 1} to commit", "-"))
+                             activity(row, (done or {}).get(row.txid), last_committed), "-"))
     return out
 
 
@@ -80,7 +130,8 @@ def pipeline_status(cur, source, pipeline: str, limit: int = 20, dead_letters: i
     rows = txlog.history(cur, pipeline, limit)
     open_rows = txlog.history(cur, pipeline, 10_000, open_only=True)
     status = PipelineStatus(pipeline, coordinator[0], coordinator[1], coordinator[2], rows,
-                            _stuck(pipeline, open_rows, coordinator[1]))
+                            _stuck(pipeline, open_rows, coordinator[1],
+                                   progress(cur, pipeline)))
     committed = offsets.committed(cur, pipeline)
     for partition, position in sorted(source.positions(cur).items()):
         done = committed.get(partition)

@@ -10,6 +10,9 @@ Routes (under the mount):
 ``GET  /api/pipelines/{name}``                             JSON: one pipeline (``?all_dead=1``:
                                                            every dead letter)
 ``POST /api/pipelines/{name}/dead-letters/replay``         put dead letters back in the backflow
+``POST /api/pipelines/{name}/dead-letters/request-approval``  ask a person to approve a replay
+                                                           (a pipeline with
+                                                           ``dead_letter_approval``)
 ``POST /api/pipelines/{name}/backfill``                    one DAG run per open txid
 =========================================================  ======================================
 
@@ -20,7 +23,14 @@ the auth manager's, on the pipeline's DAG (``onceflow_<name>``) as for its runs:
 needs ``GET`` on its DAG runs, the actions ``POST`` on them (what triggering a run needs).
 A user without it sees no buttons, and the endpoints refuse (403).
 
-Both actions take two steps: a POST with ``"confirm": false`` says what would happen (the
+A pipeline declared with ``dead_letter_approval=True`` replays dead letters only after a
+person approves: for it the replay endpoint refuses (409, naming the way), and the page's
+Replay buttons ask for the approval instead: a run of its DAG
+``onceflow_<name>_replay_dead_letters`` (``onceflow.airflow.approval``) with the same choice,
+which shows the letters in Airflow's Required actions and replays them only once approved.
+Asking takes the permission to trigger that DAG.
+
+The actions take two steps: a POST with ``"confirm": false`` says what would happen (the
 page shows it in a confirmation dialog), the same POST with ``"confirm": true`` does it. They
 need the header ``X-Requested-By`` (a cross-site form cannot send it) and a JSON body.
 """
@@ -77,6 +87,12 @@ User = Annotated[Any, Depends(_user)]
 def allowed(user, pipeline: str, method: str) -> bool:
     """Whether ``user`` may ``GET`` (read) or ``POST`` (act on) the runs of ``pipeline``'s
     DAG, by Airflow's auth manager."""
+    return allowed_dag(user, data.dag_id_of(pipeline), method)
+
+
+def allowed_dag(user, dag_id: str, method: str) -> bool:
+    """Whether ``user`` may ``GET`` (read) or ``POST`` (trigger) the runs of ``dag_id``, by
+    Airflow's auth manager."""
     from airflow.api_fastapi.app import get_auth_manager
     from airflow.api_fastapi.auth.managers.models.resource_details import (
         DagAccessEntity,
@@ -84,7 +100,6 @@ def allowed(user, pipeline: str, method: str) -> bool:
     )
     from airflow.models.dag import DagModel
 
-    dag_id = data.dag_id_of(pipeline)
     try:
         team = DagModel.get_team_name(dag_id)
     except Exception:  # no team tables to ask: no team
@@ -97,12 +112,21 @@ def allowed(user, pipeline: str, method: str) -> bool:
 def _pipeline(name: str, user, method: str = "GET"):
     known = _registered()
     if name not in known or not allowed(user, name, "GET"):
-        raise HTTPException(404, f"no pipeline {name!r} here")
+        # only the names this user may read: the others stay unknown to them
+        visible = [n for n in known if allowed(user, n, "GET")]
+        raise HTTPException(404, f"no pipeline {name!r} here: known pipelines are "
+                                 f"{', '.join(visible) or 'none'}")
     if method != "GET" and not allowed(user, name, method):
         raise HTTPException(403, f"{user.get_name()} may not operate pipeline {name!r}: it "
                                  f"takes the permission to trigger runs of DAG "
                                  f"{data.dag_id_of(name)}")
     return known[name]
+
+
+def _may_request(user, pipeline) -> bool:
+    """Whether ``user`` may ask for an approved replay of ``pipeline``'s dead letters."""
+    return bool(pipeline.dead_letter_approval) and allowed_dag(
+        user, data.approval_dag_id(pipeline.name), "POST")
 
 
 def _registered() -> dict[str, Any]:
@@ -148,14 +172,19 @@ def _templates():
 _env = None
 
 
-def _page(request: Request, template: str, **values) -> HTMLResponse:
+def _page(request: Request, template: str, status_code: int = 200, **values) -> HTMLResponse:
     global _env
     if _env is None:
         _env = _templates()
     root = request.scope.get("root_path", "").removesuffix(MOUNT)
     html = _env.get_template(template).render(
         base=f"{root}{MOUNT}", airflow=root or "", **values)
-    return HTMLResponse(html, headers=_SECURITY_HEADERS)
+    return HTMLResponse(html, status_code=status_code, headers=_SECURITY_HEADERS)
+
+
+def _error_page(request: Request, user, error: HTTPException) -> HTMLResponse:
+    """The error page, answered with the error's own status (a 404 is a 404 to a script)."""
+    return _page(request, "error.html", error.status_code, user=user, error=error.detail)
 
 
 def _login(request: Request) -> RedirectResponse:
@@ -176,9 +205,9 @@ def create_app() -> FastAPI:
         try:
             rows = [data.summary(p) for p in _visible(user)]
         except HTTPException as error:
-            return _page(request, "error.html", user=user, error=error.detail)
+            return _error_page(request, user, error)
         except Exception as error:
-            return _page(request, "error.html", user=user, error=_failure(error).detail)
+            return _error_page(request, user, _failure(error))
         return _page(request, "index.html", user=user, pipelines=rows)
 
     @app.get("/pipelines/{name}", response_class=HTMLResponse, include_in_schema=False)
@@ -189,11 +218,12 @@ def create_app() -> FastAPI:
             pipeline = _pipeline(name, user)
             view = data.pipeline_view(pipeline, all_dead=all_dead)
         except HTTPException as error:
-            return _page(request, "error.html", user=user, error=error.detail)
+            return _error_page(request, user, error)
         except Exception as error:
-            return _page(request, "error.html", user=user, error=_failure(error).detail)
+            return _error_page(request, user, _failure(error))
         return _page(request, "pipeline.html", user=user, p=view,
-                     can_operate=allowed(user, name, "POST"))
+                     can_operate=allowed(user, name, "POST"),
+                     can_request=_may_request(user, pipeline))
 
     @app.get("/api/pipelines")
     def api_pipelines(user: User) -> list[dict[str, Any]]:
@@ -211,13 +241,21 @@ def create_app() -> FastAPI:
             view = data.pipeline_view(pipeline, all_dead=all_dead)
         except Exception as error:
             raise _failure(error) from error
-        return {**view, "can_operate": allowed(user, name, "POST")}
+        return {**view, "can_operate": allowed(user, name, "POST"),
+                "can_request_approval": _may_request(user, pipeline)}
 
     @app.post("/api/pipelines/{name}/dead-letters/replay")
     def api_replay(name: str, body: ReplayBody, request: Request,
                    user: User) -> dict[str, Any]:
         _guard_post(request)
         pipeline = _pipeline(name, user, "POST")
+        if pipeline.dead_letter_approval:
+            approval = data.approval_dag_id(pipeline.name)
+            raise HTTPException(409, (
+                f"pipeline {pipeline.name!r} replays dead letters only after a person approves "
+                f"(dead_letter_approval): ask for the approval instead (POST "
+                f"{MOUNT}/api/pipelines/{pipeline.name}/dead-letters/request-approval, the "
+                f"page's buttons), or trigger the DAG {approval} with the same choice"))
         choice = body.choice()
         try:
             count = data.replay_dead_letters(pipeline.name, choice, apply=body.confirm)
@@ -233,6 +271,54 @@ def create_app() -> FastAPI:
         return {"confirm": True, "count": count, "message": (
             f"{count} dead letter(s) of {pipeline.name} put back in the backflow from-queue: "
             "the next transactions replay them.")}
+
+    @app.post("/api/pipelines/{name}/dead-letters/request-approval")
+    def api_request_approval(name: str, body: ReplayBody, request: Request,
+                             user: User) -> dict[str, Any]:
+        _guard_post(request)
+        pipeline = _pipeline(name, user)
+        dag_id = data.approval_dag_id(pipeline.name)
+        if not pipeline.dead_letter_approval:
+            raise HTTPException(409, (
+                f"pipeline {pipeline.name!r} does not ask for approvals of replays (no "
+                f"dead_letter_approval): replay with POST "
+                f"{MOUNT}/api/pipelines/{pipeline.name}/dead-letters/replay"))
+        if not allowed_dag(user, dag_id, "POST"):
+            raise HTTPException(403, f"{user.get_name()} may not ask for a replay of "
+                                     f"{pipeline.name!r}: it takes the permission to trigger "
+                                     f"runs of DAG {dag_id}")
+        choice = body.choice()
+        paused = data.dag_paused(dag_id)
+        if paused is None:
+            raise HTTPException(404, (
+                f"Airflow has no DAG {dag_id}: its DAG file must load (transaction_dags() "
+                f"gives it to a pipeline with dead_letter_approval, or call "
+                f"replay_dead_letters_dag({pipeline.name!r}) in a DAG file)"))
+        try:
+            count = data.replay_dead_letters(pipeline.name, choice, apply=False)
+        except Exception as error:
+            raise _failure(error) from error
+        note = (f" The DAG {dag_id} is paused: unpause it for the request to be made."
+                if paused else "")
+        if not body.confirm or count == 0:
+            return {"confirm": False, "count": count, "message": (
+                f"Ask a person to approve a replay of {count} dead letter(s) of "
+                f"{pipeline.name} ({choice.describe()})? A run of {dag_id} shows them in "
+                "Airflow's Required actions; nothing is replayed unless it is approved."
+                f"{note}" if count else
+                f"No dead letter of {pipeline.name} is {choice.describe()}: nothing to ask.")}
+        try:
+            run = data.trigger_approval(pipeline.name, choice, user.get_name())
+        except Exception as error:
+            raise _failure(error) from error
+        log.warning("REPLAY REQUEST by %s in the onceflow view: %d dead letter(s) of %s (%s): "
+                    "run %s of %s", user.get_name(), count, pipeline.name, choice.describe(),
+                    run, dag_id)
+        return {"confirm": True, "count": count, "dag_id": dag_id, "run_id": run,
+                "message": (
+                    f"Asked for an approval: run {run} of {dag_id} shows {count} dead "
+                    "letter(s) in Airflow's Required actions; they are replayed once a person "
+                    f"approves.{note}")}
 
     @app.post("/api/pipelines/{name}/backfill")
     def api_backfill(name: str, body: BackfillBody, request: Request,
@@ -282,10 +368,13 @@ def create_app() -> FastAPI:
 
 
 class ReplayBody(BaseModel):
-    """Which dead letters: ``records`` ("PARTITION:OFFSET"), ``error_contains``, or ``all``."""
+    """Which dead letters: ``records`` ("PARTITION:OFFSET"), ``error_contains`` (a text of
+    any of their errors), ``last_error`` (their whole last error, one reason of the page's
+    list), or ``all``."""
 
     records: list[str] | None = None
     error_contains: str | None = Field(None, min_length=1, max_length=2000)
+    last_error: str | None = Field(None, min_length=1, max_length=100_000)
     all: bool = False
     confirm: bool = False
 
@@ -299,11 +388,13 @@ class ReplayBody(BaseModel):
                     raise HTTPException(400, f"record {item!r} is not PARTITION:OFFSET")
                 positions.append((int(partition), int(offset)))
             positions = tuple(positions)
-        if positions is None and self.error_contains is None and not self.all:
-            raise HTTPException(400, "choose the dead letters: records, error_contains or all")
-        if self.all and (positions is not None or self.error_contains is not None):
-            raise HTTPException(400, "all excludes records and error_contains")
-        return data.Choice(positions, self.error_contains, self.all)
+        narrower = (positions, self.error_contains, self.last_error)
+        if all(c is None for c in narrower) and not self.all:
+            raise HTTPException(400, "choose the dead letters: records, error_contains, "
+                                     "last_error or all")
+        if self.all and any(c is not None for c in narrower):
+            raise HTTPException(400, "all excludes records, error_contains and last_error")
+        return data.Choice(positions, self.error_contains, self.all, self.last_error)
 
 
 class BackfillBody(BaseModel):

@@ -30,6 +30,12 @@ def dag_id_of(pipeline: str) -> str:
     return f"onceflow_{pipeline}"
 
 
+def approval_dag_id(pipeline: str) -> str:
+    """The DAG that replays a pipeline's dead letters after a person approves
+    (``onceflow.airflow.approval.replay_dag_id``)."""
+    return f"onceflow_{pipeline}_replay_dead_letters"
+
+
 def server_dsn(conn_id: str = DEFAULT_CONN_ID, *, session=None) -> str:
     """The coordinator's DSN in an Airflow server process: the connection from Airflow's
     secrets backends as the server has them (a custom backend, ``AIRFLOW_CONN_*``, the
@@ -111,9 +117,12 @@ def pipeline_view(pipeline, *, timeline: int = TIMELINE, dead_letters: int = DEA
     first begin has not run yet."""
     from onceflow.core import txlog
     from onceflow.core.errors import NotInitialised
-    from onceflow.ops.status import pipeline_status
+    from onceflow.ops.status import activity, pipeline_status, progress
 
     view: dict[str, Any] = {"pipeline": pipeline.name, "dag_id": dag_id_of(pipeline.name),
+                            "dead_letter_approval": bool(pipeline.dead_letter_approval),
+                            "approval_dag_id": approval_dag_id(pipeline.name)
+                            if pipeline.dead_letter_approval else None,
                             "description": pipeline.description,
                             "source": pipeline.source.describe(), "initialised": False,
                             "error": None}
@@ -122,6 +131,7 @@ def pipeline_view(pipeline, *, timeline: int = TIMELINE, dead_letters: int = DEA
             status = pipeline_status(cur, pipeline.source, pipeline.name, timeline,
                                      dead_letters, all_dead)
             open_rows = txlog.history(cur, pipeline.name, 10_000, open_only=True)
+            done = progress(cur, pipeline.name)
     except NotInitialised as error:
         view["error"] = str(error)
         return view
@@ -134,7 +144,7 @@ def pipeline_view(pipeline, *, timeline: int = TIMELINE, dead_letters: int = DEA
             entry.update(holds=s.holds, fix=s.fix, stuck=s.fix != "-")
         else:  # the next to commit, still working
             silent = f"{row.silent_s:.0f}s ago" if row.silent_s is not None else "-"
-            entry.update(holds=f"in flight: run {row.run_id or '-'} (attempt {row.attempt}) "
+            entry.update(holds=f"{activity(row, done.get(row.txid), status.last_committed)}; "
                                f"last reported {silent}, lease {row.lease_s}s",
                          fix="-", stuck=False)
         entry["waits_for"] = (status.last_committed + 1
@@ -154,9 +164,9 @@ def pipeline_view(pipeline, *, timeline: int = TIMELINE, dead_letters: int = DEA
         backfillable=[t["txid"] for t in open_txs
                       if t["state"] in ("failed", "superseded", "abandoned")],
         partitions=[dataclasses.asdict(p) for p in status.partitions],
-        lag=sum(p.lag for p in status.partitions),
         gaps=_jsonable(status.gaps),
         backflow=status.backflow,
+        **behind(status),
         dead_letters=_jsonable({**status.dead_letters,
                                 "by_reason": [{"reason": r, "count": c}
                                               for r, c in status.dead_letters["by_reason"]]}),
@@ -164,11 +174,21 @@ def pipeline_view(pipeline, *, timeline: int = TIMELINE, dead_letters: int = DEA
     return view
 
 
+def behind(status) -> dict[str, int]:
+    """What is not committed yet, as ``onceflow status`` counts it: ``lag``, the records of
+    the source past the committed offsets; ``backflow_waiting``, the failed records waiting
+    in the backflow queues for a replay (to-queue and from-queue; dead letters apart);
+    ``behind``, both."""
+    lag = sum(p.lag for p in status.partitions)
+    waiting = status.backflow["to_items"] + status.backflow["from_items"]
+    return {"lag": lag, "backflow_waiting": waiting, "behind": lag + waiting}
+
+
 def summary(pipeline) -> dict[str, Any]:
     """The overview line of a pipeline (the index page)."""
     view = pipeline_view(pipeline, timeline=1, dead_letters=0)
     keep = ("pipeline", "dag_id", "description", "source", "initialised", "error", "topic",
-            "last_committed", "next_txid", "lag", "backflow")
+            "last_committed", "next_txid", "lag", "backflow_waiting", "behind", "backflow")
     out = {k: view[k] for k in keep if k in view}
     if view["initialised"]:
         out.update(open=len(view["open"]), stuck=sum(1 for t in view["open"] if t["stuck"]),
@@ -180,12 +200,14 @@ def summary(pipeline) -> dict[str, Any]:
 # -- actions --------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Choice:
-    """Which dead letters: ``positions`` (partition, offset) and/or ``error_contains``;
-    neither: every one (``everything`` must say so)."""
+    """Which dead letters: ``positions`` (partition, offset), ``error_contains`` (a text of
+    any of their errors) and/or ``last_error`` (their whole last error: one reason the view
+    lists); none: every one (``everything`` must say so)."""
 
     positions: tuple[tuple[int, int], ...] | None = None
     error_contains: str | None = None
     everything: bool = False
+    last_error: str | None = None
 
     def describe(self) -> str:
         if self.everything:
@@ -195,7 +217,15 @@ class Choice:
             parts.append("record(s) " + ", ".join(f"p{p}:{o}" for p, o in self.positions))
         if self.error_contains is not None:
             parts.append(f"dead letters whose errors contain {self.error_contains!r}")
+        if self.last_error is not None:
+            parts.append(f"dead letters whose last error is {self.last_error!r}")
         return " and ".join(parts)
+
+    def conf(self) -> dict[str, Any]:
+        """The same choice as the conf of a run of the approval DAG (its params)."""
+        return {"records": [f"{p}:{o}" for p, o in self.positions or ()],
+                "error_contains": self.error_contains, "last_error": self.last_error,
+                "all": self.everything}
 
 
 def replay_dead_letters(pipeline: str, choice: Choice, *, apply: bool) -> int:
@@ -215,7 +245,8 @@ def replay_dead_letters(pipeline: str, choice: Choice, *, apply: bool) -> int:
                 moved = replay(cur, pipeline,
                                positions=list(choice.positions) if choice.positions is not None
                                else None,
-                               error_contains=choice.error_contains)
+                               error_contains=choice.error_contains,
+                               last_error=choice.last_error)
             if apply:
                 conn.commit()
                 log.warning("REPLAY pipeline=%s: %d dead letter(s) put back (%s)", pipeline,
@@ -260,6 +291,22 @@ def trigger_backfill(pipeline: str, txids: Iterable[int], user_name: str | None
             note=f"txid {txid} · backfill queued by {user_name or 'a user'} (onceflow view)")
         made.append({"txid": txid, "run_id": run.run_id if run else None})
     return made
+
+
+def trigger_approval(pipeline: str, choice: Choice, user_name: str | None) -> str:
+    """A queued run of the pipeline's approval DAG with ``choice`` as its conf (what its
+    trigger form takes), through Airflow's own trigger. Returns its run id."""
+    from airflow.api.common.trigger_dag import trigger_dag
+    from airflow.utils.types import DagRunTriggeredByType
+
+    run = trigger_dag(
+        approval_dag_id(pipeline), triggered_by=DagRunTriggeredByType.UI,
+        triggering_user_name=user_name,
+        run_id=f"onceflow_replay_request__{datetime.now(UTC):%Y%m%dT%H%M%S%f}",
+        conf=choice.conf(),
+        note=f"replay of dead letters asked for by {user_name or 'a user'} (onceflow view): "
+             f"{choice.describe()}"[:1000])
+    return run.run_id
 
 
 def dag_paused(dag_id: str) -> bool | None:
