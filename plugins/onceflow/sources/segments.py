@@ -213,9 +213,10 @@ def read_export(paths: Iterable[str]):
 
 
 def segments_for(cur, topic: str, ranges: Iterable[PartitionRange]) -> list[str]:
-    """Paths of the segments holding the ranges' offsets; SourceShortfall when the index does
-    not cover a range whole."""
-    paths: list[str] = []
+    """Paths of the segments holding the ranges' offsets, each once (ranges of several txids,
+    as verify reads them, share segments: a path given to Spark twice is read twice);
+    SourceShortfall when the index does not cover a range whole."""
+    paths: dict[str, None] = {}
     for r in ranges:
         if r.size <= 0:
             continue
@@ -231,12 +232,12 @@ def segments_for(cur, topic: str, ranges: Iterable[PartitionRange]) -> list[str]
             if base > covered:
                 break
             covered = max(covered, base + records)
-            paths.append(path)
+            paths[path] = None
         if covered < r.end:
             raise SourceShortfall(
                 f"topic {topic!r} partition {r.partition}: no segment holds offsets "
                 f"[{covered}, {r.end}) of the planned range [{r.start}, {r.end})")
-    return paths
+    return list(paths)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -309,7 +310,7 @@ class FileSegments(Source):
         by_partition: dict[int, list[PartitionRange]] = {}
         for r in ranges:
             by_partition.setdefault(r.partition, []).append(r)
-        for path in dict.fromkeys(paths):
+        for path in paths:
             table = pq.read_table(path, columns=["partition", "offset", "payload"])
             for partition, offset, payload in zip(*(table.column(c).to_pylist() for c in
                                                     ("partition", "offset", "payload")),
