@@ -184,10 +184,17 @@ def cmd_import(args) -> int:
     started = time.monotonic()
     table = read_export(args.files)
     with db.connection() as conn:
-        done = import_segments(conn, pipeline.source.root(), pipeline.topic, table)
+        done = import_segments(conn, pipeline.source.root(), pipeline.topic, table,
+                               on_conflict=args.on_conflict)
+    kept = ""
+    if done.kept or done.before_start:
+        kept = (f"; kept the log's records (--on-conflict keep-existing): {done.kept} at "
+                f"offsets it holds with another payload, {done.before_start} below a "
+                "partition's log start, not imported")
     print(f"imported {done.records} records into {pipeline.source.describe()} as "
           f"{done.segments} segment file(s) in {time.monotonic() - started:.1f}s; "
-          f"{done.skipped} were there already; heads now {done.heads}")
+          f"{done.skipped} were there already (the same payload){kept}; heads now "
+          f"{done.heads}")
     return 0
 
 
@@ -406,8 +413,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("import", cmd_import, "import records that have their partition and offset "
             "already (Parquet or JSON-lines files with partition, offset, payload: e.g. a Kafka "
             "export) into a file-segment source, keeping both; a second import of the same "
-            "files changes nothing")
+            "files changes nothing; records at offsets the log holds with another payload "
+            "refuse the whole import (exit 2) unless --on-conflict keep-existing")
     p.add_argument("files", nargs="+", metavar="FILE", help="the files to import")
+    p.add_argument("--on-conflict", choices=("refuse", "keep-existing"), default="refuse",
+                   help="records at offsets the log already holds with another payload (or "
+                        "below a partition's log start): refuse the whole import (default), "
+                        "or keep the log's records and import only the new ones past each "
+                        "head. There is no replace: batches may have read those offsets")
     p = add("status", cmd_status, "transactions in commit order, what holds up open ones, "
             "partition offsets and lag, gaps, backflow queues, dead letters")
     p.add_argument("--limit", type=_positive, default=20, help="last N transactions (20)")
