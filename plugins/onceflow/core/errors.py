@@ -47,6 +47,11 @@ class MaxPendingReached(OnceflowError):
     """``max_pending`` transactions are planned and uncommitted: no new txid is planned."""
 
 
+class BookkeepingDamaged(OnceflowError):
+    """The pipeline's own records disagree (a commit record or offsets changed by hand):
+    nothing that writes is done until `onceflow repair` has fixed them."""
+
+
 class StaleBatch(OnceflowError):
     """A batch older than what a state already holds: never applied."""
 

@@ -443,6 +443,40 @@ def mark_failed(cur, pipeline: str, ta: TransactionAttempt, reason: str) -> bool
     return marked
 
 
+def restore_committed(cur, pipeline: str, ta: TransactionAttempt, reason: str) -> bool:
+    """`onceflow repair`: ``ta`` committed (its outcome says so) but the transaction's state
+    was changed by hand: make ``ta`` its committed attempt again, and end every later attempt
+    (fenced: it may neither stage nor commit). Returns whether the row changed."""
+    cur.execute(
+        """UPDATE transactions SET state = 'committed', attempt = %s
+           WHERE pipeline = %s AND txid = %s AND state <> 'committed'""",
+        (ta.attempt, pipeline, ta.txid),
+    )
+    changed = cur.rowcount == 1
+    if changed:
+        cur.execute(
+            """UPDATE transaction_attempts SET outcome = 'fenced', reason = %s, ended_at = now()
+               WHERE pipeline = %s AND txid = %s AND attempt > %s AND outcome IS NULL""",
+            (reason[:2000], pipeline, ta.txid, ta.attempt),
+        )
+    return changed
+
+
+def unmark_committed(cur, pipeline: str, ta: TransactionAttempt, reason: str) -> bool:
+    """`onceflow repair`: a transaction marked committed by hand, whose commit never ran (no
+    outcome, no committed_at): failed, so the next run adopts it. Returns whether it was."""
+    cur.execute(
+        """UPDATE transactions SET state = 'failed'
+           WHERE pipeline = %s AND txid = %s AND attempt = %s AND state = 'committed'
+             AND committed_at IS NULL""",
+        (pipeline, ta.txid, ta.attempt),
+    )
+    marked = cur.rowcount == 1
+    if marked:
+        end_attempt(cur, pipeline, ta, Outcome.FAILED, reason)
+    return marked
+
+
 def request_commit(cur, pipeline: str, ta: TransactionAttempt) -> None:
     """The commit of ``ta`` was asked for: its wait is measured from here."""
     cur.execute(
