@@ -17,8 +17,15 @@ and verify rely on. Read only; `onceflow repair` fixes what can be fixed safely
   partition's previous committed range ended, or where a recorded gap (offset_gaps) ends;
   verify maps every record to the one committed txid that read it.
 - **The coordinator row** (``status`` and ``backfill`` only; repair has its own check):
-  ``last_committed_txid`` is the highest txid below which every txid committed, and
-  ``next_txid`` is above every txid.
+  ``last_committed_txid`` is the highest txid below which every txid committed (by its state,
+  or by its marks where its record was reverted), and ``next_txid`` is above every txid.
+
+Each check is one statement, so a commit landing meanwhile is seen whole or not at all, and
+reads the open transactions and each partition's newest ranges only (indexes of migration
+013); the tiling of committed ranges is a pass over them all, which `repair` makes and
+`status` leaves out. This module reads ``transactions``, ``transaction_attempts``,
+``batch_ranges`` and ``partition_offsets`` together for that; it writes nothing (repair's
+fixes go through onceflow.core.txlog and onceflow.core.offsets).
 
 A transaction counts as committed here when its commit left its marks (an attempt whose
 outcome is committed, or ``committed_at``), not by its state column alone.
@@ -28,40 +35,70 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# Per txid of the pipeline: its state, current attempt, the attempt that committed (if one
-# did) and whether the commit's time stamp is there. "done": the commit left its marks.
-_COMMIT_MARKS = """
-    SELECT t.txid, t.state, t.attempt, c.attempt AS committed_attempt,
-           t.committed_at IS NOT NULL AS stamped,
-           (c.attempt IS NOT NULL OR t.committed_at IS NOT NULL) AS done
-    FROM transactions t
-    LEFT JOIN (SELECT txid, max(attempt) AS attempt FROM transaction_attempts
-               WHERE pipeline = %(p)s AND outcome = 'committed' GROUP BY txid) c
-      ON c.txid = t.txid
-    WHERE t.pipeline = %(p)s"""
+# Whether transaction t's commit left its marks: its time stamp, or an attempt whose outcome
+# is committed (both written by the commit, with the state, in one PostgreSQL transaction).
+_DONE = """(t.committed_at IS NOT NULL OR EXISTS (
+    SELECT 1 FROM transaction_attempts a WHERE a.pipeline = t.pipeline AND a.txid = t.txid
+      AND a.outcome = 'committed'))"""
 
-# Per partition, the range of the last txid whose commit left its marks (after the last
-# reset): what partition_offsets must hold.
+# The transactions whose state may disagree with their marks: the uncommitted ones (index
+# transactions_open) and the ones without a time stamp (index transactions_unstamped), with
+# the attempt that committed, if one did. A healthy pipeline's committed history is in
+# neither index, so this reads the open transactions only.
+_ODD = f"""
+    SELECT t.txid, t.state, t.attempt,
+           (SELECT max(a.attempt) FROM transaction_attempts a WHERE a.pipeline = t.pipeline
+              AND a.txid = t.txid AND a.outcome = 'committed') AS committed_attempt,
+           {_DONE} AS done
+    FROM transactions t WHERE t.pipeline = %(p)s AND t.state <> 'committed'
+    UNION
+    SELECT t.txid, t.state, t.attempt,
+           (SELECT max(a.attempt) FROM transaction_attempts a WHERE a.pipeline = t.pipeline
+              AND a.txid = t.txid AND a.outcome = 'committed'),
+           {_DONE}
+    FROM transactions t WHERE t.pipeline = %(p)s AND t.committed_at IS NULL"""
+
+# The highest txid whose commit left its marks (from the newest down: it is near the top).
+_LAST_DONE = f"""
+    SELECT coalesce((SELECT t.txid FROM transactions t WHERE t.pipeline = %(p)s AND {_DONE}
+                     ORDER BY t.txid DESC LIMIT 1), 0)"""
+
+# Per partition a range was ever planned for, the range of the last txid whose commit left
+# its marks (after the last reset): what partition_offsets must hold. The partitions by a
+# skip scan, each one's range from the newest txid down (index batch_ranges_partition_txid).
 _EXPECTED_OFFSETS = f"""
-    WITH marks AS ({_COMMIT_MARKS})
-    SELECT DISTINCT ON (br.partition) br.partition, br.end_offset, br.txid, br.topic
-    FROM batch_ranges br
-    JOIN marks m ON m.txid = br.txid AND m.done
-    JOIN pipelines p ON p.name = br.pipeline
-    WHERE br.pipeline = %(p)s AND br.txid > p.reset_after_txid
-    ORDER BY br.partition, br.txid DESC"""
+    WITH RECURSIVE parts AS (
+        SELECT min(partition) AS partition FROM batch_ranges WHERE pipeline = %(p)s
+        UNION ALL
+        SELECT (SELECT min(br.partition) FROM batch_ranges br
+                WHERE br.pipeline = %(p)s AND br.partition > parts.partition)
+        FROM parts WHERE parts.partition IS NOT NULL),
+    expected AS (
+        SELECT parts.partition, r.end_offset, r.txid, r.topic FROM parts
+        CROSS JOIN LATERAL (
+            SELECT br.end_offset, br.txid, br.topic FROM batch_ranges br
+            JOIN transactions t ON t.pipeline = br.pipeline AND t.txid = br.txid
+            WHERE br.pipeline = %(p)s AND br.partition = parts.partition
+              AND br.txid > (SELECT reset_after_txid FROM pipelines WHERE name = %(p)s)
+              AND {_DONE}
+            ORDER BY br.txid DESC LIMIT 1) r),
+    stored AS (SELECT partition, "offset", txid, instance_id::text AS instance
+               FROM partition_offsets WHERE pipeline = %(p)s)
+    SELECT coalesce(e.partition, s.partition), e.end_offset, e.txid, e.topic,
+           s."offset", s.txid, s.instance,
+           (SELECT instance_id::text FROM pipelines WHERE name = %(p)s)
+    FROM expected e FULL JOIN stored s ON s.partition = e.partition"""
 
 # Committed ranges that do not start where the partition's previous one ended, and no recorded
-# gap covers the difference.
+# gap covers the difference (a pass over every committed range: repair only).
 _RANGE_BREAKS = f"""
-    WITH marks AS ({_COMMIT_MARKS}),
-    ranges AS (
+    WITH ranges AS (
         SELECT br.partition, br.txid, br.start_offset, br.end_offset,
                lag(br.txid) OVER w AS prev_txid, lag(br.end_offset) OVER w AS prev_end
         FROM batch_ranges br
-        JOIN marks m ON m.txid = br.txid AND m.done
+        JOIN transactions t ON t.pipeline = br.pipeline AND t.txid = br.txid
         JOIN pipelines p ON p.name = br.pipeline
-        WHERE br.pipeline = %(p)s AND br.txid > p.reset_after_txid
+        WHERE br.pipeline = %(p)s AND br.txid > p.reset_after_txid AND {_DONE}
         WINDOW w AS (PARTITION BY br.partition ORDER BY br.txid))
     SELECT r.partition, r.prev_txid, r.prev_end, r.txid, r.start_offset FROM ranges r
     WHERE r.prev_end IS NOT NULL AND r.start_offset <> r.prev_end
@@ -132,15 +169,14 @@ class Bookkeeping:
 def commit_marks(cur, pipeline: str) -> tuple[list[Reverted], list[Unapplied]]:
     """Transactions whose state disagrees with the marks their commit left (or did not).
     One statement: a commit landing meanwhile is seen whole or not at all."""
-    cur.execute(f"""WITH marks AS ({_COMMIT_MARKS}),
-                    last AS (SELECT coalesce(max(txid) FILTER (WHERE done), 0) AS done
-                             FROM marks),
+    cur.execute(f"""WITH odd AS ({_ODD}),
+                    last AS ({_LAST_DONE}),
                     moved AS (SELECT coalesce(max(txid), 0) AS txid FROM partition_offsets
                               WHERE pipeline = %(p)s)
-                    SELECT m.txid, m.state, m.attempt, m.committed_attempt, m.done,
-                           m.txid > greatest(last.done, moved.txid)
-                    FROM marks m, last, moved
-                    WHERE (m.state = 'committed') <> m.done ORDER BY m.txid""",
+                    SELECT o.txid, o.state, o.attempt, o.committed_attempt, o.done,
+                           o.txid > greatest((SELECT * FROM last), moved.txid)
+                    FROM odd o, moved
+                    WHERE (o.state = 'committed') <> o.done ORDER BY o.txid""",
                 {"p": pipeline})
     reverted, unapplied = [], []
     for txid, state, attempt, committed_attempt, done, last in cur.fetchall():
@@ -155,14 +191,7 @@ def partition_offsets(cur, pipeline: str) -> tuple[dict, dict, str]:
     """(expected, stored, the coordinator's instance): per partition, what the commit log
     implies (offset, txid, topic) and what partition_offsets holds (offset, txid, instance),
     read in one statement."""
-    cur.execute(f"""WITH expected AS ({_EXPECTED_OFFSETS}),
-                    stored AS (SELECT partition, "offset", txid, instance_id::text AS instance
-                               FROM partition_offsets WHERE pipeline = %(p)s)
-                    SELECT coalesce(e.partition, s.partition), e.end_offset, e.txid, e.topic,
-                           s."offset", s.txid, s.instance,
-                           (SELECT instance_id::text FROM pipelines WHERE name = %(p)s)
-                    FROM expected e FULL JOIN stored s ON s.partition = e.partition""",
-                {"p": pipeline})
+    cur.execute(_EXPECTED_OFFSETS, {"p": pipeline})
     rows = cur.fetchall()
     expected, stored = {}, {}
     for p, end, txid, topic, offset, stored_txid, stored_instance, _ in rows:
@@ -230,11 +259,14 @@ def check(cur, pipeline: str, *, coordinator: bool = True, ranges: bool = True
                                         "ranges that do not follow their partition's last",
                                         None, "the same"))
     if coordinator:
-        cur.execute(f"""WITH marks AS ({_COMMIT_MARKS})
+        cur.execute(f"""WITH odd AS ({_ODD})
                         SELECT p.last_committed_txid, p.next_txid,
-                               (SELECT coalesce(min(txid) FILTER (WHERE NOT done) - 1,
-                                                max(txid), 0) FROM marks),
-                               (SELECT coalesce(max(txid), 0) FROM marks)
+                               coalesce((SELECT min(txid) - 1 FROM odd
+                                         WHERE NOT done AND state <> 'committed'),
+                                        (SELECT max(txid) FROM transactions
+                                         WHERE pipeline = %(p)s), 0),
+                               (SELECT coalesce(max(txid), 0) FROM transactions
+                                WHERE pipeline = %(p)s)
                         FROM pipelines p WHERE p.name = %(p)s""", {"p": pipeline})
         row = cur.fetchone()
         last_committed, next_txid, contiguous, highest = row if row else (0, 1, 0, 0)
