@@ -116,8 +116,10 @@ def test_a_commit_record_changed_by_hand_is_found_and_restored(committed, spark,
     assert "last_committed_txid is 2 but the transaction log says 3" in out
     assert table(conn, "SELECT state FROM transactions WHERE txid = 3") == [("planned",)]
 
-    # what the damage leads to: the next begin adopts txid 3 as abandoned
-    batch = begin(conn, committed, "run-again")
+    # the next run does not adopt it (it plans txid 4); a backfill asked for by hand would
+    batch = begin(conn, committed, "run-4")
+    assert batch.attempt.txid == 4 and batch.records == 0
+    batch = begin(conn, committed, "run-again", txid=3)
     assert (batch.attempt.txid, batch.attempt.attempt) == (3, 2)
     code, out = run(capsys, "repair", "--yes")
     assert code == 0 and "repaired:" in out
@@ -131,9 +133,7 @@ def test_a_commit_record_changed_by_hand_is_found_and_restored(committed, spark,
     assert table(conn, "SELECT key, value, txid FROM url_counts ORDER BY key") == state
     assert run(capsys, "repair") == (0, "repair tweets: nothing to repair")
 
-    # by hand the other way: txid 4 planned, then marked committed without its commit
-    more = begin(conn, committed, "run-4")
-    assert more.attempt.txid == 4
+    # by hand the other way: txid 4, planned, marked committed without its commit
     with conn.cursor() as cur:
         cur.execute("UPDATE transactions SET state = 'committed' WHERE txid = 4")
         cur.execute("UPDATE pipelines SET last_committed_txid = 4")

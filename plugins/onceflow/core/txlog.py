@@ -18,6 +18,8 @@ Recovery rules (what the next begin does with what a crash left):
     planned, no report for attempt_lease_s           -> abandoned: adopt with a new attempt
     failed or superseded                             -> adopt with a new attempt, lowest first
     committed                                        -> done; a run asking for it is a no-op
+    any state, but its commit left its marks         -> never adopted (a record changed by
+      (committed_at, an attempt that committed)         hand: `onceflow repair` restores it)
 
 A run that already holds a txid (a retry, a Clear) re-attempts that txid, and a new attempt
 fences every older one. Only the lowest uncommitted txid may commit (``last_committed + 1``).
@@ -215,11 +217,16 @@ def uncommitted(cur, pipeline: str) -> list[int]:
 
 def adoptable(cur, pipeline: str) -> tuple[int, str] | None:
     """The lowest txid the next run should adopt, and why: failed, superseded, or planned by
-    an attempt silent for longer than its lease (its run died)."""
+    an attempt silent for longer than its lease (its run died). Never one whose commit left
+    its marks (committed_at, an attempt that committed): its commit record was changed by
+    hand, its batch is in the state, and `onceflow repair` restores the record."""
     cur.execute(
-        """SELECT txid, state, (state = 'planned') AS abandoned FROM transactions
+        """SELECT txid, state, (state = 'planned') AS abandoned FROM transactions t
            WHERE pipeline = %s AND (state IN ('failed', 'superseded')
                  OR (state = 'planned' AND heartbeat_at < now() - make_interval(secs => lease_s)))
+             AND committed_at IS NULL AND NOT EXISTS (
+                 SELECT 1 FROM transaction_attempts a WHERE a.pipeline = t.pipeline
+                   AND a.txid = t.txid AND a.outcome = 'committed')
            ORDER BY txid LIMIT 1""",
         (pipeline,),
     )
