@@ -12,6 +12,7 @@ from onceflow.core.begin import begin
 from onceflow.core.errors import ConfigError, OffsetOutOfRange
 from onceflow.core.registration import register, reset_offsets
 from onceflow.ops.cli import main
+from onceflow.ops.repair import repair
 from onceflow.ops.retention import apply
 from onceflow.ops.verify import recount as verify
 from tweets_example.data import generate
@@ -55,6 +56,7 @@ def test_force_from_start_reads_again_from_the_policy_start_and_is_logged(
     new = reset_offsets(conn, pipeline)
     assert table(conn, "SELECT instance_id::text FROM pipelines") == [(str(new),)] != old
     assert "RESET pipeline=tweets" in caplog.text
+    assert repair(conn, pipeline).findings == []  # the forgotten offsets are no damage
     assert ranges_of(begin(conn, pipeline, "run-3")) == [(0, 0, 50), (1, 0, 50)]
 
 
@@ -69,6 +71,7 @@ def test_start_policy_latest_skips_the_past_and_keeps_its_start(spark, conn, dsn
 
     process_batch(spark, dsn, pipeline, first.attempt)
     commit(conn, pipeline, first.attempt)
+    assert repair(conn, pipeline).findings == []  # an empty committed range is an offset
     assert ranges_of(begin(conn, pipeline, "run-2")) == [(0, 50, 55), (1, 50, 55)]
 
 
@@ -156,6 +159,7 @@ def test_forced_retention_records_the_gap_at_once_and_the_policy_jumps(
     assert report.ok, report.mismatches
     assert report.records == committed  # the records retention deleted after commit included
     assert main(["status", "--pipeline", "tweets"]) == 0
+    assert repair(conn, pipeline).findings == []  # a jump over a recorded gap tiles
 
 
 def test_forced_retention_with_policy_fail_refuses_naming_the_fix(spark, conn, dsn):

@@ -116,3 +116,109 @@ def test_an_export_keeps_its_partitions_and_offsets(spark, conn, dsn, tmp_path, 
     assert "start at offset 500, the partition's head is 300" in capsys.readouterr().err
     assert table(conn, "SELECT max(next_offset) FROM source_partitions "
                        "WHERE topic = 'tweets_files' AND partition IN (1, 3)") == [(300,)]
+
+
+def _export(path, rows) -> str:
+    import json
+
+    path.write_text("".join(json.dumps({"partition": p, "offset": o, "payload": v}) + "\n"
+                            for p, o, v in rows))
+    return str(path)
+
+
+def _log_state(conn, root):
+    """What an import can change: the heads, the index and the files."""
+    files = {str(f.relative_to(root)): f.read_bytes() for f in sorted(root.rglob("*"))
+             if f.is_file()}
+    return (table(conn, """SELECT partition, log_start_offset, next_offset
+                           FROM source_partitions WHERE topic = 'tweets_files' ORDER BY 1"""),
+            table(conn, """SELECT partition, base_offset, records, path FROM source_segments
+                           WHERE topic = 'tweets_files' ORDER BY 1, 2"""), files)
+
+
+def test_an_import_at_offsets_the_log_holds_otherwise_is_refused_whole(conn, tmp_path, capsys):
+    """Records at offsets the log already has with another payload refuse the whole import
+    (exit 2, the first conflicting range, how many, the flag), nothing written; the flag
+    keeps the log's records and imports the rest; the same records again are a no-op."""
+    from onceflow.core.planner import PartitionRange
+    from onceflow.ops.cli import main
+
+    root = tmp_path / "seg"
+    pipeline = get_pipeline("tweets_files", source=FileSegments(topic="tweets_files",
+                                                                path=str(root)))
+    register(conn, pipeline, create_source=True)
+    first = [(p, o, f"a-{p}-{o}") for p in (0, 1) for o in range(100)]
+    first += [(3, o, f"a-3-{o}") for o in range(100, 120)]  # partition 3's log starts at 100
+    args = ["import", "--pipeline", "tweets_files"]
+    assert main([*args, _export(tmp_path / "a.jsonl", first)]) == 0
+    before = _log_state(conn, root)
+    capsys.readouterr()
+
+    # the same records again (one of them twice in the files): nothing changes
+    again = _export(tmp_path / "again.jsonl", [*first, first[5]])
+    assert main([*args, again]) == 0
+    assert "imported 0 records" in (out := capsys.readouterr().out)
+    assert "220 were there already (the same payload)" in out
+    assert _log_state(conn, root) == before
+
+    def changed(p, o):
+        return p == 0 and (60 <= o < 70 or 80 <= o < 85) or p == 1 and o in (95, 96)
+
+    second = [(p, o, f"b-{p}-{o}" if changed(p, o) else f"a-{p}-{o}")
+              for p in (0, 1) for o in range(50, 150)]
+    second += [(2, o, f"b-2-{o}") for o in range(10)]  # new records of an empty partition
+    conflicting = _export(tmp_path / "b.jsonl", second)
+    assert main([*args, conflicting]) == 2
+    err = capsys.readouterr().err
+    assert ("import into topic 'tweets_files' refused, nothing imported: 17 record(s) are at "
+            "offsets the log already holds with another payload (first: partition 0, offsets "
+            "60..69; 2 partitions in all)") in err
+    assert "--on-conflict keep-existing" in err and "Traceback" not in err
+    assert _log_state(conn, root) == before  # not a file, not a row
+
+    # below a partition's log start there is nothing to keep: refused as well
+    early = _export(tmp_path / "early.jsonl", [(3, o, f"a-3-{o}") for o in range(90, 125)])
+    assert main([*args, early]) == 2
+    assert ("10 record(s) lie below their partition's log start, where the log has no "
+            "records (first: partition 3, offsets 90..99; the log starts at 100)"
+            in capsys.readouterr().err)
+    # one offset twice in the files, with two payloads: no flag chooses between them
+    twice = _export(tmp_path / "twice.jsonl", [(1, 100, "x"), (1, 100, "y")])
+    assert main([*args, twice, "--on-conflict", "keep-existing"]) == 2
+    assert "offset 100 appears twice in the files with different payloads" in \
+        capsys.readouterr().err
+    assert _log_state(conn, root) == before
+
+    # a few offsets here and there: compared one by one
+    sparse = _export(tmp_path / "sparse.jsonl",
+                     [(0, 10, "a-0-10"), (0, 20, "a-0-20"), (0, 40, "b-0-40")])
+    assert main([*args, sparse]) == 2
+    assert "1 record(s) are at offsets the log already holds with another payload (first: " \
+        "partition 0, offset 40)" in capsys.readouterr().err
+    # a segment whose rows are not in offset order (not written by onceflow) is joined
+    import pyarrow.parquet as pq
+
+    (path,), = table(conn, "SELECT path FROM source_segments WHERE partition = 1")
+    segment = pq.read_table(path)
+    pq.write_table(segment.take(list(reversed(range(segment.num_rows)))), path)
+    assert main([*args, again]) == 0
+    assert "220 were there already (the same payload)" in capsys.readouterr().out
+    pq.write_table(segment, path)
+    assert _log_state(conn, root) == before
+
+    # the flag: the log's records stay, the new ones past each head come in
+    assert main([*args, conflicting, "--on-conflict", "keep-existing"]) == 0
+    out = capsys.readouterr().out
+    assert "imported 110 records" in out and "83 were there already" in out
+    assert "17 at offsets it holds with another payload" in out
+    assert table(conn, """SELECT partition, log_start_offset, next_offset FROM source_partitions
+                          WHERE topic = 'tweets_files' ORDER BY 1""") == [
+        (0, 0, 150), (1, 0, 150), (2, 0, 10), (3, 100, 120)]
+    held = {(p, o): v for p, o, v in pipeline.source.payloads(conn, [
+        PartitionRange(0, 0, 150), PartitionRange(1, 0, 150), PartitionRange(2, 0, 10)])}
+    assert held[(0, 60)] == "a-0-60" and held[(1, 96)] == "a-1-96"  # the log's, kept
+    assert held[(0, 120)] == "a-0-120" and held[(2, 3)] == "b-2-3"  # the new ones
+    assert len(held) == 310
+    assert main([*args, early, "--on-conflict", "keep-existing"]) == 0
+    out = capsys.readouterr().out
+    assert "imported 5 records" in out and "10 below a partition's log start" in out

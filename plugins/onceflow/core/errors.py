@@ -21,6 +21,11 @@ class ConfigError(Permanent, ValueError):
     """Bad configuration: the message names the field, the value and the fix."""
 
 
+class ImportConflict(Permanent, ValueError):
+    """An import holds records at offsets the log already has, with other payloads: refused
+    whole (the message names the first conflicting range, the count and the flag)."""
+
+
 class Unreachable(Permanent, ConnectionError):
     """A database, Redis or Spark that the settings name does not answer."""
 
@@ -40,6 +45,11 @@ class Fenced(OnceflowError):
 
 class MaxPendingReached(OnceflowError):
     """``max_pending`` transactions are planned and uncommitted: no new txid is planned."""
+
+
+class BookkeepingDamaged(OnceflowError):
+    """The pipeline's own records disagree (a commit record or offsets changed by hand):
+    nothing that writes is done until `onceflow repair` has fixed them."""
 
 
 class StaleBatch(OnceflowError):

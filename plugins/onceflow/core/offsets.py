@@ -161,6 +161,26 @@ def advance(cur, pipeline: str, instance_id, txid: int) -> None:
     )
 
 
+def restore(cur, pipeline: str, instance_id, rows: dict[int, tuple[int, int, str]],
+            drop: list[int]) -> None:
+    """`onceflow repair`: write the committed offsets the commit log implies (``rows``:
+    partition -> (offset, txid, topic)) and delete the rows of ``drop`` (partitions no
+    committed range reads)."""
+    for partition, (offset, txid, topic) in sorted(rows.items()):
+        cur.execute(
+            """INSERT INTO partition_offsets
+                   (pipeline, instance_id, topic, partition, "offset", txid)
+               VALUES (%s, %s, %s, %s, %s, %s)
+               ON CONFLICT (pipeline, partition) DO UPDATE
+               SET "offset" = EXCLUDED."offset", txid = EXCLUDED.txid, topic = EXCLUDED.topic,
+                   instance_id = EXCLUDED.instance_id, updated_at = now()""",
+            (pipeline, str(instance_id), topic, partition, offset, txid),
+        )
+    if drop:
+        cur.execute("DELETE FROM partition_offsets WHERE pipeline = %s AND partition = ANY(%s)",
+                    (pipeline, drop))
+
+
 def forget(cur, pipeline: str) -> None:
     """force_from_start: the committed offsets are gone; partitions start by policy."""
     cur.execute("DELETE FROM partition_offsets WHERE pipeline = %s", (pipeline,))

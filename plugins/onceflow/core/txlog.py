@@ -18,6 +18,8 @@ Recovery rules (what the next begin does with what a crash left):
     planned, no report for attempt_lease_s           -> abandoned: adopt with a new attempt
     failed or superseded                             -> adopt with a new attempt, lowest first
     committed                                        -> done; a run asking for it is a no-op
+    any state, but its commit left its marks         -> never adopted (a record changed by
+      (committed_at, an attempt that committed)         hand: `onceflow repair` restores it)
 
 A run that already holds a txid (a retry, a Clear) re-attempts that txid, and a new attempt
 fences every older one. Only the lowest uncommitted txid may commit (``last_committed + 1``).
@@ -215,11 +217,16 @@ def uncommitted(cur, pipeline: str) -> list[int]:
 
 def adoptable(cur, pipeline: str) -> tuple[int, str] | None:
     """The lowest txid the next run should adopt, and why: failed, superseded, or planned by
-    an attempt silent for longer than its lease (its run died)."""
+    an attempt silent for longer than its lease (its run died). Never one whose commit left
+    its marks (committed_at, an attempt that committed): its commit record was changed by
+    hand, its batch is in the state, and `onceflow repair` restores the record."""
     cur.execute(
-        """SELECT txid, state, (state = 'planned') AS abandoned FROM transactions
+        """SELECT txid, state, (state = 'planned') AS abandoned FROM transactions t
            WHERE pipeline = %s AND (state IN ('failed', 'superseded')
                  OR (state = 'planned' AND heartbeat_at < now() - make_interval(secs => lease_s)))
+             AND committed_at IS NULL AND NOT EXISTS (
+                 SELECT 1 FROM transaction_attempts a WHERE a.pipeline = t.pipeline
+                   AND a.txid = t.txid AND a.outcome = 'committed')
            ORDER BY txid LIMIT 1""",
         (pipeline,),
     )
@@ -440,6 +447,40 @@ def mark_failed(cur, pipeline: str, ta: TransactionAttempt, reason: str) -> bool
     if marked:
         end_attempt(cur, pipeline, ta, Outcome.FAILED, reason)
         announce_turn(cur, pipeline)  # a commit waiting on it can fail at once, naming it
+    return marked
+
+
+def restore_committed(cur, pipeline: str, ta: TransactionAttempt, reason: str) -> bool:
+    """`onceflow repair`: ``ta`` committed (its outcome says so) but the transaction's state
+    was changed by hand: make ``ta`` its committed attempt again, and end every later attempt
+    (fenced: it may neither stage nor commit). Returns whether the row changed."""
+    cur.execute(
+        """UPDATE transactions SET state = 'committed', attempt = %s
+           WHERE pipeline = %s AND txid = %s AND state <> 'committed'""",
+        (ta.attempt, pipeline, ta.txid),
+    )
+    changed = cur.rowcount == 1
+    if changed:
+        cur.execute(
+            """UPDATE transaction_attempts SET outcome = 'fenced', reason = %s, ended_at = now()
+               WHERE pipeline = %s AND txid = %s AND attempt > %s AND outcome IS NULL""",
+            (reason[:2000], pipeline, ta.txid, ta.attempt),
+        )
+    return changed
+
+
+def unmark_committed(cur, pipeline: str, ta: TransactionAttempt, reason: str) -> bool:
+    """`onceflow repair`: a transaction marked committed by hand, whose commit never ran (no
+    outcome, no committed_at): failed, so the next run adopts it. Returns whether it was."""
+    cur.execute(
+        """UPDATE transactions SET state = 'failed'
+           WHERE pipeline = %s AND txid = %s AND attempt = %s AND state = 'committed'
+             AND committed_at IS NULL""",
+        (pipeline, ta.txid, ta.attempt),
+    )
+    marked = cur.rowcount == 1
+    if marked:
+        end_attempt(cur, pipeline, ta, Outcome.FAILED, reason)
     return marked
 
 

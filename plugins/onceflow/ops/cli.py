@@ -184,10 +184,17 @@ def cmd_import(args) -> int:
     started = time.monotonic()
     table = read_export(args.files)
     with db.connection() as conn:
-        done = import_segments(conn, pipeline.source.root(), pipeline.topic, table)
+        done = import_segments(conn, pipeline.source.root(), pipeline.topic, table,
+                               on_conflict=args.on_conflict)
+    kept = ""
+    if done.kept or done.before_start:
+        kept = (f"; kept the log's records (--on-conflict keep-existing): {done.kept} at "
+                f"offsets it holds with another payload, {done.before_start} below a "
+                "partition's log start, not imported")
     print(f"imported {done.records} records into {pipeline.source.describe()} as "
           f"{done.segments} segment file(s) in {time.monotonic() - started:.1f}s; "
-          f"{done.skipped} were there already; heads now {done.heads}")
+          f"{done.skipped} were there already (the same payload){kept}; heads now "
+          f"{done.heads}")
     return 0
 
 
@@ -202,7 +209,7 @@ def cmd_status(args) -> int:
         print(status.as_json())
     else:
         print("\n".join(render(status)))
-    return 0
+    return 1 if status.problems else 0
 
 
 def cmd_verify(args) -> int:
@@ -327,7 +334,7 @@ def cmd_repair(args) -> int:
     with db.connection() as conn:
         report = repair(conn, pipeline, apply=args.yes)
     print("\n".join(report.lines()))
-    return 0
+    return 0 if report.ok else 1
 
 
 def cmd_spark(args) -> int:
@@ -406,10 +413,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("import", cmd_import, "import records that have their partition and offset "
             "already (Parquet or JSON-lines files with partition, offset, payload: e.g. a Kafka "
             "export) into a file-segment source, keeping both; a second import of the same "
-            "files changes nothing")
+            "files changes nothing; records at offsets the log holds with another payload "
+            "refuse the whole import (exit 2) unless --on-conflict keep-existing")
     p.add_argument("files", nargs="+", metavar="FILE", help="the files to import")
+    p.add_argument("--on-conflict", choices=("refuse", "keep-existing"), default="refuse",
+                   help="records at offsets the log already holds with another payload (or "
+                        "below a partition's log start): refuse the whole import (default), "
+                        "or keep the log's records and import only the new ones past each "
+                        "head. There is no replace: batches may have read those offsets")
     p = add("status", cmd_status, "transactions in commit order, what holds up open ones, "
-            "partition offsets and lag, gaps, backflow queues, dead letters")
+            "partition offsets and lag, gaps, backflow queues, dead letters, damaged "
+            "bookkeeping (exit 1 when there is some: see `onceflow repair`)")
     p.add_argument("--limit", type=_positive, default=20, help="last N transactions (20)")
     p.add_argument("--json", action="store_true", help="print it as JSON")
     p.add_argument("--all", action="store_true", help="list every dead letter")
@@ -443,8 +457,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--error-contains", metavar="TEXT",
                    help="the dead letters with TEXT in any of their errors")
     p.add_argument("--all", action="store_true", help="every dead letter of the pipeline")
-    p = add("repair", cmd_repair, "find what a crash left inconsistent and say what would fix "
-            "it; --yes fixes it")
+    p = add("repair", cmd_repair, "find what a crash (or a hand in the database) left "
+            "inconsistent: commit records, partition offsets, committed ranges, the "
+            "coordinator row, abandoned attempts, stale staging and claims; say what would fix "
+            "it, --yes fixes what is safe to fix (exit 1 while something is left wrong)")
     p.add_argument("--yes", action="store_true", help="do the repairs")
     p = add("spark", cmd_spark, "start, stop or check the local Spark Connect server (the warm "
             "Spark processing tasks use in local mode); jar: build onceflow's JVM reader and "

@@ -14,7 +14,14 @@ Checks, under the coordinator row's lock, in one PostgreSQL transaction:
   `onceflow backfill` (or the next run) re-runs them;
 - staging left by attempts that can never commit (committed, failed, superseded or fenced):
   deleted;
-- backflow claims held by transactions that are not planned any more: released.
+- backflow claims held by transactions that are not planned any more: released;
+- the bookkeeping the commit, begin, retention and verify rely on (onceflow.ops.bookkeeping),
+  checked first: a commit record changed by hand (a committed transaction whose state was
+  set back: marked committed again, its later attempts fenced; one marked committed whose
+  commit never ran: marked failed, when nothing committed after it), partition offsets that
+  differ from the end of each partition's last committed range (written again), committed
+  ranges that do not tile their partition (said, not fixed). Where there is no safe fix the
+  report says what to do, and the command exits 1.
 """
 
 from __future__ import annotations
@@ -23,9 +30,10 @@ import logging
 import uuid
 from dataclasses import dataclass, field
 
-from onceflow.core import backflow, staging, txlog
+from onceflow.core import backflow, offsets, staging, txlog
 from onceflow.core.db import transaction
 from onceflow.core.pipeline import Pipeline
+from onceflow.ops import bookkeeping
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +42,7 @@ log = logging.getLogger(__name__)
 class Finding:
     problem: str
     action: str
+    fixable: bool = True  # False: repair has no safe fix; ``action`` says what to do
 
 
 @dataclass
@@ -42,13 +51,19 @@ class RepairReport:
     applied: bool
     findings: list[Finding] = field(default_factory=list)
 
+    @property
+    def ok(self) -> bool:
+        """Nothing is left wrong: nothing found, or everything found was fixed."""
+        return all(f.fixable for f in self.findings) and (self.applied or not self.findings)
+
     def lines(self) -> list[str]:
         if not self.findings:
             return [f"repair {self.pipeline}: nothing to repair"]
         head = "repaired" if self.applied else "would repair (pass --yes to do it)"
         out = [f"repair {self.pipeline}: {head}:"]
         for f in self.findings:
-            out += [f"  - {f.problem}", f"    {'did' if self.applied else 'will'}: {f.action}"]
+            verb = ("did" if self.applied else "will") if f.fixable else "no safe fix"
+            out += [f"  - {f.problem}", f"    {verb}: {f.action}"]
         return out
 
 
@@ -66,6 +81,7 @@ def repair(conn, pipeline: Pipeline, *, apply: bool = False) -> RepairReport:
     report = RepairReport(pipeline.name, apply)
     name = pipeline.name
     with transaction(conn) as cur:
+        _check_bookkeeping(cur, name, report)
         cur.execute("SELECT coalesce(max(txid), 0) FROM transactions WHERE pipeline = %s",
                     (name,))
         highest = cur.fetchone()[0]
@@ -149,3 +165,32 @@ def repair(conn, pipeline: Pipeline, *, apply: bool = False) -> RepairReport:
         log.warning("REPAIR pipeline=%s %s: %s -> %s", name,
                     "done" if apply else "found", f.problem, f.action)
     return report
+
+
+def _check_bookkeeping(cur, name: str, report: RepairReport) -> None:
+    """Commit records against the marks their commits left, partition offsets against the
+    commit log, the tiling of committed ranges (onceflow.ops.bookkeeping), under the
+    coordinator row's lock. The safe fixes are made here on a dry run too: repair rolls its
+    transaction back then, and the checks after this one see the pipeline as it will be."""
+    cur.execute("SELECT 1 FROM pipelines WHERE name = %s FOR UPDATE", (name,))
+    if cur.fetchone() is None:
+        return  # made again by the coordinator check; the next repair checks the rest
+    book = bookkeeping.check(cur, name, coordinator=False)
+    report.findings += [Finding(p.what, p.fix or p.advice, p.fix is not None)
+                        for p in book.problems]
+    why = "its commit record was restored by onceflow repair"
+    for r in book.reverted:
+        if r.attempt is not None:
+            txlog.restore_committed(cur, name, txlog.TransactionAttempt(r.txid, r.attempt),
+                                    f"attempt {r.attempt} committed; {why}")
+    for u in book.unapplied:
+        if u.fixable:
+            txlog.unmark_committed(cur, name, txlog.TransactionAttempt(u.txid, u.attempt),
+                                   "marked committed by hand, never applied: marked failed "
+                                   "by onceflow repair")
+    # the offsets follow from the commits' marks, which the fixes above do not change
+    wrong = book.wrong_offsets
+    if wrong:
+        offsets.restore(cur, name, book.instance,
+                        {p: book.expected[p] for p, (_, want) in wrong.items() if want},
+                        [p for p, (_, want) in wrong.items() if want is None])

@@ -15,6 +15,7 @@ from typing import Any
 
 from onceflow.core import backflow, offsets, txlog
 from onceflow.core.txlog import TxRow, TxState
+from onceflow.ops import bookkeeping
 
 WIDTH = 100
 
@@ -32,8 +33,11 @@ class PartitionLine:
     partition: int
     log_start: int
     head: int
-    committed: int | None
+    committed: int | None  # partition_offsets
     lag: int
+    # where partition_offsets differs from the commit log: the commit log's offset ("none":
+    # no committed range reads the partition)
+    commit_log: str | None = None
 
 
 @dataclass
@@ -48,6 +52,7 @@ class PipelineStatus:
     gaps: list[dict[str, Any]] = field(default_factory=list)
     backflow: dict[str, Any] = field(default_factory=dict)
     dead_letters: dict[str, Any] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)  # damaged bookkeeping: onceflow repair
 
     def as_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), default=str, indent=2)
@@ -142,7 +147,24 @@ def pipeline_status(cur, source, pipeline: str, limit: int = 20, dead_letters: i
                             strict=True)) for g in offsets.gaps(cur, pipeline)]
     status.backflow = dataclasses.asdict(backflow.queue_sizes(cur, pipeline))
     status.dead_letters = backflow.dead_letter_summary(cur, pipeline, dead_letters, all_dead)
+    _bookkeeping(cur, status)
     return status
+
+
+def _bookkeeping(cur, status: PipelineStatus) -> None:
+    """Damaged bookkeeping (onceflow.ops.bookkeeping; the tiling of committed ranges is left to
+    `onceflow repair`): its problems, and each partition's lag from the commit log's offset
+    where partition_offsets lost or changed it."""
+    book = bookkeeping.check(cur, status.pipeline, ranges=False)
+    status.problems = [p.line() for p in book.problems]
+    reverted = {r.txid for r in book.reverted}  # committed: nothing to adopt or backfill
+    status.stuck = [s for s in status.stuck if s.txid not in reverted]
+    wrong = book.wrong_offsets
+    for line in status.partitions:
+        if line.partition in wrong:
+            _, want = wrong[line.partition]
+            line.commit_log = str(want[0]) if want else "none"
+            line.lag = line.head - (want[0] if want else line.log_start)
 
 
 def _coordinator(cur, pipeline: str) -> tuple[str, int, int]:
@@ -186,6 +208,8 @@ def render(status: PipelineStatus) -> list[str]:
     out.append("partitions:")
     for p in status.partitions:
         committed = p.committed if p.committed is not None else "-"
+        if p.commit_log is not None:
+            committed = f"{committed} (commit log: {p.commit_log})"
         out.append(f"  p{p.partition}: log_start={p.log_start} head={p.head} "
                    f"committed={committed} lag={p.lag}")
     out.append("gaps (records gone before they were read):" + ("" if status.gaps else " none"))
@@ -205,4 +229,18 @@ def render(status: PipelineStatus) -> list[str]:
     for item in shown:
         out.append(f"    p{item['partition']}:{item['offset']} failures={item['failures']} "
                    f"txid={item['txid']} {item['last_error']}")
+    out += _render_problems(status)
     return [_fit(line) for line in out]
+
+
+def _render_problems(status: PipelineStatus) -> list[str]:
+    """Damaged bookkeeping, wrapped (never cut: each problem says what to do)."""
+    import textwrap
+
+    if not status.problems:
+        return []
+    out = [f"PROBLEMS: the bookkeeping is damaged (onceflow repair --pipeline "
+           f"{status.pipeline} says what it fixes):"]
+    for problem in status.problems:
+        out += textwrap.wrap(problem, WIDTH, initial_indent="  - ", subsequent_indent="    ")
+    return out

@@ -56,18 +56,26 @@ class VerifyReport:
     dead: int = 0
     keys: dict[str, int] = field(default_factory=dict)
     skipped_states: list[str] = field(default_factory=list)
-    mismatches: list[str] = field(default_factory=list)
+    mismatches: list[str] = field(default_factory=list)  # what is printed: 5 a kind, "N more"
+    found: int = 0  # mismatches found, the ones "N more" stands for included
 
     @property
     def ok(self) -> bool:
-        return not self.mismatches
+        return not self.found and not self.mismatches
+
+    def add(self, found: list[str], limit: int = 5) -> None:
+        """Keep ``found`` (mismatches of one kind): the first ``limit`` to print, then how
+        many more; every one counts in the summary."""
+        self.found += len(found)
+        self.mismatches += (found if len(found) <= limit
+                            else found[:limit] + [f"... and {len(found) - limit} more"])
 
     @property
     def partial(self) -> bool:
         return self.txids_checked < self.txids
 
     def line(self) -> str:
-        verdict = "OK" if self.ok else f"FAILED ({len(self.mismatches)} mismatches)"
+        verdict = "OK" if self.ok else f"FAILED ({self.found} mismatches)"
         states = ", ".join(f"{name} {n} keys" for name, n in self.keys.items()) or "no state"
         if self.mode == "recount":
             return (f"verify {self.pipeline} (recount): {verdict}: "
@@ -84,10 +92,6 @@ class VerifyReport:
                 f"+ {self.replays} replays; {states}; {self.rejected_committed} rejected "
                 f"(expected {self.rejected_expected}); {self.failed} failed: {self.queued} "
                 f"queued, {self.dead} dead letters, the rest replayed later{skipped}")
-
-
-def _limited(out: list[str], limit: int = 5) -> list[str]:
-    return out if len(out) <= limit else out[:limit] + [f"... and {len(out) - limit} more"]
 
 
 def _read_states(conn, pipeline: Pipeline, state_dsns: Mapping[str, str] | None,
@@ -258,7 +262,7 @@ def _compare_states(report: VerifyReport, pipeline: Pipeline, committed: dict,
                 elif spec.kind == "opaque" and txid and value - prev != per.get(txid, 0):
                     out.append(f"{spec.name}[{key!r}]: txid {txid} added {value - prev}, "
                                f"re-run {per.get(txid, 0)}")
-        report.mismatches += _limited(out)
+        report.add(out)
 
 
 def _fold(measure, values: list):
@@ -317,7 +321,7 @@ def _compare_typed(report: VerifyReport, pipeline: Pipeline, committed: dict,
             out += [f"{spec.name}: row {row} committed {got[row]} time(s), re-run "
                     f"{want[row]}" for row in sorted(set(want) | set(got), key=repr)
                     if want[row] != got[row]]
-            report.mismatches += _limited(out)
+            report.add(out)
             continue
         if lost:  # a key's values sum batches that cannot run again: not checked
             report.skipped_states.append(spec.name)
@@ -341,7 +345,7 @@ def _compare_typed(report: VerifyReport, pipeline: Pipeline, committed: dict,
             if expect != have:
                 diff = {k: (have[k], expect[k]) for k in expect if have[k] != expect[k]}
                 out.append(f"{spec.name}[{key}]: (committed, re-run) {diff}")
-        report.mismatches += _limited(out)
+        report.add(out)
 
 
 def _compare_rejects(report: VerifyReport, rejected: dict, re_rejected: set,
@@ -355,7 +359,7 @@ def _compare_rejects(report: VerifyReport, rejected: dict, re_rejected: set,
            for p, o in sorted(recorded - re_rejected)]
     out += [f"record p{p}:{o} is rejected by the re-run but was not kept as rejected"
             for p, o in sorted(re_rejected - recorded)]
-    report.mismatches += _limited(out)
+    report.add(out)
 
 
 def _account_failures(report: VerifyReport, failures: list, parked: dict, replays: list,
@@ -377,7 +381,7 @@ def _account_failures(report: VerifyReport, failures: list, parked: dict, replay
     if not lost:
         out += [f"record p{p}:{o} is {kind} but the re-run never fails it"
                 for (p, o), kind in sorted(parked.items()) if (p, o) not in failing]
-    report.mismatches += _limited(out)
+    report.add(out)
 
 
 # -- recount --------------------------------------------------------------------------------------
@@ -396,7 +400,7 @@ def recount(conn, pipeline: Pipeline, state_dsns: Mapping[str, str] | None = Non
         parked = {(p, o): kind for kind, p, o in backflow.parked(cur, pipeline.name)}
         report.queued = sum(1 for k in parked.values() if k == "queued")
         report.dead = sum(1 for k in parked.values() if k == "dead")
-        report.mismatches += _limited([
+        report.add([
             f"{kind} record p{p}:{o} lies beyond the committed offset {ends.get(p, 0)}"
             for (p, o), kind in parked.items() if o >= ends.get(p, 0)])
         skipped = [(p, lo, hi) for p, lo, hi, *_ in offsets.gaps(cur, pipeline.name)]
@@ -417,9 +421,9 @@ def recount(conn, pipeline: Pipeline, state_dsns: Mapping[str, str] | None = Non
     expected = count(itertools.chain(payloads(), replayed_retired), pipeline)
     failing = sum(getattr(expected, "failing", {}).values())
     if failing:
-        report.mismatches.append(
+        report.add([
             f"{failing} record(s) fail every try ({dict(expected.failing)}) but are neither "
-            "queued for replay nor dead letters: they were counted, or lost")
+            "queued for replay nor dead letters: they were counted, or lost"])
     max_states = getattr(expected, "max_states", frozenset())
     for state_name, key, value in retired:
         state = expected.counts.setdefault(state_name, Counter())
@@ -430,17 +434,16 @@ def recount(conn, pipeline: Pipeline, state_dsns: Mapping[str, str] | None = Non
     for spec in pipeline.states:
         report.keys[spec.name] = len(committed[spec.name])
         if spec.typed:
-            report.mismatches += _recount_typed(spec, committed[spec.name], expected,
-                                                bool(retired))
+            report.add(_recount_typed(spec, committed[spec.name], expected, bool(retired)))
             continue
         want = dict(expected.counts.get(spec.source_name, {}))
         got = committed[spec.name]
-        report.mismatches += _limited([
+        report.add([
             f"{spec.name}[{key!r}]: committed {got.get(key, 0)}, recounted {want.get(key, 0)}"
             for key in sorted(set(want) | set(got)) if want.get(key, 0) != got.get(key, 0)])
     if report.rejected_expected != report.rejected_committed:
-        report.mismatches.append(f"rejected records: committed {report.rejected_committed}, "
-                                 f"recounted {report.rejected_expected}")
+        report.add([f"rejected records: committed {report.rejected_committed}, "
+                    f"recounted {report.rejected_expected}"])
     return report
 
 
@@ -458,6 +461,5 @@ def _recount_typed(spec, rows: list[dict], expected, retired: bool) -> list[str]
         return []  # retention summed nothing for typed states: their old rows are unknown
     want = Counter(tuple(r[n] for n in names) for r in want_rows)
     got = Counter(tuple(r[n] for n in names) for r in rows)
-    return _limited([f"{spec.name}: row {row} committed {got[row]} time(s), recounted "
-                     f"{want[row]}" for row in sorted(set(want) | set(got), key=repr)
-                     if want[row] != got[row]])
+    return [f"{spec.name}: row {row} committed {got[row]} time(s), recounted {want[row]}"
+            for row in sorted(set(want) | set(got), key=repr) if want[row] != got[row]]
