@@ -114,6 +114,7 @@ class Airflow:
         self.folder, self.meta = folder, meta
         self.api_port, = free_ports(1)
         self.procs: dict[str, subprocess.Popen] = {}
+        self.killed: set[str] = set()  # the workers a test killed
         # the environment of a machine: nothing of the test's own Airflow, onceflow or Spark
         # settings, only what the deployment configures
         keep = {k: v for k, v in os.environ.items()
@@ -187,9 +188,9 @@ class Airflow:
             self._start(worker, "celery", "worker", "--celery-hostname", f"{worker}@%h",
                         "--skip-serve-logs", "--without-mingle", "--without-gossip")
 
-    def check_alive(self, *, but: tuple[str, ...] = ()) -> None:
+    def check_alive(self) -> None:
         for name, proc in self.procs.items():
-            if name not in but and proc.poll() is not None:
+            if name not in self.killed and proc.poll() is not None:
                 raise RuntimeError(f"{name} exited ({proc.returncode}):\n{self.output(name)}")
 
     def output(self, name: str) -> str:
@@ -227,11 +228,10 @@ class Airflow:
                               capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stdout + done.stderr
 
-    def wait(self, run_ids: list[str], deadline: float, *, but: tuple[str, ...] = ()
-             ) -> dict[str, str]:
+    def wait(self, run_ids: list[str], deadline: float) -> dict[str, str]:
         """The runs' states once every one ended."""
         while True:
-            self.check_alive(but=but)
+            self.check_alive()
             states = dict(_query(self.meta, "SELECT run_id, state FROM dag_run WHERE dag_id = "
                                             "%s AND run_id = ANY(%s)", (DAG_ID, run_ids)))
             if len(states) == len(run_ids) and all(s in ("success", "failed")
@@ -252,7 +252,7 @@ class Airflow:
             self.home(w).glob(f"logs/dag_id={DAG_ID}/**/*.log"))) for w in self.WORKERS}
 
     def stop(self) -> None:
-        _stop(*self.procs.values())
+        _stop(*self.procs.values(), wait_s=5)  # nothing of theirs is kept
 
 
 def _airflow_connection(dsn: str) -> str:
@@ -408,12 +408,26 @@ def report(deployment: Deployment, runs: list[str], seconds: float) -> None:
                   (PIPELINE, runs))
     print(f"{len(runs)} runs in {seconds:.1f}s; {len(deployment.records)} records landed in "
           f"{deployment.files} files so far; commit order (txid, attempt, records, run):")
+    airflow = deployment.airflow
     for txid, attempt, records, run_id in rows:
         where = {task: ",".join(w.removeprefix("worker-") for a in (1, 2)
-                                for w in deployment.airflow.ran_on(run_id, task, a))
+                                for w in airflow.ran_on(run_id, task, a))
                  for task in ("begin", "process", "commit")}
         print(f"  txid {txid} attempt {attempt}: {records} records, run {run_id}, workers "
               + " ".join(f"{t}={w}" for t, w in where.items()))
+    # tries that did not succeed, and why (their log's last lines)
+    for run_id, task_id, try_number, state in _query(airflow.meta, """
+            SELECT run_id, task_id, try_number, state FROM task_instance_history
+            WHERE dag_id = %s AND run_id = ANY(%s) ORDER BY run_id, task_id, try_number""",
+                                                     (DAG_ID, runs)):
+        print(f"  {run_id} {task_id} try {try_number}: {state}")
+        for worker in airflow.ran_on(run_id, task_id, try_number):
+            log = next(airflow.home(worker).glob(f"logs/dag_id={DAG_ID}/run_id={run_id}/"
+                                                 f"task_id={task_id}/**/attempt={try_number}.log"))
+            print("    " + "\n    ".join(log.read_text(errors="replace").splitlines()[-6:]))
+    timeouts = (airflow.home("scheduler") / "out.log").read_text(errors="replace").count(
+        "Detected a task instance without a heartbeat")
+    print(f"  the scheduler found {timeouts} task(s) without a heartbeat so far")
 
 
 @pytest.mark.timeout(900)
@@ -481,10 +495,11 @@ def test_a_celery_worker_killed_mid_task(deployment):
     assert victim.pid in [p.pid for p in task.parents()]  # the task is that worker's
 
     killed = kill_machine(victim)
+    airflow.killed.add(worker)
     assert pid in killed  # the task's process died with its worker
     release.touch()  # the killed try's Spark job may finish now; nothing takes its result
 
-    states = airflow.wait(runs, time.monotonic() + RUNS_S, but=(worker,))
+    states = airflow.wait(runs, time.monotonic() + RUNS_S)
     report(deployment, runs, time.monotonic() - started)
     print(f"killed {worker} (pid {victim.pid}) and {len(killed) - 1} processes under it while "
           f"txid {txid}'s process task (pid {pid}) was on Spark")
@@ -500,3 +515,34 @@ def test_a_celery_worker_killed_mid_task(deployment):
     assert sorted(commits) == list(range(1, txids_before + RUNS + 1))
     assert all(len(w) == 1 for w in commits.values()), commits
     assert commits[txid] == [other]  # after the kill, the other worker did the rest
+
+
+@pytest.mark.timeout(600)
+def test_a_run_whose_workers_do_not_see_the_folder_fails_saying_so(deployment):
+    """The landing folder gone from the workers (moved away: on one machine, what an unmounted
+    share looks like): the run fails at its begin, on a Celery worker, with the rule in its
+    task log; nothing is planned. Back in place, nothing was lost."""
+    airflow, landing = deployment.airflow, deployment.landing
+    txids_before = len(_query(deployment.coordinator, "SELECT 1 FROM transactions"))
+    away = landing.with_name("unmounted")
+    landing.rename(away)
+    try:
+        run = "celery_c_0"
+        airflow.trigger([run])
+        states = airflow.wait([run], time.monotonic() + RUNS_S)
+    finally:
+        away.rename(landing)
+    assert states == {run: "failed"}
+    (state, tries), = _query(airflow.meta, """SELECT state, try_number FROM task_instance
+                                             WHERE dag_id = %s AND run_id = %s
+                                               AND task_id = 'begin'""", (DAG_ID, run))
+    assert (state, tries) == ("failed", 1)  # a configuration error: not retried
+    worker, = airflow.ran_on(run, "begin", 1)
+    log = next(airflow.home(worker).glob(
+        f"logs/dag_id={DAG_ID}/run_id={run}/task_id=begin/attempt=1.log")).read_text()
+    assert f"source.path='{landing}': the folder '{landing}' is not visible here (host " in log
+    assert "every Airflow worker and Spark executor must see the same folder (see " \
+           "docs/deployment.md)" in log
+    assert len(_query(deployment.coordinator, "SELECT 1 FROM transactions")) == txids_before
+    if deployment.records:  # the earlier tests' runs
+        check_exact(deployment, txids_before)
