@@ -63,11 +63,13 @@ def free_ports(n: int) -> list[int]:
 
 
 class Cluster:
-    """A Spark standalone Master and Worker on 127.0.0.1, each a process group of its own."""
+    """A Spark standalone Master and ``workers`` Workers (``cores`` and ``memory`` each) on
+    127.0.0.1, each a process group of its own."""
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, *, workers: int = 1, cores: int = 2, memory: str = "2g"):
         self.folder = folder
-        self.port, self.ui_port, self.worker_port, self.worker_ui_port = free_ports(4)
+        self.workers, self.cores, self.memory = workers, cores, memory
+        self.port, self.ui_port, *self.worker_ports = free_ports(2 + 2 * workers)
         self.procs: list[subprocess.Popen] = []
         self.env = {
             **os.environ,
@@ -96,23 +98,26 @@ class Cluster:
     def start(self, wait_s: float = 120) -> None:
         self._start("master", "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1",
                     "--port", str(self.port), "--webui-port", str(self.ui_port))
-        self._start("worker", "org.apache.spark.deploy.worker.Worker", self.url,
-                    "--host", "127.0.0.1", "--port", str(self.worker_port),
-                    "--webui-port", str(self.worker_ui_port), "--cores", "2", "--memory", "2g",
-                    "--work-dir", str(self.folder / "work"))
+        for i in range(self.workers):
+            port, ui_port = self.worker_ports[2 * i:2 * i + 2]
+            work = self.folder / "work" / f"worker-{i}"  # a machine's own folder
+            self._start(f"worker-{i}", "org.apache.spark.deploy.worker.Worker", self.url,
+                        "--host", "127.0.0.1", "--port", str(port), "--webui-port",
+                        str(ui_port), "--cores", str(self.cores), "--memory", self.memory,
+                        "--work-dir", str(work))
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
             for proc in self.procs:
                 if proc.poll() is not None:
                     raise RuntimeError(f"a Spark daemon exited ({proc.args[1]}):\n{self.logs()}")
             try:
-                if self.state().get("aliveworkers", 0) >= 1:
+                if self.state().get("aliveworkers", 0) >= self.workers:
                     return
             except (OSError, ValueError):  # not up yet, or not the master's page yet
                 pass
             time.sleep(0.3)
-        raise RuntimeError(f"the cluster had no alive worker within {wait_s:.0f}s:\n"
-                           f"{self.logs()}")
+        raise RuntimeError(f"the cluster had not {self.workers} alive worker(s) within "
+                           f"{wait_s:.0f}s:\n{self.logs()}")
 
     def logs(self) -> str:
         return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}"

@@ -12,8 +12,10 @@ import yaml
 from onceflow.dev.localspark import SERVER_CLASS
 
 ROOT = Path(__file__).resolve().parents[1]
+WORKERS = ("airflow-worker-1", "airflow-worker-2")  # Celery workers
 AIRFLOW = ("airflow-api-server", "airflow-scheduler", "airflow-dag-processor",
-           "airflow-triggerer", "airflow-init")
+           "airflow-triggerer", "airflow-init", *WORKERS)
+SPARK_WORKERS = ("spark-worker-1", "spark-worker-2")
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +25,7 @@ def compose():
 
 def test_every_part_is_there(compose):
     services = compose["services"]
-    assert set(services) == {"postgres", *AIRFLOW, "spark-master", "spark-worker",
+    assert set(services) == {"postgres", "redis", *AIRFLOW, "spark-master", *SPARK_WORKERS,
                              "spark-connect"}
     assert set(compose["volumes"]) == {"postgres-data", "onceflow-data"}
 
@@ -54,11 +56,41 @@ def test_airflow_gets_onceflow_connections_and_the_dag_folder(compose):
     assert "onceflow init" in " ".join(services["airflow-init"]["command"])
 
 
+def test_airflow_runs_tasks_on_two_celery_workers_with_redis_as_the_broker(compose):
+    """The CeleryExecutor's topology (tests/test_celery_cluster.py runs it as processes)."""
+    services = compose["services"]
+    assert services["redis"]["image"].startswith("redis:")
+    assert services["redis"]["healthcheck"]["test"] == ["CMD", "redis-cli", "ping"]
+    secrets = set()
+    for name in AIRFLOW:
+        env = services[name]["environment"]
+        assert env["AIRFLOW__CORE__EXECUTOR"] == "CeleryExecutor", name
+        assert env["AIRFLOW__CELERY__BROKER_URL"] == "redis://redis:6379/0"
+        # Celery's results in Airflow's metadata database, on the same server
+        backend = env["AIRFLOW__CELERY__RESULT_BACKEND"]
+        assert backend == "db+" + env["AIRFLOW__DATABASE__SQL_ALCHEMY_CONN"]
+        secrets.add(env["AIRFLOW__API_AUTH__JWT_SECRET"])
+    # one JWT key for the scheduler that signs task tokens and the API server that checks them
+    assert len(secrets) == 1 and secrets.pop().startswith("${AIRFLOW_JWT_SECRET:?")
+    for name in WORKERS:
+        service = services[name]
+        assert service["command"] == "celery worker"
+        needs = service["depends_on"]
+        assert needs["redis"]["condition"] == needs["spark-connect"]["condition"] \
+            == needs["postgres"]["condition"] == "service_healthy"
+        assert "ports" not in service  # nothing of a worker's is reached from outside
+    assert "celery" in services["airflow-worker-1"]["build"]["dockerfile_inline"]
+    assert "redis" in services["airflow-scheduler"]["depends_on"]
+
+
 def test_spark_runs_the_cluster_and_the_warm_server_on_it(compose):
     services = compose["services"]
     master = " ".join(services["spark-master"]["command"])
     assert "org.apache.spark.deploy.master.Master" in master and "--port 7077" in master
-    assert "spark://spark-master:7077" in " ".join(services["spark-worker"]["command"])
+    for name in SPARK_WORKERS:
+        worker = " ".join(services[name]["command"])
+        assert "org.apache.spark.deploy.worker.Worker spark://spark-master:7077" in worker
+        assert services[name]["depends_on"]["spark-master"]["condition"] == "service_healthy"
     connect = " ".join(services["spark-connect"]["command"])
     assert SERVER_CLASS in connect and "--master spark://spark-master:7077" in connect
     assert "spark.connect.grpc.binding.port=15002" in connect
@@ -70,11 +102,12 @@ def test_spark_runs_the_cluster_and_the_warm_server_on_it(compose):
 
 def test_one_image_with_onceflow_and_shared_data_everywhere(compose):
     services = compose["services"]
-    for name in (*AIRFLOW, "spark-master", "spark-worker", "spark-connect"):
+    for name in (*AIRFLOW, "spark-master", *SPARK_WORKERS, "spark-connect"):
         service = services[name]
         assert service["image"] == "onceflow:local"
+        # the data volume at the same path in every Airflow worker and Spark container
         assert "onceflow-data:/data" in service["volumes"], name
-    build = services["spark-worker"]["build"]["dockerfile_inline"]
+    build = services["spark-worker-1"]["build"]["dockerfile_inline"]
     assert "openjdk-17-jre-headless" in build
     for path in ("/opt/onceflow", "/opt/onceflow/examples/tweets"):
         assert path in build

@@ -130,7 +130,7 @@ def test_a_removed_file_fails_the_batch_that_reads_it(spark, conn, dsn, landed):
 def test_a_folder_that_does_not_exist_is_refused(conn, tmp_path):
     pipeline = get_pipeline("tweets", source=LandingFolder(
         topic="nowhere", path=str(tmp_path / "missing")))
-    with pytest.raises(ConfigError, match="source.path=.* is not a folder that exists"):
+    with pytest.raises(ConfigError, match="source.path=.*: the folder .* is not visible here"):
         register(conn, pipeline, create_source=True)
 
 

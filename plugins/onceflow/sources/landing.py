@@ -37,6 +37,7 @@ import functools
 import hashlib
 import json
 import logging
+import posixpath
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -47,6 +48,7 @@ from onceflow.core.errors import ConfigError, SourceShortfall
 from onceflow.core.planner import PartitionRange
 from onceflow.sources import catalog
 from onceflow.sources.base import MAX_RECORD_BYTES, Position, Source
+from onceflow.sources.folders import require_folder
 from onceflow.sources.json_records import PROBLEM, JsonRecords
 
 log = logging.getLogger(__name__)
@@ -315,10 +317,7 @@ class LandingFolder(Source):
         from pyarrow import fs
 
         filesystem, root = _filesystem(self.path)
-        info = filesystem.get_file_info(root)
-        if info.type != fs.FileType.Directory:
-            raise ConfigError(f"source.path={self.path!r} is not a folder that exists: create "
-                              "it, or point the landing folder's path at it")
+        require_folder(root, filesystem, field="source.path")
         now = datetime.now(UTC).timestamp()
         found = []
         for entry in filesystem.get_file_info(fs.FileSelector(root, recursive=False)):
@@ -548,6 +547,7 @@ class LandingFolder(Source):
         for path, (size, mtime, partition) in files.items():
             info = filesystem.get_file_info(path)
             if info.type != fs.FileType.File:
+                require_folder(posixpath.dirname(path), filesystem)
                 raise SourceShortfall(f"landed file {path!r} was removed before every batch "
                                       "reading it committed")
             if info.size != size or (info.mtime and abs(info.mtime.timestamp() - mtime) > 1e-3):
@@ -620,6 +620,7 @@ def _check_unchanged(filesystem, path: str, size: int, mtime: float) -> None:
 
     info = filesystem.get_file_info(path)
     if info.type != fs.FileType.File:
+        require_folder(posixpath.dirname(path), filesystem)
         raise RuntimeError(f"SourceShortfall: landed file {path!r} was removed before every "
                            "batch reading it committed")
     if info.size != size or (info.mtime and abs(info.mtime.timestamp() - mtime) > 1e-3):

@@ -28,6 +28,7 @@ from onceflow.core.errors import ConfigError, ImportConflict, SourceShortfall
 from onceflow.core.planner import PartitionRange
 from onceflow.sources import catalog
 from onceflow.sources.base import Position, Source
+from onceflow.sources.folders import require_roots
 from onceflow.sources.pglog import check_payload
 
 log = logging.getLogger(__name__)
@@ -451,6 +452,7 @@ class FileSegments(Source):
         with connection(dsn, application_name="onceflow-segments") as conn, \
                 transaction(conn) as cur:
             paths = segments_for(cur, self.topic, ranges)
+        require_roots(paths, 3)  # ROOT/TOPIC/pPARTITION/BASE.parquet
         if not paths:
             return spark.createDataFrame([], "partition int, offset long, payload string")
         wanted = reduce(lambda a, b: a | b, [
@@ -466,6 +468,7 @@ class FileSegments(Source):
         ranges = [r for r in ranges if r.size > 0]
         with conn.cursor() as cur:
             paths = segments_for(cur, self.topic, ranges)
+        require_roots(paths, 3)
         by_partition: dict[int, list[PartitionRange]] = {}
         for r in ranges:
             by_partition.setdefault(r.partition, []).append(r)

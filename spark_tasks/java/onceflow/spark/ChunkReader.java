@@ -40,6 +40,7 @@ final class ChunkReader implements PartitionReader<InternalRow> {
     try {
       info = Files.readAttributes(path, BasicFileAttributes.class);
     } catch (NoSuchFileException e) {
+      requireFolder(path.getParent());
       throw new IllegalStateException("SourceShortfall: landed file '" + chunk.path
           + "' was removed before every batch reading it committed");
     } catch (IOException e) {
@@ -69,6 +70,22 @@ final class ChunkReader implements PartitionReader<InternalRow> {
       throw new IllegalStateException("landed file '" + chunk.path + "' cannot be read: " + e);
     }
     return bytes;
+  }
+
+  /** onceflow.sources.folders.require_folder's refusal, in the JVM: this executor does not
+   * see the landing folder at all (not mounted here), which is not a removed file. */
+  private static void requireFolder(Path folder) {
+    if (folder != null && !Files.isDirectory(folder)) {
+      String host;
+      try {
+        host = java.net.InetAddress.getLocalHost().getHostName();
+      } catch (IOException e) {
+        host = "unknown";
+      }
+      throw new IllegalStateException("FolderNotVisible: the folder '" + folder
+          + "' is not visible here (host " + host + "): every Airflow worker and Spark "
+          + "executor must see the same folder (see docs/deployment.md); create or mount it");
+    }
   }
 
   @Override
