@@ -430,10 +430,18 @@ class _Processes(_PipelineTask):
         return True
 
     def _process_here(self, url: str, pipeline, dsn: str, ta, group: int) -> None:
+        from onceflow.dev.localspark import revive
         from spark_tasks.processing import process_batch
         from spark_tasks.session import SHARED_SESSION_KEY, connect_session
 
         started = time.monotonic()
+        # the local server onceflow started died (killed mid-batch, say): started again here
+        with airflow_outcomes():
+            revived = revive(url)
+        if revived is not None:
+            self.log.warning("the Spark Connect server onceflow started at %s was gone: "
+                             "started it again (%s) in %.1fs", url, revived.line(),
+                             time.monotonic() - started)
         with airflow_outcomes(), connect_session(url, f"onceflow-{pipeline.name}",
                                                    shared=SHARED_SESSION_KEY) as spark:
             self.log.info("processing %s of %s, group %d on %s (session in %.2fs)", ta,
