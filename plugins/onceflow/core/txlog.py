@@ -133,8 +133,9 @@ class Blocker:
         if self.abandoned:
             text += (f" but its run {self.run_id} has not reported for {self.silent_s:.0f}s "
                      f"(lease {self.lease_s}s): it is abandoned")
-        elif self.run_id:
-            text += f" (run {self.run_id}" + (f", {self.holder}" if self.holder else "") + ")"
+        elif self.run_id:  # a planned one's holder: the process its commit waits on
+            held = self.holder and self.state is TxState.PLANNED
+            text += f" (run {self.run_id}" + (f", {self.holder}" if held else "") + ")"
         if self.reason:
             text += f": {self.reason}"
         return text

@@ -24,6 +24,7 @@ class Stuck:
     state: str
     holds: str  # what holds it
     fix: str  # the one command (or action) that frees it
+    stuck: bool = True  # False: in flight, its holder reporting (listed to name the holder)
 
 
 @dataclass
@@ -87,7 +88,7 @@ def _stuck(pipeline: str, rows: list[TxRow], last_committed: int) -> list[Stuck]
                      if row.txid > last_committed + 1 else "")
             out.append(Stuck(row.txid, str(row.state), _held(row) + waits,
                              "if its run is dead, free it now: "
-                             + release_command(pipeline, row.txid)))
+                             + release_command(pipeline, row.txid), stuck=False))
         elif row.txid > last_committed + 1:
             out.append(Stuck(row.txid, str(row.state),
                              f"waits for txid {last_committed + 1} to commit", "-"))
