@@ -36,7 +36,9 @@ def get_spark(app_name: str = "onceflow", master: str | None = None) -> SparkSes
     builder = SparkSession.builder.appName(app_name)
     remote = os.environ.get("SPARK_REMOTE")
     if remote and master is None:
-        return builder.remote(remote).getOrCreate()
+        spark = builder.remote(remote).getOrCreate()
+        spark.client.set_retry_policies([retry_policy(server_retry_s())])  # connect_session's
+        return spark
     require_java()
     master = master or os.environ.get("ONCEFLOW_SPARK_MASTER")
     if master:
