@@ -159,7 +159,8 @@ def process_batch(spark: SparkSession, dsn: str, pipeline: Pipeline, ta: Transac
             # max_record_bytes may have changed since)
             refusals = bool(batch.replayed) or pipeline.source.may_refuse(cur, ranges)
         cleanup.enter_context(AttemptLease(dsn, pipeline.name, ta,
-                                           pipeline.attempt_heartbeat_s))
+                                           pipeline.attempt_heartbeat_s,
+                                           lease_s=pipeline.lease_s))
         ship_code(pipeline.ref, pipeline.topology)
         topology = pipeline.build_topology()
         stateful = topology.stateful()

@@ -36,7 +36,9 @@ def get_spark(app_name: str = "onceflow", master: str | None = None) -> SparkSes
     builder = SparkSession.builder.appName(app_name)
     remote = os.environ.get("SPARK_REMOTE")
     if remote and master is None:
-        return builder.remote(remote).getOrCreate()
+        spark = builder.remote(remote).getOrCreate()
+        spark.client.set_retry_policies([retry_policy(server_retry_s())])  # connect_session's
+        return spark
     require_java()
     master = master or os.environ.get("ONCEFLOW_SPARK_MASTER")
     if master:
@@ -124,6 +126,93 @@ def shared_session_id(key: str, now: float | None = None) -> str:
     return str(uuid.UUID(bytes=digest[:16], version=4))
 
 
+# How long a Spark Connect client goes on retrying a server that does not answer (seconds,
+# ONCEFLOW_SPARK_CONNECT_RETRY_S). PySpark's default policy retries for at least ten
+# minutes, and a server killed mid-batch left a task waiting that long and more: a task of a
+# server that is gone fails within this bound and Airflow retries it.
+DEFAULT_SERVER_RETRY_S = 30.0
+# The client's backoff: PySpark's own (50 ms, times 4, 500 ms of jitter from 2 s), with a
+# lower ceiling so that a server back within seconds (a restart) is found soon.
+_BACKOFF_MS = {"initial_backoff": 50, "backoff_multiplier": 4.0, "max_backoff": 5000,
+               "jitter": 500, "min_jitter_threshold": 2000}
+
+
+def server_retry_s() -> float:
+    """ONCEFLOW_SPARK_CONNECT_RETRY_S, else DEFAULT_SERVER_RETRY_S; a ConfigError naming a bad
+    value."""
+    value = os.environ.get("ONCEFLOW_SPARK_CONNECT_RETRY_S", "").strip()
+    try:
+        seconds = float(value) if value else DEFAULT_SERVER_RETRY_S
+    except ValueError:
+        seconds = float("nan")
+    if not seconds >= 0:
+        from onceflow.core.errors import ConfigError
+
+        raise ConfigError(f"ONCEFLOW_SPARK_CONNECT_RETRY_S={value!r} is invalid: give a number "
+                          f"of seconds, 0 or more (default {DEFAULT_SERVER_RETRY_S:.0f})")
+    return seconds
+
+
+def retry_policy(budget_s: float):
+    """PySpark's retry policy for a Spark Connect client (public:
+    pyspark.sql.connect.client.retries.DefaultPolicy, set with
+    SparkConnectClient.set_retry_policies), with as many retries as fit in ``budget_s``
+    seconds of waiting, jitter included; a server's own retry delay is held to the same
+    ceiling."""
+    from pyspark.sql.connect.client.retries import DefaultPolicy
+
+    b = _BACKOFF_MS
+    retries, waited, wait = 0, 0.0, float(b["initial_backoff"])
+    while True:
+        jitter = b["jitter"] if wait >= b["min_jitter_threshold"] else 0
+        if waited + wait + jitter > budget_s * 1000:
+            break
+        retries, waited = retries + 1, waited + wait + jitter
+        wait = min(float(b["max_backoff"]), wait * b["backoff_multiplier"])
+    return DefaultPolicy(max_retries=retries, max_server_retry_delay=b["max_backoff"], **b)
+
+
+def _gone(error: BaseException, host: str, port: int) -> bool:
+    """Whether ``error`` is the Spark Connect server's going away: a Spark or gRPC error, and
+    the server unavailable (gRPC's UNAVAILABLE) or no longer taking connections."""
+    import grpc
+    from pyspark.errors import PySparkException
+    from pyspark.errors.exceptions.connect import SparkConnectGrpcException
+
+    spark_error, seen = False, set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, SparkConnectGrpcException) \
+                and error.getGrpcStatusCode() == grpc.StatusCode.UNAVAILABLE:
+            return True
+        if isinstance(error, grpc.RpcError) and isinstance(error, grpc.Call) \
+                and error.code() == grpc.StatusCode.UNAVAILABLE:
+            return True
+        spark_error = spark_error or isinstance(error, PySparkException | grpc.RpcError)
+        error = error.__cause__ or error.__context__
+    return spark_error and not _answers(host, port)
+
+
+def _why(error: BaseException) -> str:
+    """One line for a Spark Connect error: gRPC's details when it has them."""
+    import re
+
+    text = str(error)
+    found = re.search(r'details = "([^"]*)"', text)
+    first = found.group(1) if found else (text.strip().splitlines() or ["-"])[0]
+    return f"{type(error).__name__}: {first[:300]}"
+
+
+def _answers(host: str, port: int, timeout: float = 3) -> bool:
+    import socket
+
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError:
+        return False
+    return True
+
+
 @contextmanager
 def connect_session(url: str, app_name: str, shared: str | None = None):
     """A Spark Connect session for one task. A session of its own is released at the end (a
@@ -133,55 +222,77 @@ def connect_session(url: str, app_name: str, shared: str | None = None):
     bolt or source read), a joined one finds its workers warm. The shared session changes
     every SHARED_SESSION_PERIOD_S, so the server holds a bounded few per key; when the
     server closed it anyway (a shorter idle timeout), the task takes a session of its own.
+
     A server that does not answer is a clear error, retried like any failure (a restarted
-    server comes back)."""
-    import socket
+    server comes back). One that goes away while the task uses it (killed, crashed) is
+    SparkServerGone within ``server_retry_s()`` seconds of the client's retries (the
+    client's retry policy is set before its first call), not PySpark's ten minutes and more.
+    """
     from urllib.parse import urlparse
 
-    from onceflow.core.errors import OnceflowError
+    from onceflow.core.errors import OnceflowError, SparkServerGone
 
     where = urlparse(url.replace("sc://", "http://", 1))
+    host, port = where.hostname, where.port or 15002
     try:
-        socket.create_connection((where.hostname, where.port or 15002), timeout=3).close()
+        socket_error = None if _answers(host, port) else "connection refused or timed out"
     except OSError as error:
+        socket_error = str(error)
+    if socket_error is not None:
         raise OnceflowError(
-            f"the Spark Connect server at {url} does not answer ({error}): start it "
-            "(`onceflow spark start` in local mode) or point the Spark connection at yours"
-        ) from error
+            f"the Spark Connect server at {url} does not answer ({socket_error}): start it "
+            "(`onceflow spark start` in local mode) or point the Spark connection at yours")
     from pyspark.errors import PySparkException
     from pyspark.sql import SparkSession
 
-    def builder(remote: str):
-        out = SparkSession.builder.remote(remote).appName(app_name)
-        # set with the app name: one round trip (the server's own settings hold the rest)
-        for key, value in processing_conf(static=False).items():
-            out = out.config(key, value)
-        return out
+    policy = retry_policy(server_retry_s())
 
-    spark = None
-    if shared is not None:
-        # sc://host:port/;param=value;...: the session id is one more parameter
-        joined = (url if "/;" in url else url.rstrip("/") + "/") + \
-            f";session_id={shared_session_id(shared)}"
-        try:  # the first round trips (the session's options, its version) say whether
-            # the server still knows the id
-            spark = builder(joined).create()
-            spark.version  # noqa: B018
-        except PySparkException as error:
-            if "SESSION_CLOSED" not in str(error):
-                raise
-            if spark is not None:
-                spark.client.close()
-            spark, shared = None, None
-    if spark is None:
-        spark = builder(url).create()
+    def session(remote: str) -> SparkSession:
+        # Created without options, so that no call precedes the bounded retry policy; the
+        # settings follow (server_settings).
+        created = SparkSession.builder.remote(remote).create()
+        created.client.set_retry_policies([policy])
+        return created
+
+    wanted = processing_conf(static=False)
+    spark, gone = None, False
     try:
+        if shared is not None:
+            # sc://host:port/;param=value;...: the session id is one more parameter
+            joined = (url if "/;" in url else url.rstrip("/") + "/") + \
+                f";session_id={shared_session_id(shared)}"
+            try:  # the first round trip (the session's settings) says whether the server
+                # still knows the id; a joined session mostly has them already
+                spark = session(joined)
+                held = spark.conf.getAll
+                wanted = {k: v for k, v in wanted.items() if held.get(k) != v}
+            except PySparkException as error:
+                if "SESSION_CLOSED" not in str(error) or spark is None:
+                    raise
+                spark.client.close()
+                spark, shared = None, None
+        if spark is None:
+            spark = session(url)
+            wanted = {"spark.app.name": app_name, **wanted}
+        for key, value in wanted.items():
+            spark.conf.set(key, value)
         yield spark
+    except Exception as error:
+        if not _gone(error, host, port):
+            raise
+        gone = True
+        raise SparkServerGone(
+            f"the Spark server at {host}:{port} is gone ({_why(error)}); the client gave up "
+            f"after {server_retry_s():.0f}s of retries "
+            "(ONCEFLOW_SPARK_CONNECT_RETRY_S). The attempt is retried; in local mode the "
+            "retry starts onceflow's server again") from error
     finally:
         try:
-            if shared is None:
+            if spark is None:
+                pass
+            elif shared is None and not gone:
                 spark.stop()
-            else:  # left open for the next task; the connection goes
+            else:  # left open for the next task (or nothing to release on a server gone)
                 spark.client.close()
         finally:
             # it would make a later spark-submit from this process look for a Connect URL

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -143,22 +144,39 @@ def test_a_failed_txid_fails_the_waiting_commit_fast_and_a_backfill_commits_both
 
 
 @pytest.mark.timeout(300)
-def test_a_txid_whose_run_died_is_adopted_by_the_next_run(dsn, conn, airflow_db, warm_spark):
-    """A run planned txid 1 and died without a trace (no failure callback ran). Once its
-    lease is over, the next run adopts txid 1 instead of waiting behind it for ever."""
+def test_a_txid_whose_run_died_is_adopted_by_the_next_run(dsn, conn, airflow_db, warm_spark,
+                                                          tmp_path, monkeypatch):
+    """A run's process task is killed (SIGKILL of its process) while it holds txid 1: no
+    failure callback runs. Until then its task reports the lease (the attempt shortened the
+    hand-over lease begin gave it); after the kill the reports stop, and once the lease is
+    over (seconds here, about a minute by default, not ten) the next run adopts txid 1 and
+    commits it, counted once."""
+    monkeypatch.setenv("ONCEFLOW_ATTEMPT_LEASE_S", "5")
     pipeline = tweets_pipeline(conn, events=600, batch_size=300)
-    ghost = begin(conn, pipeline, "ghost-run")
-    with conn.cursor() as cur:
-        cur.execute("UPDATE transactions SET heartbeat_at = now() - interval '2 hours'")
-    conn.commit()
+    hold = tmp_path / "hold"
+    doomed = start_run(env={"ONCEFLOW_HOLD_AT": f"process.before:1:{hold}"})
+    try:
+        wait_for_file(Path(str(hold) + ".reached"))
+        # the process task holds txid 1 and reports from its own process (dag.test runs
+        # tasks in the runner): the short lease, its pid
+        wait_for(conn, f"""SELECT lease_s, holder LIKE '%% pid {doomed.pid}'
+                           FROM transactions""", [(5, True)])
+        os.kill(doomed.pid, signal.SIGKILL)
+        doomed.wait()
+    finally:
+        doomed.kill()
+        doomed.wait()
+    killed = time.monotonic()
+    wait_for(conn, """SELECT heartbeat_at < now() - make_interval(secs => lease_s)
+                      FROM transactions""", [(True,)], timeout=60)
+    assert time.monotonic() - killed < 60
     result = finish(start_run())
     assert result["state"] == "success", result["log"][-3000:]
-    assert "adopting an abandoned txid" in result["log"]
+    assert "adopting an abandoned txid: its run manual__" in result["log"]
     assert table(conn, "SELECT txid, attempt, state FROM transactions") == [
         (1, 2, "committed")]
     assert table(conn, """SELECT attempt, outcome FROM transaction_attempts
                           ORDER BY attempt""") == [(1, "abandoned"), (2, "committed")]
-    assert ghost.attempt.attempt == 1
     assert verify(conn, pipeline).ok
 
 

@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from contextlib import ExitStack
@@ -73,6 +74,35 @@ def test_a_server_this_process_started_is_not_taken_for_alive_once_it_exits():
         running.wait()
 
 
+def test_the_client_retries_a_server_that_is_gone_for_a_bounded_time(monkeypatch):
+    """PySpark's default policy waits ten minutes and more before it gives up on a server
+    (the issue: a query failed 609 s after its server was killed); onceflow's client gives
+    up within ONCEFLOW_SPARK_CONNECT_RETRY_S (30 s by default), a server's own retry delay
+    included."""
+    from pyspark.sql.connect.client.retries import DefaultPolicy
+
+    from onceflow.core.errors import ConfigError
+    from spark_tasks.session import retry_policy, server_retry_s
+
+    def waits_ms(policy) -> list[int]:
+        state, out = policy.to_state(), []
+        while (wait := state.next_attempt()) is not None:
+            out.append(wait)
+        return out
+
+    assert sum(waits_ms(DefaultPolicy())) > 600_000
+    assert server_retry_s() == 30
+    bounded = retry_policy(server_retry_s())
+    assert 20_000 < sum(waits_ms(bounded)) <= 30_000
+    assert bounded.max_server_retry_delay <= 5_000
+    assert sum(waits_ms(retry_policy(10))) <= 10_000
+    assert waits_ms(retry_policy(0)) == []
+    monkeypatch.setenv("ONCEFLOW_SPARK_CONNECT_RETRY_S", "a while")
+    with pytest.raises(ConfigError, match="ONCEFLOW_SPARK_CONNECT_RETRY_S='a while' is "
+                                          "invalid: give a number of seconds"):
+        server_retry_s()
+
+
 @pytest.fixture
 def pageviews(monkeypatch, dsn, conn):
     with outside_pipeline(monkeypatch, "pageviews.pipelines:PAGE_VIEWS", conn) as found:
@@ -103,8 +133,13 @@ def test_a_server_that_is_down_is_a_clear_error(pageviews, conn, airflow_db):
 
 @pytest.mark.timeout(600)
 def test_a_server_killed_in_the_middle_of_a_batch(pageviews, conn, airflow_db, tmp_path):
+    """The JVM of the server onceflow started is killed (SIGKILL, by its pid) while a batch is
+    in its hands. The try fails within the client's retry bound, saying the server is gone
+    (not PySpark's ten minutes of retries); its retry starts the server again (onceflow owns
+    it: its pid file is in the run folder) and commits the batch, counted once."""
     port = free_port()
-    folder = tmp_path / "server"
+    home = tmp_path / "home"  # ONCEFLOW_HOME of the runs: where they find the server's files
+    folder = home / ".run" / "spark-connect"
     # launched without waiting (as the demo does while it sets up Airflow): its JVM cannot
     # answer yet; ready() waits until it does
     launched = localspark.launch(port, driver_memory="1g", folder=folder)
@@ -113,9 +148,10 @@ def test_a_server_killed_in_the_middle_of_a_batch(pageviews, conn, airflow_db, t
     assert launched.ready().running  # again: the status, no second wait or warm-up
     import psutil  # its JVM runs with onceflow's options (JIT thresholds, GC)
 
-    server = psutil.Process(localspark.status(port, folder=folder).pid)
-    assert any(set(localspark.SERVER_JAVA_OPTIONS.split()) <= set(proc.cmdline())
-               for proc in [server, *server.children(recursive=True)])
+    first = localspark.status(port, folder=folder).pid
+    server = psutil.Process(first)
+    jvm = next(p for p in [server, *server.children(recursive=True)] if p.name() == "java")
+    assert set(localspark.SERVER_JAVA_OPTIONS.split()) <= set(jvm.cmdline())
     release = tmp_path / "release"
     views = [json.dumps({"country": c, "page": "/p"}) for c in ("de", "fr", "de")] + [
         json.dumps({"country": "hold", "page": str(release)})]
@@ -125,27 +161,41 @@ def test_a_server_killed_in_the_middle_of_a_batch(pageviews, conn, airflow_db, t
          (datetime.now(UTC).replace(microsecond=0) + timedelta(seconds=9)).isoformat(), "{}",
          "onceflow_page_views"],
         env={**os.environ, "AIRFLOW_CONN_SPARK_DEFAULT": spark_connection(port),
-             "ONCEFLOW_RETRY_DELAY_SECONDS": "20"},
+             "ONCEFLOW_HOME": str(home), "ONCEFLOW_RETRY_DELAY_SECONDS": "1",
+             "ONCEFLOW_SPARK_CONNECT_RETRY_S": "10"},
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[tuple[float, str]] = []
+    reader = threading.Thread(target=lambda: lines.extend(
+        (time.monotonic(), line) for line in proc.stdout), daemon=True)
+    reader.start()
+    gone = f"the Spark server at 127.0.0.1:{port} is gone"
     try:
         deadline = time.monotonic() + 240
         while not Path(str(release) + ".reached").exists():
             assert time.monotonic() < deadline and proc.poll() is None, "never in the batch"
             time.sleep(0.2)
-        pid = localspark.status(port, folder=folder).pid
-        os.killpg(pid, signal.SIGKILL)  # the server dies with a batch in its hands
-        time.sleep(1)
-        localspark.start(port, driver_memory="1g", folder=folder)
-        release.touch()
-        out, _ = proc.communicate(timeout=300)
+        os.kill(jvm.pid, signal.SIGKILL)  # the server's JVM dies with a batch in its hands
+        killed = time.monotonic()
+        release.touch()  # the batch's Python worker, left without its JVM, may end
+        proc.wait(timeout=400)
+        reader.join(timeout=10)
     finally:
         proc.kill()
         localspark.stop(port, folder=folder)
+        try:  # what is left of the killed server's process group (its Python workers)
+            os.killpg(first, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    out = "".join(line for _, line in lines)
     result = json.loads(out.strip().splitlines()[-1])
     assert result["state"] == "success", out[-3000:]
     assert result["tries"]["process[0]"] == 2
+    failed_at = next(at for at, line in lines if gone in line)
+    assert failed_at - killed < 60, "the try failed within the bound, not after minutes"
+    assert "the client gave up after 10s of retries" in out
+    assert "was gone: started it again" in out  # by the retry, before it connected
     assert dict(table(conn, "SELECT key, value FROM views_per_country")) == {
-        "DE": 2, "FR": 1, "HOLD": 1}
+        "DE": 2, "FR": 1, "HOLD": 1}  # what was produced, each view counted once
     assert table(conn, "SELECT txid, attempt, state FROM transactions") == [
         (1, 1, "committed")]
 
@@ -189,6 +239,8 @@ def test_processing_tasks_share_one_warmed_up_session_and_its_python_workers(tmp
         SHARED_SESSION_KEY,
         SHARED_SESSION_PERIOD_S,
         connect_session,
+        retry_policy,
+        server_retry_s,
         shared_session_id,
     )
 
@@ -209,6 +261,9 @@ def test_processing_tasks_share_one_warmed_up_session_and_its_python_workers(tmp
         joined_at = _process_clock_now()
         with connect_session(url, "first", shared=key) as spark:
             assert spark.session_id == shared_session_id(key)
+            # the bounded retry policy, set before the session's first call
+            assert [p.max_retries for p in spark.client.get_retry_policies()] == [
+                retry_policy(server_retry_s()).max_retries]
             spark.range(3).createOrReplaceTempView("left_by_the_first")
             first = _worker_pids(spark)
         with connect_session(url, "second", shared=key) as spark:

@@ -28,6 +28,7 @@ from onceflow.airflow.operators import (
     CommitBatchOperator,
     ProcessBatchOperator,
     TransactionOperator,
+    lease_for_retry,
     load_pipeline,
     mark_transaction_failed,
     seconds_setting,
@@ -131,6 +132,8 @@ def transaction_dag(pipeline: Pipeline | str, *, dag_id: str | None = None,
     args = {
         # a task's last failure marks its attempt failed: the next run adopts the txid
         "on_failure_callback": mark_transaction_failed,
+        # a retry's delay is a wait between two tasks: the attempt keeps its txid meanwhile
+        "on_retry_callback": lease_for_retry,
         "retries": pipeline.retries,
         "retry_delay": timedelta(
             seconds=seconds_setting("retry_delay", None, "ONCEFLOW_RETRY_DELAY_SECONDS", 10)),

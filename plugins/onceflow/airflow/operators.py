@@ -11,6 +11,11 @@ How onceflow's outcomes show in Airflow:
   fails the task at once, without retries (``AirflowFailException``);
 - anything else is retried, and after the last retry marks the transaction failed, so that
   the next run adopts it.
+
+A task that holds a transaction attempt (process, commit, the one-task transaction) reports
+its lease while it runs; between two tasks of a run (begin to process, process to commit, a
+retry's delay, a deferred commit) the attempt has the longer hand-over lease
+(onceflow.core.lease).
 """
 
 from __future__ import annotations
@@ -136,6 +141,23 @@ def mark_transaction_failed(context) -> None:
         mark_failed(conn, batch["pipeline"], attempt_of(batch), reason)
 
 
+def lease_for_retry(context) -> None:
+    """on_retry_callback of process, commit and transaction: the attempt waits for the retry
+    with the hand-over lease (at least the retry's delay and a lease), so the next run does
+    not adopt its txid meanwhile. Fenced: an attempt no longer current is left alone."""
+    from onceflow.core.lease import report
+
+    task = context["task"]
+    batch = _batch_of(context)
+    if not batch:
+        return
+    pipeline = load_pipeline(batch["pipeline"], getattr(task, "pipeline_refs", ()))
+    delay = getattr(task, "retry_delay", None)
+    wait = int(delay.total_seconds()) if isinstance(delay, timedelta) else 0
+    report(resolve_dsn(getattr(task, "postgres_conn_id", DEFAULT_CONN_ID)), pipeline.name,
+           attempt_of(batch), max(pipeline.handoff_lease_s, wait + pipeline.lease_s))
+
+
 def inject_fault(point: str, txid: int, try_number: int) -> None:
     """Testing hook: ONCEFLOW_INJECT_FAULTS="POINT:TXID[:TRIES],..." makes ``POINT``
     (process.before, process.before.groupG, commit.after) raise for ``TXID`` on its first
@@ -220,6 +242,28 @@ class _PipelineTask:
     def _dsn(self) -> str:
         return resolve_dsn(self.postgres_conn_id)
 
+    @contextmanager
+    def _holding(self, pipeline, dsn: str, ta, *, handoff: bool):
+        """This task holds ``ta`` while the block runs: a thread reports its lease every
+        lease / 4 (onceflow.core.lease). ``handoff``: the run goes on in another task after
+        a block that ends well, so the attempt is left with the hand-over lease. Inside a
+        block that holds it already, that lease goes on."""
+        from onceflow.core.lease import AttemptLease
+
+        held = getattr(self, "_lease", None)
+        if held is not None:
+            yield held
+            return
+        lease = AttemptLease(dsn, pipeline.name, ta, pipeline.attempt_heartbeat_s,
+                             lease_s=pipeline.lease_s,
+                             handoff_s=pipeline.handoff_lease_s if handoff else None)
+        self._lease = lease
+        try:
+            with lease:
+                yield lease
+        finally:
+            self._lease = None
+
 
 class _Begins(_PipelineTask):
     """The begin phase (BeginBatchOperator, TransactionOperator): needs ``batch_size``,
@@ -260,7 +304,8 @@ class _Begins(_PipelineTask):
                 with connection(self._dsn()) as conn:
                     ensure_ready(conn, pipeline)
                     batch = self._begin_when_free(pipeline, lambda: begin(
-                        conn, pipeline, context["run_id"], txid=txid))
+                        conn, pipeline, context["run_id"], txid=txid,
+                        lease_s=self._first_lease(pipeline)))
         except AirflowSkipException as skip:  # max_pending
             why = str(skip)
             run_note(context, lambda notes: notes.nothing_planned(self.pipeline, why))
@@ -282,6 +327,11 @@ class _Begins(_PipelineTask):
              "committed": batch.committed}
             for group in range(batch.groups)
         ]
+
+    def _first_lease(self, pipeline) -> int | None:
+        """The lease begin gives the attempt: the hand-over lease, as the run goes on in its
+        process tasks (TransactionOperator goes on in the same task: the pipeline's)."""
+        return pipeline.handoff_lease_s
 
     def _begin_when_free(self, pipeline, attempt):
         """``attempt()`` (begin); while it finds ``max_pending`` transactions open, wait for
@@ -406,10 +456,18 @@ class _Processes(_PipelineTask):
         return True
 
     def _process_here(self, url: str, pipeline, dsn: str, ta, group: int) -> None:
+        from onceflow.dev.localspark import revive
         from spark_tasks.processing import process_batch
         from spark_tasks.session import SHARED_SESSION_KEY, connect_session
 
         started = time.monotonic()
+        # the local server onceflow started died (killed mid-batch, say): started again here
+        with airflow_outcomes():
+            revived = revive(url)
+        if revived is not None:
+            self.log.warning("the Spark Connect server onceflow started at %s was gone: "
+                             "started it again (%s) in %.1fs", url, revived.line(),
+                             time.monotonic() - started)
         with airflow_outcomes(), connect_session(url, f"onceflow-{pipeline.name}",
                                                    shared=SHARED_SESSION_KEY) as spark:
             self.log.info("processing %s of %s, group %d on %s (session in %.2fs)", ta,
@@ -443,6 +501,7 @@ class ProcessBatchOperator(_Processes, SparkSubmitOperator):
         kwargs.setdefault("application", PROCESS_ENTRY_POINT)
         kwargs.setdefault("name", f"onceflow-{pipeline}")
         kwargs.setdefault("on_failure_callback", mark_transaction_failed)
+        kwargs.setdefault("on_retry_callback", lease_for_retry)
         kwargs["conf"] = {**SPARK_DEFAULTS, **(kwargs.get("conf") or {})}
         venv_submit = Path(sys.executable).with_name("spark-submit")
         if venv_submit.exists():
@@ -460,6 +519,10 @@ class ProcessBatchOperator(_Processes, SparkSubmitOperator):
     def _process(self, context, ta, group: int) -> None:
         with airflow_outcomes():
             pipeline, dsn = self._pipeline(), self._dsn()
+        with self._holding(pipeline, dsn, ta, handoff=True):
+            self._process_held(context, pipeline, dsn, ta, group)
+
+    def _process_held(self, context, pipeline, dsn: str, ta, group: int) -> None:
         if not self._ready_to_process(context, pipeline, dsn, ta, group):
             return
         url = spark_connect_url(self._conn_id)
@@ -559,13 +622,18 @@ class _Commits(_PipelineTask):
         with airflow_outcomes():
             pipeline = self._pipeline()
             dsn = self._dsn()
-            with connection(dsn) as conn:
+            with self._holding(pipeline, dsn, ta, handoff=False) as lease, \
+                    connection(dsn) as conn:
                 result = commit(conn, pipeline, ta, state_dsns=external_dsns(pipeline),
                                 coordinator_dsn=dsn)
                 if result.status == "waiting" and not result.blocker.hopeless \
                         and self._waited_here(dsn, pipeline.name, ta, deadline):
                     result = commit(conn, pipeline, ta, state_dsns=external_dsns(pipeline),
                                     coordinator_dsn=dsn)
+                if result.status == "waiting" and not result.blocker.hopeless \
+                        and time.time() < deadline:
+                    # deferred: the triggerer holds the attempt from here on
+                    lease.hand_over(pipeline.handoff_lease_s)
             if result.status == "waiting":
                 blocker = result.blocker
                 if blocker.hopeless:
@@ -582,7 +650,8 @@ class _Commits(_PipelineTask):
             self.log.info("%s waits for %s", ta, result.blocker.describe())
             self.defer(
                 trigger=CommitTurnTrigger(pipeline.name, ta.txid, ta.attempt,
-                                          self.postgres_conn_id, self.poll_interval, deadline),
+                                          self.postgres_conn_id, self.poll_interval, deadline,
+                                          lease_s=pipeline.handoff_lease_s),
                 method_name="execute_complete", kwargs={"batch": self.batch},
             )
         if context and "outlet_events" in context:
@@ -632,6 +701,7 @@ class CommitBatchOperator(_Commits, BaseOperator):
                  commit_timeout: timedelta | None = None, poll_interval: float = 2.0,
                  wait_in_task: float = 30.0, **kwargs):
         kwargs.setdefault("on_failure_callback", mark_transaction_failed)
+        kwargs.setdefault("on_retry_callback", lease_for_retry)
         super().__init__(**kwargs)
         self._which(pipeline, pipeline_refs, postgres_conn_id)
         self.batch = batch
@@ -677,6 +747,7 @@ class TransactionOperator(_Begins, _Processes, _Commits, BaseOperator):
                  wait_for_slot: float | None = None, commit_timeout: timedelta | None = None,
                  poll_interval: float = 2.0, wait_in_task: float = 30.0, **kwargs):
         kwargs.setdefault("on_failure_callback", mark_transaction_failed)
+        kwargs.setdefault("on_retry_callback", lease_for_retry)
         super().__init__(**kwargs)
         self._which(pipeline, pipeline_refs, postgres_conn_id)
         self._plan_settings(batch_size, txid, groups, wait_for_slot, poll_interval)
@@ -686,12 +757,20 @@ class TransactionOperator(_Begins, _Processes, _Commits, BaseOperator):
         self.batch: list[dict[str, Any]] | None = None
 
     def execute(self, context) -> dict[str, Any]:
-        from onceflow.core.errors import ConfigError
-
         self.batch = self._begin(context)
         ta = attempt_of(self.batch)
-        with noting_skips(context, self.pipeline, ta), airflow_outcomes():
+        with airflow_outcomes():
             pipeline, dsn = self._pipeline(), self._dsn()
+        with self._holding(pipeline, dsn, ta, handoff=False):
+            return self._transact(context, pipeline, dsn, ta)
+
+    def _first_lease(self, pipeline) -> int | None:
+        return None  # processing and commit follow in this task
+
+    def _transact(self, context, pipeline, dsn: str, ta) -> dict[str, Any]:
+        from onceflow.core.errors import ConfigError
+
+        with noting_skips(context, self.pipeline, ta), airflow_outcomes():
             url = spark_connect_url(self.conn_id)
             if url is None:
                 raise ConfigError(

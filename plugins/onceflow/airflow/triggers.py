@@ -13,16 +13,20 @@ from typing import Any
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 
 
-def look_for_turn(dsn: str, pipeline: str, txid: int, attempt: int) -> tuple[int, bool]:
+def look_for_turn(dsn: str, pipeline: str, txid: int, attempt: int,
+                  lease_s: int | None = None) -> tuple[int, bool]:
     """(last committed txid, whether the blocking txid cannot commit without a new run),
-    reporting the waiting attempt alive on the way."""
+    reporting the waiting attempt alive on the way (``lease_s``: the lease it gives; None
+    keeps the one it has)."""
     from onceflow.core import txlog
     from onceflow.core.db import connect, transaction
+    from onceflow.core.lease import this_process
 
     conn = connect(dsn, application_name="onceflow-trigger")
     try:
         with transaction(conn) as cur:
-            txlog.heartbeat(cur, pipeline, txlog.TransactionAttempt(txid, attempt))
+            txlog.heartbeat(cur, pipeline, txlog.TransactionAttempt(txid, attempt),
+                            lease_s=lease_s, holder=this_process())
             last = txlog.last_committed(cur, pipeline)
             hopeless = last < txid - 1 and txlog.blocker(cur, pipeline, last + 1).hopeless
         return last, hopeless
@@ -62,11 +66,14 @@ class TurnListener:
 class CommitTurnTrigger(BaseTrigger):
     """Fires once ``pipeline``'s last committed txid reaches ``txid - 1`` (the commit's turn),
     once the txid it waits for cannot commit without a new run (failed, or its run died), or
-    at ``deadline`` (epoch seconds). The operator decides what the event means.
+    at ``deadline`` (epoch seconds). The operator decides what the event means. Each look
+    reports the waiting attempt's lease, giving it ``lease_s`` (the hand-over lease: when it
+    fires, the task resumes only once Airflow schedules it).
     """
 
     def __init__(self, pipeline: str, txid: int, attempt: int, postgres_conn_id: str,
-                 poll_interval: float = 2.0, deadline: float = 0.0):
+                 poll_interval: float = 2.0, deadline: float = 0.0,
+                 lease_s: int | None = None):
         super().__init__()
         self.pipeline = pipeline
         self.txid = txid
@@ -74,6 +81,7 @@ class CommitTurnTrigger(BaseTrigger):
         self.postgres_conn_id = postgres_conn_id
         self.poll_interval = poll_interval
         self.deadline = deadline
+        self.lease_s = lease_s
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         # Only ids go to the metadata database: the DSN is looked up again where this runs.
@@ -81,7 +89,7 @@ class CommitTurnTrigger(BaseTrigger):
             "onceflow.airflow.triggers.CommitTurnTrigger",
             {"pipeline": self.pipeline, "txid": self.txid, "attempt": self.attempt,
              "postgres_conn_id": self.postgres_conn_id, "poll_interval": self.poll_interval,
-             "deadline": self.deadline},
+             "deadline": self.deadline, "lease_s": self.lease_s},
         )
 
     async def run(self):
@@ -92,7 +100,7 @@ class CommitTurnTrigger(BaseTrigger):
         try:
             while True:
                 last, hopeless = await asyncio.to_thread(
-                    look_for_turn, dsn, self.pipeline, self.txid, self.attempt)
+                    look_for_turn, dsn, self.pipeline, self.txid, self.attempt, self.lease_s)
                 if last >= self.txid - 1 or hopeless or time.time() >= self.deadline:
                     yield TriggerEvent({"last_committed_txid": last,
                                         "deadline": self.deadline})

@@ -29,6 +29,7 @@ import logging
 from onceflow.core import backflow, offsets, txlog
 from onceflow.core.db import transaction
 from onceflow.core.errors import MaxPendingReached, UnknownTransaction
+from onceflow.core.lease import this_process
 from onceflow.core.pipeline import Pipeline
 from onceflow.core.planner import PartitionRange, plan_ranges
 from onceflow.core.staging import delete_staging
@@ -37,8 +38,12 @@ from onceflow.core.txlog import Batch, TransactionAttempt, TxState
 log = logging.getLogger(__name__)
 
 
-def begin(conn, pipeline: Pipeline, run_id: str, *, txid: int | None = None) -> Batch:
-    """Give ``run_id`` its transaction attempt and batch (the rules in the module docstring)."""
+def begin(conn, pipeline: Pipeline, run_id: str, *, txid: int | None = None,
+          lease_s: int | None = None) -> Batch:
+    """Give ``run_id`` its transaction attempt and batch (the rules in the module docstring).
+    ``lease_s``: the attempt's first lease (default the pipeline's; a run that goes on in
+    another task gives its hand-over lease, onceflow.core.lease)."""
+    lease = (lease_s or pipeline.lease_s, this_process())
     with transaction(conn) as cur:
         coordinator = txlog.lock_pipeline(cur, pipeline.name)
         target, why = txid, "requested"
@@ -47,12 +52,12 @@ def begin(conn, pipeline: Pipeline, run_id: str, *, txid: int | None = None) -> 
         if target is None:
             target, why = txlog.adoptable(cur, pipeline.name) or (None, "")
         if target is None:
-            return _begin_new(cur, pipeline, run_id, coordinator)
+            return _begin_new(cur, pipeline, run_id, coordinator, lease)
         if not 1 <= target < coordinator.next_txid:
             raise UnknownTransaction(
                 f"txid={target} does not exist in pipeline {pipeline.name!r} (txids 1.."
                 f"{coordinator.next_txid - 1}): omit txid to plan a new transaction")
-        return _reattempt(cur, pipeline, run_id, target, coordinator, why)
+        return _reattempt(cur, pipeline, run_id, target, coordinator, why, lease)
 
 
 def _plan(cur, pipeline: Pipeline, coordinator: txlog.Coordinator, groups: int, txid: int,
@@ -90,7 +95,8 @@ def _describe(ranges) -> str:
     return " ".join(f"p{r.partition}:[{r.start},{r.end})" for r, _ in ranges) or "(nothing new)"
 
 
-def _begin_new(cur, pipeline: Pipeline, run_id: str, coordinator: txlog.Coordinator) -> Batch:
+def _begin_new(cur, pipeline: Pipeline, run_id: str, coordinator: txlog.Coordinator,
+               lease: tuple[int, str]) -> Batch:
     pending = txlog.uncommitted(cur, pipeline.name)
     if len(pending) >= pipeline.max_pending:
         raise MaxPendingReached(
@@ -106,7 +112,7 @@ def _begin_new(cur, pipeline: Pipeline, run_id: str, coordinator: txlog.Coordina
                    size=pipeline.batch_size - replayed)
     ta = txlog.insert(cur, pipeline.name, txid, run_id, groups=pipeline.groups,
                       records=sum(r.size for r, _ in ranges), replayed=replayed,
-                      lease_s=pipeline.attempt_lease_s)
+                      lease_s=lease[0], holder=lease[1])
     txlog.store_ranges(cur, pipeline.name, txid, pipeline.topic, ranges)
     batch = Batch(pipeline.name, ta, tuple(ranges), pipeline.groups, replayed=replayed)
     log.info("BEGIN pipeline=%s txid=%d attempt=1 run=%s records=%d replayed=%d ranges=%s",
@@ -115,15 +121,15 @@ def _begin_new(cur, pipeline: Pipeline, run_id: str, coordinator: txlog.Coordina
 
 
 def _reattempt(cur, pipeline: Pipeline, run_id: str, txid: int,
-               coordinator: txlog.Coordinator, why: str) -> Batch:
+               coordinator: txlog.Coordinator, why: str, lease: tuple[int, str]) -> Batch:
     current = txlog.load_batch(cur, pipeline.name, txid)
     if current.committed:
         txlog.map_run(cur, pipeline.name, run_id, txid)
         log.info("BEGIN pipeline=%s txid=%d is committed already (%s): run %s has nothing to do",
                  pipeline.name, txid, why, run_id)
         return current
-    ta, old_state = txlog.new_attempt(cur, pipeline.name, txid, run_id,
-                                      lease_s=pipeline.attempt_lease_s)
+    ta, old_state = txlog.new_attempt(cur, pipeline.name, txid, run_id, lease_s=lease[0],
+                                      holder=lease[1])
     delete_staging(cur, pipeline.name, txid)  # older attempts' staging can never commit
     # A transactional batch never changes, unless retention deleted part of it: then the
     # out_of_range policy re-plans it like an opaque one (and records the gap).

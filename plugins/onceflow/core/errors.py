@@ -69,5 +69,11 @@ class OffsetOutOfRange(OnceflowError):
     """A resume point was deleted by retention and the policy is "fail"."""
 
 
+class SparkServerGone(OnceflowError):
+    """The Spark Connect server stopped answering in the middle of a task (killed, crashed,
+    restarted): the attempt fails within the client's retry bound and is retried like any
+    failure of the infrastructure (in local mode the retry starts onceflow's server again)."""
+
+
 class BlockedByEarlierTxid(OnceflowError):
     """A commit cannot take its turn: an earlier txid failed or its run is gone."""

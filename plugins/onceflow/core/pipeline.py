@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,6 +37,10 @@ START_POLICIES = ("earliest", "latest")  # or "timestamp:<ISO 8601>"
 OUT_OF_RANGE_POLICIES = ("earliest", "latest", "fail")
 STATE_KINDS = ("opaque", "transactional", "append")
 DAG_SHAPES = ("phases", "single")
+# An attempt's lease (Pipeline.attempt_lease_s): a dead task's txid is adopted about a minute
+# after its last report; HANDOFF_LEASES leases cover the wait between two tasks of a run.
+DEFAULT_ATTEMPT_LEASE_S = 60
+HANDOFF_LEASES = 10
 _IDENT = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 
 
@@ -177,10 +182,12 @@ class Pipeline:
     # (counts per state and key, rejected, failing). Without it verify re-runs the topology.
     recompute: str | Callable | None = None
     retries: int = 2  # Airflow task retries (process, commit)
-    # An attempt whose tasks have not reported for this long is taken as dead: the next run
-    # adopts its txid. Tasks report every lease / 4 while they run; a run waiting in Airflow's
-    # queue longer than this loses its txid to the next run (it is fenced, nothing is lost).
-    attempt_lease_s: int = 600
+    # An attempt whose running task has not reported for this long is taken as dead: the next
+    # run adopts its txid (onceflow.core.lease). A task reports every lease / 4 while it runs,
+    # a long Spark batch included. Between two tasks of a run (Airflow's queue, a retry's
+    # delay, a deferred commit) nothing of it runs: the lease is then HANDOFF_LEASES times
+    # longer. None: ONCEFLOW_ATTEMPT_LEASE_S, else DEFAULT_ATTEMPT_LEASE_S.
+    attempt_lease_s: int | None = None
     commit_timeout_s: int = 3600  # how long a commit waits for its turn at most
     description: str = ""
     # Commit lag alert (onceflow.airflow.alerts): when the oldest work not committed has waited
@@ -250,8 +257,11 @@ class Pipeline:
               "give 1 to 2600 bytes (a btree entry must fit in a third of a page)")
         check(isinstance(self.retries, int) and self.retries >= 0, "pipeline.retries",
               self.retries, "give 0 or more task retries")
-        check(_positive(self.attempt_lease_s), "pipeline.attempt_lease_s",
-              self.attempt_lease_s, "give a positive number of seconds")
+        check(self.attempt_lease_s is None or _positive(self.attempt_lease_s),
+              "pipeline.attempt_lease_s", self.attempt_lease_s,
+              "give a positive number of seconds, or None for ONCEFLOW_ATTEMPT_LEASE_S "
+              f"(default {DEFAULT_ATTEMPT_LEASE_S})")
+        self.lease_s  # noqa: B018 (a bad ONCEFLOW_ATTEMPT_LEASE_S is refused here too)
         check(_positive(self.commit_timeout_s), "pipeline.commit_timeout_s",
               self.commit_timeout_s, "give a positive number of seconds")
         check(self.commit_lag_alert is None or (isinstance(self.commit_lag_alert, timedelta)
@@ -300,8 +310,27 @@ class Pipeline:
         return max(1, self.batch_size // 10) if self.batch_size > 1 else 0
 
     @property
+    def lease_s(self) -> int:
+        """The attempt lease in seconds: ``attempt_lease_s``, else ONCEFLOW_ATTEMPT_LEASE_S
+        (read when asked, as the other ONCEFLOW_ settings), else DEFAULT_ATTEMPT_LEASE_S."""
+        if self.attempt_lease_s is not None:
+            return self.attempt_lease_s
+        value = os.environ.get("ONCEFLOW_ATTEMPT_LEASE_S", "").strip()
+        if not value:
+            return DEFAULT_ATTEMPT_LEASE_S
+        check(value.isdigit() and int(value) > 0, "ONCEFLOW_ATTEMPT_LEASE_S", value,
+              "give a positive whole number of seconds, or unset it for "
+              f"{DEFAULT_ATTEMPT_LEASE_S}")
+        return int(value)
+
+    @property
+    def handoff_lease_s(self) -> int:
+        """The lease while the attempt waits between two tasks of its run."""
+        return self.lease_s * HANDOFF_LEASES
+
+    @property
     def attempt_heartbeat_s(self) -> float:
-        return max(1.0, self.attempt_lease_s / 4)
+        return max(1.0, self.lease_s / 4)
 
     def external_states(self) -> list[StateSpec]:
         return [spec for spec in self.states if spec.conn_id is not None]

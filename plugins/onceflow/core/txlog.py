@@ -14,12 +14,17 @@ of ``transaction_attempts`` with an ``Outcome`` once it ends.
 
 Recovery rules (what the next begin does with what a crash left):
 
-    planned, its attempt reported within the lease   -> in flight: leave it alone
-    planned, no report for attempt_lease_s           -> abandoned: adopt with a new attempt
+    planned, its attempt reported within its lease   -> in flight: leave it alone
+    planned, no report for its lease_s               -> abandoned: adopt with a new attempt
     failed or superseded                             -> adopt with a new attempt, lowest first
     committed                                        -> done; a run asking for it is a no-op
     any state, but its commit left its marks         -> never adopted (a record changed by
       (committed_at, an attempt that committed)         hand: `onceflow repair` restores it)
+
+A planned transaction's lease (``heartbeat_at``, ``lease_s``, ``holder``) is renewed by
+whatever holds it (onceflow.core.lease): a running task every lease / 4 with the pipeline's
+attempt lease, a run between two of its tasks once with the longer hand-over lease. ``release``
+ends a silent holder's attempt at once (``onceflow release``).
 
 A run that already holds a txid (a retry, a Clear) re-attempts that txid, and a new attempt
 fences every older one. Only the lowest uncommitted txid may commit (``last_committed + 1``).
@@ -27,6 +32,7 @@ fences every older one. Only the lowest uncommitted txid may commit (``last_comm
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import uuid
 from collections.abc import Sequence
@@ -110,6 +116,7 @@ class Blocker:
     reason: str | None = None
     silent_s: float | None = None  # seconds since its attempt last reported
     lease_s: int | None = None
+    holder: str | None = None  # the host and pid that reported last
 
     @property
     def abandoned(self) -> bool:
@@ -128,8 +135,9 @@ class Blocker:
         if self.abandoned:
             text += (f" but its run {self.run_id} has not reported for {self.silent_s:.0f}s "
                      f"(lease {self.lease_s}s): it is abandoned")
-        elif self.run_id:
-            text += f" (run {self.run_id})"
+        elif self.run_id:  # a planned one's holder: the process its commit waits on
+            held = self.holder and self.state is TxState.PLANNED
+            text += f" (run {self.run_id}" + (f", {self.holder}" if held else "") + ")"
         if self.reason:
             text += f": {self.reason}"
         return text
@@ -179,14 +187,60 @@ def fence(cur, pipeline: str, ta: TransactionAttempt, *, lock: str = "") -> TxSt
     return TxState(state)
 
 
-def heartbeat(cur, pipeline: str, ta: TransactionAttempt) -> bool:
-    """The attempt's tasks are alive. False when ``ta`` is no longer current."""
+def heartbeat(cur, pipeline: str, ta: TransactionAttempt, *, lease_s: int | None = None,
+              holder: str | None = None) -> bool:
+    """The attempt's holder is alive, and stays so for ``lease_s`` more seconds (None: the
+    lease it has). False when ``ta`` is no longer current (fenced, failed or committed)."""
     cur.execute(
-        """UPDATE transactions SET heartbeat_at = now()
+        """UPDATE transactions SET heartbeat_at = now(), lease_s = coalesce(%s, lease_s),
+                  holder = coalesce(%s, holder)
            WHERE pipeline = %s AND txid = %s AND attempt = %s AND state = 'planned'""",
-        (pipeline, ta.txid, ta.attempt),
+        (lease_s, holder, pipeline, ta.txid, ta.attempt),
     )
     return cur.rowcount == 1
+
+
+@dataclass(frozen=True)
+class Release:
+    """What ``release`` found: whether it ended the attempt, and the transaction as it was."""
+
+    released: bool
+    state: TxState
+    attempt: int
+    run_id: str | None
+    holder: str | None
+    silent_s: float
+
+
+def release(cur, pipeline: str, txid: int, *, fresh_s: int, force: bool, reason: str
+            ) -> Release:
+    """End the current attempt of planned ``txid`` as abandoned and mark the transaction
+    failed, so the next run adopts it at once, unless its holder reported within ``fresh_s``
+    seconds (a task of it is running) and not ``force``. The check and the write are one
+    statement, fenced by the attempt read: a report or a commit in between wins."""
+    cur.execute(
+        """SELECT state, attempt, run_id, holder, EXTRACT(EPOCH FROM now() - heartbeat_at)
+           FROM transactions WHERE pipeline = %s AND txid = %s""",
+        (pipeline, txid),
+    )
+    row = cur.fetchone()
+    if row is None:
+        raise UnknownTransaction(f"pipeline {pipeline!r} has no txid {txid}")
+    state, attempt, run_id, holder, silent = row
+    found = Release(False, TxState(state), attempt, run_id, holder, float(silent or 0))
+    if found.state is not TxState.PLANNED:
+        return found
+    cur.execute(
+        """UPDATE transactions SET state = 'failed'
+           WHERE pipeline = %s AND txid = %s AND attempt = %s AND state = 'planned'
+             AND (%s OR heartbeat_at < now() - make_interval(secs => %s))""",
+        (pipeline, txid, attempt, force, fresh_s),
+    )
+    if cur.rowcount != 1:
+        return found
+    end_attempt(cur, pipeline, TransactionAttempt(txid, attempt), Outcome.ABANDONED, reason)
+    announce_turn(cur, pipeline)
+    return dataclasses.replace(found, released=True)
 
 
 # -- runs -----------------------------------------------------------------------------------------
@@ -221,7 +275,8 @@ def adoptable(cur, pipeline: str) -> tuple[int, str] | None:
     its marks (committed_at, an attempt that committed): its commit record was changed by
     hand, its batch is in the state, and `onceflow repair` restores the record."""
     cur.execute(
-        """SELECT txid, state, (state = 'planned') AS abandoned FROM transactions t
+        """SELECT txid, state, run_id, holder, EXTRACT(EPOCH FROM now() - heartbeat_at),
+                  lease_s FROM transactions t
            WHERE pipeline = %s AND (state IN ('failed', 'superseded')
                  OR (state = 'planned' AND heartbeat_at < now() - make_interval(secs => lease_s)))
              AND committed_at IS NULL AND NOT EXISTS (
@@ -233,9 +288,11 @@ def adoptable(cur, pipeline: str) -> tuple[int, str] | None:
     row = cur.fetchone()
     if row is None:
         return None
-    txid, state, abandoned = row
-    return txid, ("adopting an abandoned txid (its run stopped reporting)" if abandoned
-                  else f"adopting the lowest {state} txid")
+    txid, state, run_id, holder, silent, lease = row
+    if state != "planned":
+        return txid, f"adopting the lowest {state} txid"
+    return txid, (f"adopting an abandoned txid: its run {run_id} ({holder or 'holder unknown'}) "
+                  f"has not reported for {float(silent):.0f}s, past its {lease}s lease")
 
 
 def load_batch(cur, pipeline: str, txid: int) -> Batch:
@@ -265,7 +322,7 @@ def read_ranges(cur, pipeline: str, txid: int) -> list[tuple[PartitionRange, int
 def blocker(cur, pipeline: str, txid: int) -> Blocker:
     cur.execute(
         """SELECT t.state, t.attempt, t.run_id, a.reason,
-                  EXTRACT(EPOCH FROM now() - t.heartbeat_at), t.lease_s
+                  EXTRACT(EPOCH FROM now() - t.heartbeat_at), t.lease_s, t.holder
            FROM transactions t LEFT JOIN transaction_attempts a
              ON a.pipeline = t.pipeline AND a.txid = t.txid AND a.attempt = t.attempt
            WHERE t.pipeline = %s AND t.txid = %s""",
@@ -274,9 +331,9 @@ def blocker(cur, pipeline: str, txid: int) -> Blocker:
     row = cur.fetchone()
     if row is None:
         return Blocker(txid, None)
-    state, attempt, run_id, reason, silent, lease = row
+    state, attempt, run_id, reason, silent, lease, holder = row
     return Blocker(txid, TxState(state), attempt, run_id, reason,
-                   float(silent) if silent is not None else None, lease)
+                   float(silent) if silent is not None else None, lease, holder)
 
 
 @dataclass(frozen=True)
@@ -297,11 +354,19 @@ class TxRow:
     ranges: str | None
     silent_s: float | None
     lease_s: int | None
+    holder: str | None = None
 
     @property
     def abandoned(self) -> bool:
         return (self.state is TxState.PLANNED and self.silent_s is not None
                 and self.lease_s is not None and self.silent_s > self.lease_s)
+
+    @property
+    def adoptable_in_s(self) -> float | None:
+        """Seconds until the next run may adopt this planned txid (0: now)."""
+        if self.state is not TxState.PLANNED or self.silent_s is None or self.lease_s is None:
+            return None
+        return max(0.0, self.lease_s - self.silent_s)
 
 
 _HISTORY = """
@@ -312,7 +377,7 @@ _HISTORY = """
            (SELECT string_agg(format('p%%s:[%%s,%%s)', partition, start_offset, end_offset),
                               ' ' ORDER BY partition)
             FROM batch_ranges b WHERE b.pipeline = t.pipeline AND b.txid = t.txid),
-           EXTRACT(EPOCH FROM now() - t.heartbeat_at), t.lease_s
+           EXTRACT(EPOCH FROM now() - t.heartbeat_at), t.lease_s, t.holder
     FROM transactions t WHERE t.pipeline = %(pipeline)s {where}
     ORDER BY t.txid DESC LIMIT %(limit)s"""
 
@@ -322,14 +387,14 @@ def history(cur, pipeline: str, limit: int = 50, *, open_only: bool = False) -> 
     where = "AND t.state <> 'committed'" if open_only else ""
     cur.execute(_HISTORY.format(where=where), {"pipeline": pipeline, "limit": limit})
     rows = [TxRow(*row[:2], TxState(row[2]), *row[3:12],
-                  float(row[12]) if row[12] is not None else None, row[13])
+                  float(row[12]) if row[12] is not None else None, row[13], row[14])
             for row in cur.fetchall()]
     return sorted(rows, key=lambda r: r.txid)
 
 
 # -- writing --------------------------------------------------------------------------------------
 def insert(cur, pipeline: str, txid: int, run_id: str, *, groups: int, records: int,
-           replayed: int, lease_s: int) -> TransactionAttempt:
+           replayed: int, lease_s: int, holder: str | None = None) -> TransactionAttempt:
     """A new transaction (attempt 1) and its run mapping. Its planned_at is the moment of
     this write under the coordinator's lock (clock_timestamp()), not the start of the
     PostgreSQL transaction (now()), which may precede a wait for that lock; committed_at
@@ -337,9 +402,9 @@ def insert(cur, pipeline: str, txid: int, run_id: str, *, groups: int, records: 
     its place."""
     cur.execute(
         """INSERT INTO transactions (pipeline, txid, attempt, run_id, groups, records, replayed,
-                                     heartbeat_at, lease_s, planned_at)
-           VALUES (%s, %s, 1, %s, %s, %s, %s, now(), %s, clock_timestamp())""",
-        (pipeline, txid, run_id, groups, records, replayed, lease_s),
+                                     heartbeat_at, lease_s, holder, planned_at)
+           VALUES (%s, %s, 1, %s, %s, %s, %s, now(), %s, %s, clock_timestamp())""",
+        (pipeline, txid, run_id, groups, records, replayed, lease_s, holder),
     )
     cur.execute(
         "INSERT INTO transaction_attempts (pipeline, txid, attempt, run_id) VALUES (%s, %s, 1, %s)",
@@ -366,8 +431,8 @@ def store_ranges(cur, pipeline: str, txid: int, topic: str,
     )
 
 
-def new_attempt(cur, pipeline: str, txid: int, run_id: str, *, lease_s: int
-                ) -> tuple[TransactionAttempt, TxState]:
+def new_attempt(cur, pipeline: str, txid: int, run_id: str, *, lease_s: int,
+                holder: str | None = None) -> tuple[TransactionAttempt, TxState]:
     """A new attempt of an uncommitted ``txid`` for ``run_id``, fencing the old one. Returns
     the new attempt and the state the transaction was in."""
     cur.execute(
@@ -383,9 +448,9 @@ def new_attempt(cur, pipeline: str, txid: int, run_id: str, *, lease_s: int
                 f"attempt {attempt.attempt} started by run {run_id}")
     cur.execute(
         """UPDATE transactions SET attempt = %s, state = 'planned', run_id = %s,
-                  commit_requested_at = NULL, heartbeat_at = now(), lease_s = %s
+                  commit_requested_at = NULL, heartbeat_at = now(), lease_s = %s, holder = %s
            WHERE pipeline = %s AND txid = %s""",
-        (attempt.attempt, run_id, lease_s, pipeline, txid),
+        (attempt.attempt, run_id, lease_s, holder, pipeline, txid),
     )
     cur.execute(
         """INSERT INTO transaction_attempts (pipeline, txid, attempt, run_id)

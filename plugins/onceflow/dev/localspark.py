@@ -9,18 +9,26 @@ Connect server, or keeps a ``spark`` connection to submit to a master.
 
 The server runs this interpreter as its Python workers, so every package installed here
 (onceflow, the user's pipelines) is importable there; a pipeline reached only by reference is
-shipped by value with the functions Spark sends (spark_tasks.session.ship_code). Its pid and
-log live in ``$ONCEFLOW_HOME/.run/spark-connect/``.
+shipped by value with the functions Spark sends (spark_tasks.session.ship_code). Its pid,
+log and the settings it was started with live in ``$ONCEFLOW_HOME/.run/spark-connect/``.
+
+A server onceflow started is its to keep running: when it died (killed, crashed, out of
+memory), the next processing task, or the retry of the one it failed, starts it again with
+the same settings before it connects (``revive``). ``stop`` ends that: a server stopped on
+purpose is not started again.
 """
 
 from __future__ import annotations
 
+import fcntl
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,7 +98,10 @@ def _alive(pid: int | None) -> bool:
         os.kill(pid, 0)
     except OSError:
         return False
-    return True
+    try:  # a zombie of another process (the one that started the server, not reaping it yet)
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1][:1] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 def status(port: int = DEFAULT_PORT, *, folder: Path | None = None) -> ServerStatus:
@@ -104,12 +115,50 @@ def status(port: int = DEFAULT_PORT, *, folder: Path | None = None) -> ServerSta
 def start(port: int = DEFAULT_PORT, *, master: str | None = None, wait_s: float = 90,
           driver_memory: str | None = None, folder: Path | None = None,
           warm: bool = False) -> ServerStatus:
-    """Start the server unless it runs; wait until it answers. Idempotent. ``folder``: where
-    its pid and log go (default $ONCEFLOW_HOME/.run/spark-connect). ``warm``: once it
-    answers, warm it up in the background (``warm_up``, in a process of its own whose
-    output goes to the server's log)."""
-    return launch(port, master=master, driver_memory=driver_memory, folder=folder,
-                  warm=warm).ready(wait_s)
+    """Start the server unless it runs; wait until it answers. Idempotent, also across
+    processes (one starts it, the others wait for it). ``folder``: where its pid and log go
+    (default $ONCEFLOW_HOME/.run/spark-connect). ``warm``: once it answers, warm it up in the
+    background (``warm_up``, in a process of its own whose output goes to the server's
+    log)."""
+    with _starting(_dir(folder), port):
+        return launch(port, master=master, driver_memory=driver_memory, folder=folder,
+                      warm=warm).ready(wait_s)
+
+
+@contextmanager
+def _starting(folder: Path, port: int):
+    """An exclusive lock on starting the server of ``port``: two tasks that find it gone
+    start one server, not two on one port."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / f"server-{port}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def revive(url: str, *, wait_s: float = 90) -> ServerStatus | None:
+    """Start again the local server at ``url`` if onceflow started it there and it died:
+    its pid file is still in the run folder (``stop`` removes it) and that process is gone.
+    Same port, folder and settings as it was started with. Returns its status when it was
+    started again; None when there is nothing to do (not local, not onceflow's, stopped on
+    purpose, or running: a process that is alive but does not answer is left alone)."""
+    from urllib.parse import urlparse
+
+    where = urlparse(url.replace("sc://", "http://", 1))
+    if where.hostname not in ("127.0.0.1", "localhost") or where.port is None:
+        return None
+    folder, port = _dir(None), where.port
+    with _starting(folder, port):
+        pid_file = folder / f"server-{port}.pid"
+        pid = pid_file.read_text().strip() if pid_file.exists() else ""
+        if not pid.isdigit() or _alive(int(pid)):
+            return None
+        settings_file = folder / f"server-{port}.json"
+        settings = json.loads(settings_file.read_text()) if settings_file.exists() else {}
+        return launch(port, master=settings.get("master"),
+                      driver_memory=settings.get("driver_memory"), folder=folder).ready(wait_s)
 
 
 @dataclass
@@ -199,6 +248,9 @@ def launch(port: int = DEFAULT_PORT, *, master: str | None = None,
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True, stdin=subprocess.DEVNULL)
     (folder / f"server-{port}.pid").write_text(str(proc.pid))
+    # what revive() starts it again with
+    (folder / f"server-{port}.json").write_text(json.dumps(
+        {"master": master, "driver_memory": driver_memory}))
     return Launch(port, folder, warm, proc)
 
 

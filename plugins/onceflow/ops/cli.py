@@ -337,6 +337,38 @@ def cmd_repair(args) -> int:
     return 0 if report.ok else 1
 
 
+def cmd_release(args) -> int:
+    from onceflow.core import txlog
+    from onceflow.core.db import transaction
+    from onceflow.core.txlog import TxState
+    from onceflow.ops.status import release_command
+
+    pipeline = _pipeline(args)
+    fresh = pipeline.lease_s
+    reason = (f"released by `onceflow release{' --force' if args.force else ''}` "
+              f"(its holder silent past {fresh}s)")
+    with db.connection() as conn, transaction(conn) as cur:
+        found = txlog.release(cur, pipeline.name, args.txid, fresh_s=fresh, force=args.force,
+                              reason=reason)
+    ta = f"txid {args.txid} attempt {found.attempt}"
+    holder = found.holder or "holder unknown"
+    if found.released:
+        print(f"released {ta} of {pipeline.name} (run {found.run_id}, {holder}, silent "
+              f"{found.silent_s:.0f}s): that attempt is fenced and the txid is failed; the "
+              f"next run adopts it, now: onceflow backfill --pipeline {pipeline.name}")
+        return 0
+    if found.state is not TxState.PLANNED:
+        raise Permanent(f"txid {args.txid} of {pipeline.name} is {found.state}, not planned: "
+                          "nothing holds it" + (" (the next run adopts it)"
+                                                if found.state in txlog.ADOPTABLE else ""))
+    raise Permanent(
+        f"{ta} of {pipeline.name} is held by run {found.run_id} "
+        f"({holder}), which reported {found.silent_s:.0f}s ago, "
+        f"within the {fresh}s lease: a task of it is running. Wait for it, or, if you know "
+        f"that run is dead, `{release_command(pipeline.name, args.txid)} --force` (its "
+        "writes are then refused)")
+
+
 def cmd_spark(args) -> int:
     from onceflow.dev import localspark
 
@@ -462,6 +494,13 @@ def build_parser() -> argparse.ArgumentParser:
             "coordinator row, abandoned attempts, stale staging and claims; say what would fix "
             "it, --yes fixes what is safe to fix (exit 1 while something is left wrong)")
     p.add_argument("--yes", action="store_true", help="do the repairs")
+    p = add("release", cmd_release, "free a planned txid whose run is dead, now: its attempt is "
+            "fenced and the next run adopts the txid (refused while a task of it reports, "
+            "unless --force)")
+    p.add_argument("--txid", type=_positive, required=True, help="the planned txid")
+    p.add_argument("--force", action="store_true",
+                   help="also when its holder reported within the lease (its writes are then "
+                        "refused)")
     p = add("spark", cmd_spark, "start, stop or check the local Spark Connect server (the warm "
             "Spark processing tasks use in local mode); jar: build onceflow's JVM reader and "
             "print its path, for a Spark onceflow does not start", pipeline=False)

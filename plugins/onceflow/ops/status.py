@@ -26,6 +26,7 @@ class Stuck:
     state: str
     holds: str  # what holds it
     fix: str  # the one command (or action) that frees it
+    stuck: bool = True  # False: in flight, its holder reporting (listed to name the holder)
 
 
 @dataclass
@@ -106,8 +107,26 @@ def activity(row: TxRow, done: Progress | None, last_committed: int) -> str:
     return f"processed; committing, asked {done.commit_wait_s:.1f}s ago ({run})"
 
 
+def release_command(pipeline: str, txid: int) -> str:
+    return f"onceflow release --pipeline {pipeline} --txid {txid}"
+
+
+def _held(row: TxRow) -> str:
+    """Who holds planned ``row`` and for how long more: the run, the process that reported
+    last, the time since, and when the next run may adopt it."""
+    text = (f"attempt {row.attempt} held by run {row.run_id or '-'} "
+            f"({row.holder or 'holder unknown'}), last report {row.silent_s:.0f}s ago, "
+            f"lease {row.lease_s}s: ")
+    if row.abandoned:
+        return text + "its holder is gone; the next run adopts it"
+    return text + f"adoptable in {row.adoptable_in_s:.0f}s if it stays silent"
+
+
 def _stuck(pipeline: str, rows: list[TxRow], last_committed: int,
            done: dict[int, Progress] | None = None) -> list[Stuck]:
+    """Every open transaction: what holds it, and what frees it now. A planned one says what
+    it is doing, names its holder and the command that frees it (refused while a task of it
+    reports)."""
     backfill = f"onceflow backfill --pipeline {pipeline}"
     out = []
     for row in rows:
@@ -118,10 +137,13 @@ def _stuck(pipeline: str, rows: list[TxRow], last_committed: int,
                              f"attempt {row.attempt} {row.state}: {row.reason or '-'}",
                              f"the next run adopts it; now: {backfill}"))
         elif row.abandoned:
-            out.append(Stuck(row.txid, "abandoned",
-                             f"run {row.run_id} silent {row.silent_s:.0f}s (lease "
-                             f"{row.lease_s}s): its run died",
+            out.append(Stuck(row.txid, "abandoned", _held(row),
                              f"the next run adopts it; now: {backfill}"))
+        elif row.silent_s is not None:
+            doing = activity(row, (done or {}).get(row.txid), last_committed)
+            out.append(Stuck(row.txid, str(row.state), f"{doing}; {_held(row)}",
+                             "if its run is dead, free it now: "
+                             + release_command(pipeline, row.txid), stuck=False))
         elif row.txid > last_committed + 1:
             out.append(Stuck(row.txid, str(row.state),
                              activity(row, (done or {}).get(row.txid), last_committed), "-"))
@@ -178,6 +200,14 @@ def _coordinator(cur, pipeline: str) -> tuple[str, int, int]:
     return row
 
 
+def _wrapped(text: str, indent: str) -> list[str]:
+    """``text`` in lines of at most WIDTH columns (a command is never cut)."""
+    import textwrap
+
+    return textwrap.wrap(text, WIDTH, subsequent_indent=indent, break_long_words=False,
+                         break_on_hyphens=False)
+
+
 def _fit(text: str) -> str:
     return text if len(text) <= WIDTH else text[:WIDTH - 1] + "…"
 
@@ -200,11 +230,11 @@ def render(status: PipelineStatus) -> list[str]:
                f"{'records':>9} {'replay':>6} {'failed':>6} {'rows':>8}  run")
     out += [_tx_line(r) for r in status.transactions] or ["  (none yet)"]
     if status.stuck:
-        out.append("open transactions that need something:")
+        out.append("open transactions, what holds them and what frees them:")
         for s in status.stuck:
-            out.append(f"  txid {s.txid} ({s.state}): {s.holds}")
+            out += _wrapped(f"  txid {s.txid} ({s.state}): {s.holds}", "    ")
             if s.fix != "-":
-                out.append(f"    -> {s.fix}")
+                out += _wrapped(f"    -> {s.fix}", "       ")
     out.append("partitions:")
     for p in status.partitions:
         committed = p.committed if p.committed is not None else "-"

@@ -141,7 +141,7 @@ def pipeline_view(pipeline, *, timeline: int = TIMELINE, dead_letters: int = DEA
         entry = _tx(row)
         s = stuck.get(row.txid)
         if s is not None:
-            entry.update(holds=s.holds, fix=s.fix, stuck=s.fix != "-")
+            entry.update(holds=s.holds, fix=s.fix, stuck=s.stuck and s.fix != "-")
         else:  # the next to commit, still working
             silent = f"{row.silent_s:.0f}s ago" if row.silent_s is not None else "-"
             entry.update(holds=f"{activity(row, done.get(row.txid), status.last_committed)}; "
