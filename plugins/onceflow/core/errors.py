@@ -21,6 +21,12 @@ class ConfigError(Permanent, ValueError):
     """Bad configuration: the message names the field, the value and the fix."""
 
 
+class DeclarationError(ConfigError):
+    """A pipeline whose topology, sources and states disagree (a measure on a column no
+    stream has, one column name with two types): found before any data, by `onceflow
+    pipelines`, `onceflow init`, the DAG's build and every processing."""
+
+
 class Unreachable(Permanent, ConnectionError):
     """A database, Redis or Spark that the settings name does not answer."""
 

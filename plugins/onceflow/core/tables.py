@@ -69,6 +69,51 @@ def known_type(pg_type: str) -> bool:
 TYPE_HELP = ("use one of text, bigint, integer, smallint, boolean, date, timestamp, "
              "timestamptz, double precision, numeric(p,s) (p up to 38)")
 
+_INTEGERS = ("smallint", "integer", "bigint")
+_SPARK_INTEGRAL = ("tinyint", "smallint", "int", "bigint")
+_SPARK_SIMPLE = (*_SPARK_INTEGRAL, "string", "boolean", "float", "double", "decimal", "date",
+                 "timestamp", "timestamp_ntz")
+_DECIMAL = re.compile(r"^decimal(?:\((\d+)\s*(?:,\s*(\d+))?\))?$")
+
+
+def conversion_loss(kind: str, pg_type: str) -> str | None:
+    """Why a stream column of Spark type ``kind`` (spark_tasks.topology.column_types'
+    spelling) cannot be stored as ``pg_type`` without losing what every value holds, or None.
+
+    A string is parsed per record; a value out of the type's range (1780.25 in a
+    numeric(5,2)) is that record's failure, not the declaration's. What is refused here
+    would change every value silently: a fraction cut off (2.7 into an integer), decimals
+    rounded away (numeric(12,4) into numeric(12,2)), a time of day dropped (timestamp into
+    date), or types that do not convert at all (boolean into a number)."""
+    base = kind.split("(")[0].split("<")[0].strip()
+    if base == "string":
+        return None
+    if base not in _SPARK_SIMPLE:
+        return f"a {kind} column cannot be stored in a table column: convert it in a bolt"
+    if pg_type == "text":
+        return None
+    numeric = _NUMERIC.match(pg_type)
+    if base in ("float", "double", "decimal") and pg_type in _INTEGERS:
+        decimal = _DECIMAL.match(kind)
+        if base != "decimal" or (decimal and int(decimal.group(2) or 0) > 0):
+            return "the fraction of every value would be cut off"
+    if base == "decimal" and numeric:
+        decimal = _DECIMAL.match(kind)
+        scale, want = int((decimal and decimal.group(2)) or 0), int(numeric.group(2))
+        if scale > want:
+            return f"its {scale} decimal places would be rounded to {want}"
+    if base in ("timestamp", "timestamp_ntz") and pg_type == "date":
+        return "the time of day would be cut off"
+    numbers = (*_INTEGERS, "double precision")
+    fits = {"boolean": ("boolean",), "date": ("date", "timestamp", "timestamptz"),
+            "timestamp": ("timestamp", "timestamptz"),
+            "timestamp_ntz": ("timestamp", "timestamptz")}
+    if base in fits:
+        ok = pg_type in fits[base]
+    else:  # a number
+        ok = pg_type in numbers or bool(numeric)
+    return None if ok else f"a {kind} column does not convert to {pg_type}"
+
 
 @dataclass(frozen=True)
 class Measure:
@@ -78,6 +123,12 @@ class Measure:
     agg: str
     column: str | None = None
     type: str = "bigint"
+
+    def describe(self) -> str:
+        """The measure as its declaration reads, e.g. ``Max('amount', 'numeric(5,2)')``."""
+        args = [repr(a) for a in (self.column, None if self.agg == "count" else self.type)
+                if a is not None]
+        return f"{self.agg.capitalize()}({', '.join(args)})"
 
     def stored_type(self) -> str:
         """The state table's column type: a numeric sum keeps its scale with any precision."""
@@ -143,6 +194,9 @@ def validate_shape(name: str, kind: str, key: Mapping[str, str], measures: Mappi
             if measure.agg not in AGGREGATES:
                 refuse(f"measures[{measure_name}].agg", measure.agg,
                        f"choose one of {', '.join(AGGREGATES)}")
+            if measure.agg != "count" and not measure.column:
+                refuse(f"measures[{measure_name}].column", measure.column,
+                       f"name the stream column the {measure.agg} reads")
             if measure.agg == "sum" and not (measure.type in _SUMMABLE
                                              or _NUMERIC.match(measure.type)):
                 refuse(f"measures[{measure_name}].type", measure.type,
@@ -180,6 +234,8 @@ class Shape:
     columns: tuple[tuple[str, str], ...]  # append tables
     order_by: str | None
 
+    conversion_loss = staticmethod(conversion_loss)  # for the topology's check
+
     @property
     def ordered(self) -> bool:
         return any(m.agg == "last" for _, m in self.measures)
@@ -194,16 +250,24 @@ class Shape:
                 out.append(column)
         return out
 
-    def typed_inputs(self) -> list[tuple[str, str]]:
-        """(stream column, the PostgreSQL type it is stored as) of the key, measure and
-        append columns: what each record's values must fit."""
+    def targets(self) -> list[tuple[str, str, str]]:
+        """(stream column, the PostgreSQL type its value is stored as, the declaration that
+        stores it) of every key, measure and append column; a Count reads no value."""
         if self.append:
-            return list(self.columns)
-        out = dict(self.key)
-        for _, measure in self.measures:
-            if measure.column and measure.column not in out:
-                out[measure.column] = measure.type
-        return list(out.items())
+            return [(c, t, f"columns[{c!r}]") for c, t in self.columns]
+        out = [(c, t, f"key[{c!r}]") for c, t in self.key]
+        out += [(m.column, m.type, f"measures[{name!r}] = {m.describe()}")
+                for name, m in self.measures if m.column and m.agg != "count"]
+        return out
+
+    def typed_inputs(self) -> list[tuple[str, str, list[str]]]:
+        """(stream column, PostgreSQL type, the declarations that store it) of each distinct
+        pair of column and type (one column may feed measures of several types): what each
+        record's values must fit."""
+        out: dict[tuple[str, str], list[str]] = {}
+        for column, pg_type, what in self.targets():
+            out.setdefault((column, pg_type), []).append(what)
+        return [(c, t, whats) for (c, t), whats in out.items()]
 
     def staged(self) -> list[tuple[str, str]]:
         """(column, PostgreSQL type) of the staging rows, after the key columns' order."""

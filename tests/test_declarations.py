@@ -1,0 +1,197 @@
+"""Declarations checked before data flows: a pipeline whose topology, sources and state tables
+disagree is refused by `onceflow pipelines`, `onceflow init` and the DAG's build, naming the
+pipeline, the stream, the field and the fix, without Spark and without data; a value that does
+not fit its declared type fails its record alone; a sum keeps the type it declares. The
+declarations are tests/outside/amounts (a user's package, not installed)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from helpers import OUTSIDE
+from onceflow import Count, Last, Max, Min, Pipeline, PostgresLog, StateSpec, Sum
+from onceflow.core.errors import ConfigError, DeclarationError, Permanent
+from spark_tasks.topology import SPOUT, Topology
+
+
+@pytest.fixture
+def amounts(monkeypatch):
+    """The amounts package importable (this process and those it starts)."""
+    monkeypatch.syspath_prepend(str(OUTSIDE))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        filter(None, [str(OUTSIDE), os.environ.get("PYTHONPATH")])))
+    from onceflow.core.registry import clear_cache
+
+    clear_cache()
+    yield
+    clear_cache()
+
+
+def declared(topology: Topology, *states: StateSpec) -> Pipeline:
+    return Pipeline(name="p", source=PostgresLog(topic="t"), topology=lambda _: topology,
+                    states=states)
+
+
+def orders(outputs: str = "merchant string, amount decimal(12,2), at timestamp") -> Topology:
+    return (Topology("t").bolt("parse", input=SPOUT, fn=None, outputs={"orders": outputs})
+            .sink("orders", "totals"))
+
+
+def totals(**measures) -> StateSpec:
+    return StateSpec("totals", key={"merchant": "text"}, measures=measures)
+
+
+@pytest.mark.parametrize("pipeline, message", [
+    # a measure on a column no stream has
+    (declared(orders(), totals(largest=Max("amont", "numeric(12,2)"))),
+     r"pipeline 'p': state 'totals' \(fed by sink 'totals'\): measures\['largest'\] = "
+     r"Max\('amont', 'numeric\(12,2\)'\) reads column 'amont', which stream 'orders' "
+     r"\(emitted by bolt 'parse'\) does not carry \(it has merchant, amount, at\): add it"),
+    # a key column no stream has
+    (declared(orders(), StateSpec("totals", key={"shop": "text"}, measures={"n": Count()})),
+     r"state 'totals' \(fed by sink 'totals'\): key\['shop'\] reads column 'shop'"),
+    # one name, two types (the spout's offset is a bigint)
+    (declared(orders("merchant string, offset int"), totals(n=Count())),
+     r"pipeline 'p': column 'offset' is bigint in stream 'records' \(the spout\) and int in "
+     r"stream 'orders' \(bolt 'parse'\): one name has one type in a topology"),
+    # decimals rounded away, a fraction or a time of day cut off: every value silently changed
+    (declared(orders(), totals(revenue=Sum("amount", "numeric(12,1)"))),
+     r"measures\['revenue'\] = Sum\('amount', 'numeric\(12,1\)'\) stores column 'amount' of "
+     r"stream 'orders' \(emitted by bolt 'parse'\), a decimal\(12,2\), as numeric\(12,1\): "
+     r"its 2 decimal places would be rounded to 1: declare a type that holds every value "
+     r"\(e.g. numeric\(12,2\)\)"),
+    (declared(orders(), totals(revenue=Sum("amount", "bigint"))),
+     r"as bigint: the fraction of every value would be cut off"),
+    (declared(orders(), totals(day=Min("at", "date"))),
+     r"a timestamp, as date: the time of day would be cut off: declare a type that holds "
+     r"every value \(e.g. timestamptz\)"),
+    (declared(orders(), totals(flag=Last("amount", "boolean"))),
+     r"a decimal\(12,2\) column does not convert to boolean"),
+    # a sink into a name no state has: its tuples would be dropped
+    (declared(orders().sink("orders", "other"), totals(n=Count())),
+     r"sink of stream 'orders' \(emitted by bolt 'parse'\) into 'other': no state is fed by "
+     r"'other'"),
+    # a state no sink feeds
+    (declared(orders(), totals(n=Count()), StateSpec("views")),
+     r"state\(s\) fed by \['views'\] would stay empty: no sink of the topology feeds them"),
+])
+def test_a_declaration_the_topology_cannot_honour_is_refused_before_any_data(pipeline,
+                                                                            message):
+    with pytest.raises(DeclarationError, match=message) as refused:
+        pipeline.build_topology()
+    assert isinstance(refused.value, Permanent)  # retrying cannot help: no retries
+
+
+def test_what_converts_without_loss_is_accepted():
+    """A string is parsed per record, a decimal widens, an integer fits a numeric, a date a
+    timestamp; a value out of range is its record's failure (test_topology), not the
+    declaration's."""
+    topology = orders("merchant string, amount decimal(12,2), at date, n int, code string")
+    declared(topology, totals(revenue=Sum("amount", "numeric(6,2)"),
+                              exact=Sum("amount", "numeric(20,4)"),
+                              first=Min("at", "timestamptz"), most=Max("n", "numeric(4,0)"),
+                              parsed=Last("code", "bigint"), n=Count("code"))).build_topology()
+
+
+def test_a_failing_topology_function_is_named_without_a_traceback():
+    def build(_):
+        return {}["no such key"]
+
+    pipeline = Pipeline(name="p", source=PostgresLog(topic="t"), topology=build,
+                        states=(StateSpec("s"),))
+    with pytest.raises(ConfigError, match=r"pipeline\[p\].topology=.* raised KeyError: 'no such "
+                                          r"key' \(at .*test_declarations.py:\d+\): fix"):
+        pipeline.build_topology()
+
+
+def test_the_type_conflict_of_a_users_package_is_found_before_any_data(amounts):
+    from amounts.pipelines import TYPE_CONFLICT
+
+    with pytest.raises(DeclarationError, match=r"pipeline 'type_conflict': column 'amount' is "
+                                            r"decimal\(12,2\) in stream 'orders' \(bolt 'parse'\) "
+                                            r"and double in stream 'fees' \(bolt 'fees'\)"):
+        TYPE_CONFLICT.build_topology()
+
+
+def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "onceflow.ops.cli", *args], capture_output=True,
+                          text=True, env={**os.environ, **(env or {})}, timeout=600)
+
+
+@pytest.mark.timeout(300)
+def test_pipelines_and_init_name_a_bad_declaration_and_exit_2(amounts, dsn, conn):
+    env = {"ONCEFLOW_PIPELINES": "amounts.pipelines:ALL"}
+    listed = cli("pipelines", env=env)
+    assert listed.returncode == 2, listed.stdout + listed.stderr
+    assert "Traceback" not in listed.stdout + listed.stderr
+    lines = listed.stdout.splitlines()
+    assert any(line.startswith("amounts: postgres-log source 'amounts'") for line in lines)
+    bad = [line for line in lines if line.startswith("missing_column: ")]
+    assert bad and "DECLARATION ERROR" in bad[0], listed.stdout
+    assert ("pipeline 'missing_column': state 'missing_column_totals' (fed by sink 'totals'): "
+            "measures['largest'] = Max('amont', 'numeric(12,2)') reads column 'amont'"
+            ) in listed.stdout
+    assert "pipeline 'type_conflict': column 'amount' is decimal(12,2)" in listed.stdout
+    # (the installed examples' pipelines are listed too)
+    assert re.search(r"2 of \d+ pipelines have declaration errors", listed.stderr)
+
+    one = cli("init", "--pipeline", "missing_column", env=env)
+    assert one.returncode == 2 and "Traceback" not in one.stdout + one.stderr
+    assert "onceflow init: error: pipeline 'missing_column': state 'missing_column_totals'" \
+        in one.stderr
+    every = cli("init", env=env)
+    assert every.returncode == 2 and "Traceback" not in every.stdout + every.stderr
+    assert "pipeline amounts ready" in every.stdout and "pipeline small_sum ready" in every.stdout
+    assert "pipeline type_conflict not set up: pipeline 'type_conflict': column 'amount'" \
+        in every.stderr
+    # nothing of a refused pipeline was made: no coordinator row, no table
+    from helpers import table
+
+    made = {name for name, in table(conn, "SELECT name FROM pipelines")}
+    assert {"amounts", "small_sum"} <= made and not {"missing_column", "type_conflict"} & made
+    assert table(conn, "SELECT to_regclass('missing_column_totals') IS NULL") == [(True,)]
+
+
+DAG_FILE = '''"""{name}: an Airflow DAG file of a user's own."""
+from onceflow.airflow import transaction_dag
+from amounts.pipelines import {name}
+
+dag = transaction_dag({name})
+'''
+
+
+@pytest.mark.timeout(300)
+def test_a_dag_file_with_a_bad_declaration_is_an_import_error_naming_it(amounts, airflow_db,
+                                                                        tmp_path, monkeypatch):
+    """Airflow's own way: the DagBag holds the good file's DAG and the bad file's import
+    error, which names the pipeline, the state, the measure and the column; a DAG file for
+    every pipeline names each bad one at once. A task's own parse of its DAG file does not
+    check again (begin and commit load no topology module)."""
+    from airflow.dag_processing.dagbag import DagBag
+
+    from onceflow.airflow.dags import transaction_dag, transaction_dags
+
+    (tmp_path / "good_amounts.py").write_text(DAG_FILE.format(name="AMOUNTS"))
+    (tmp_path / "bad_amounts.py").write_text(DAG_FILE.format(name="MISSING_COLUMN"))
+    bag = DagBag(dag_folder=str(tmp_path))
+    assert sorted(bag.dags) == ["onceflow_amounts"]
+    errors = {os.path.basename(path): error for path, error in bag.import_errors.items()}
+    assert list(errors) == ["bad_amounts.py"]
+    assert ("pipeline 'missing_column': state 'missing_column_totals' (fed by sink 'totals'): "
+            "measures['largest'] = Max('amont', 'numeric(12,2)') reads column 'amont', which "
+            "stream 'orders' (emitted by bolt 'parse') does not carry") in errors["bad_amounts.py"]
+
+    with pytest.raises(ConfigError, match=r"2 pipeline\(s\) cannot have a DAG until their "
+                                          r"declaration is fixed: pipeline 'missing_column': .*; "
+                                          r"pipeline 'type_conflict': column 'amount'"):
+        transaction_dags(["amounts.pipelines:ALL"])
+
+    from amounts.pipelines import MISSING_COLUMN
+
+    monkeypatch.setenv("_AIRFLOW_PARSING_CONTEXT_DAG_ID", "onceflow_missing_column")
+    assert transaction_dag(MISSING_COLUMN).dag_id == "onceflow_missing_column"
