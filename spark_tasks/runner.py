@@ -802,7 +802,7 @@ class TopologyRun:
             for measure_name, measure in shape.measures:
                 if measure.column:
                     keyed.append(col(measure.column, measure.type).alias(out(measure_name)))
-                stored = spark_type(measure.stored_type())
+                stored = spark_type(measure.staged_type())
                 value = F.col(out(measure_name))
                 if measure.agg == "sum":
                     agg = F.sum(value * F.col("delta")).cast(stored)

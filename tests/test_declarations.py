@@ -6,16 +6,20 @@ declarations are tests/outside/amounts (a user's package, not installed)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import random
 import re
 import subprocess
 import sys
+from decimal import Decimal
 
 import pytest
 
-from helpers import OUTSIDE
+from helpers import OUTSIDE, produce, run_transaction, table
 from onceflow import Count, Last, Max, Min, Pipeline, PostgresLog, StateSpec, Sum
-from onceflow.core.errors import ConfigError, DeclarationError, Permanent
+from onceflow.core.errors import ConfigError, DeclarationError, Permanent, StateOverflow
+from onceflow.core.registration import register
 from spark_tasks.topology import SPOUT, Topology
 
 
@@ -150,8 +154,6 @@ def test_pipelines_and_init_name_a_bad_declaration_and_exit_2(amounts, dsn, conn
     assert "pipeline type_conflict not set up: pipeline 'type_conflict': column 'amount'" \
         in every.stderr
     # nothing of a refused pipeline was made: no coordinator row, no table
-    from helpers import table
-
     made = {name for name, in table(conn, "SELECT name FROM pipelines")}
     assert {"amounts", "small_sum"} <= made and not {"missing_column", "type_conflict"} & made
     assert table(conn, "SELECT to_regclass('missing_column_totals') IS NULL") == [(True,)]
@@ -195,3 +197,108 @@ def test_a_dag_file_with_a_bad_declaration_is_an_import_error_naming_it(amounts,
 
     monkeypatch.setenv("_AIRFLOW_PARSING_CONTEXT_DAG_ID", "onceflow_missing_column")
     assert transaction_dag(MISSING_COLUMN).dag_id == "onceflow_missing_column"
+
+
+def order(merchant: str, amount: str) -> str:
+    return f'{{"merchant": "{merchant}", "amount": {amount}}}'
+
+
+def recount(orders: list[tuple[str, str]], fits) -> dict[str, tuple]:
+    """Per merchant (revenue, largest, orders) of the orders ``fits`` keeps: plain Python
+    over the list the test wrote."""
+    out: dict[str, list] = {}
+    for merchant, amount in orders:
+        value = Decimal(amount)
+        if fits(value):
+            t = out.setdefault(merchant, [Decimal(0), value, 0])
+            t[0] += value
+            t[1] = max(t[1], value)
+            t[2] += 1
+    return {m: tuple(t) for m, t in out.items()}
+
+
+@pytest.mark.timeout(600)
+def test_a_value_its_measure_cannot_hold_fails_its_record_and_the_rest_commits(
+        amounts, spark, dsn, conn):
+    """`largest` is a Max in numeric(5,2) over amounts that reach thousands, next to a Sum
+    in numeric(12,2) of the same column: a record over 999.99 is a dead letter (max_replays
+    0) naming the table, the measure, the value and the type; every other record counts,
+    exactly as a recount says. (It failed the whole txid in Spark's cast before.)"""
+    from amounts.pipelines import AMOUNTS
+
+    register(conn, AMOUNTS, create_source=True)
+    rng = random.Random(37)
+    orders = [(rng.choice("abc"), f"{rng.randrange(1, 99999) / 100:.2f}") for _ in range(40)]
+    orders[7], orders[23] = ("b", "1780.25"), ("c", "5000.00")
+    produce(conn, AMOUNTS.topic, [order(m, a) for m, a in orders])
+    batch, result = run_transaction(spark, dsn, conn, AMOUNTS, "run-1")
+    assert result.status == "committed" and result.dead == 2 and batch.records == 40
+    want = recount(orders, lambda v: v <= Decimal("999.99"))
+    got = {m: (revenue, largest, n) for m, revenue, largest, n in table(
+        conn, "SELECT merchant, revenue, largest, orders FROM amounts_totals")}
+    assert got == want and sum(n for _, _, n in got.values()) == 38
+    dead = {error for errors, in table(conn, "SELECT errors FROM dead_letters") for error in errors}
+    assert dead == {f"table amounts_totals: measures['largest'] = Max('amount', 'numeric(5,2)'):"
+                    f" value {value} does not fit numeric(5,2)" for value in ("1780.25", "5000.00")}
+
+
+@pytest.mark.timeout(600)
+def test_a_sum_keeps_its_declared_numeric_6_2_end_to_end(amounts, spark, dsn, conn):
+    """The table's revenue is the numeric(6,2) declared. An amount over 9999.99 fails its
+    record alone; a running total past it refuses the commit whole, naming the state, the
+    key, the column, the type and the fix, and nothing of the txid is written; with the fix
+    done (a wider type declared, the table altered) the txid's next attempt commits, and
+    the table equals a recount."""
+    from amounts.pipelines import SMALL_SUM
+
+    from onceflow.core.begin import begin, mark_failed
+    from onceflow.core.commit import commit
+    from spark_tasks.processing import process_batch
+
+    register(conn, SMALL_SUM, create_source=True)
+    assert table(conn, """SELECT format_type(atttypid, atttypmod) FROM pg_attribute
+                          WHERE attrelid = 'small_sum_totals'::regclass
+                            AND attname = 'revenue'""") == [("numeric(6,2)",)]
+    first = [("a", "4000.00"), ("a", "3000.00"), ("b", "10.00"), ("c", "12345.67")]
+    produce(conn, SMALL_SUM.topic, [order(m, a) for m, a in first])
+    _, result = run_transaction(spark, dsn, conn, SMALL_SUM, "run-1")
+    assert result.status == "committed" and result.dead == 1
+    assert table(conn, "SELECT errors FROM dead_letters") == [(
+        ["table small_sum_totals: measures['revenue'] = Sum('amount', 'numeric(6,2)'): value "
+         "12345.67 does not fit numeric(6,2)"],)]
+
+    second = [("a", "3500.00"), ("b", "5.00")]
+    produce(conn, SMALL_SUM.topic, [order(m, a) for m, a in second])
+    batch = begin(conn, SMALL_SUM, "run-2")
+    process_batch(spark, dsn, SMALL_SUM, batch.attempt, 0)
+    with pytest.raises(StateOverflow) as refused:
+        commit(conn, SMALL_SUM, batch.attempt)
+    assert isinstance(refused.value, Permanent)
+    assert str(refused.value).startswith(
+        "pipeline 'small_sum', txid 2 attempt 1: state small_sum_totals: measures['revenue'] = "
+        "Sum('amount', 'numeric(6,2)') for key (merchant='a') would be 10500.00 (the table "
+        "holds 7000.00, txid 2 adds 3500.00): over numeric(6,2), the type its declaration "
+        "gives column revenue. No record is at fault")
+    assert "(ALTER TABLE small_sum_totals ALTER COLUMN revenue TYPE numeric(9,2), ALTER " \
+           "COLUMN prev_revenue TYPE numeric(9,2))" in str(refused.value)
+    assert table(conn, "SELECT merchant, revenue, txid FROM small_sum_totals ORDER BY 1") == [
+        ("a", Decimal("7000.00"), 1), ("b", Decimal("10.00"), 1)]
+    assert table(conn, "SELECT last_committed_txid FROM pipelines") == [(1,)]
+
+    # the fix the message gives; the failed attempt (the operator marks it) is adopted
+    mark_failed(conn, SMALL_SUM.name, batch.attempt, "commit failed: StateOverflow")
+    with conn.cursor() as cur:
+        cur.execute("ALTER TABLE small_sum_totals ALTER COLUMN revenue TYPE numeric(9,2), "
+                    "ALTER COLUMN prev_revenue TYPE numeric(9,2)")
+    conn.commit()
+    spec = SMALL_SUM.states[0]
+    wider = SMALL_SUM.with_settings(states=(dataclasses.replace(spec, measures={
+        **dict(spec.measures), "revenue": Sum("amount", "numeric(9,2)")}),))
+    register(conn, wider)  # the altered table is what the new declaration needs
+    again, result = run_transaction(spark, dsn, conn, wider, "run-3")
+    assert again.attempt.txid == 2 and again.attempt.attempt == 2
+    assert result.status == "committed"
+    want = recount(first + second, lambda v: v <= Decimal("9999.99"))
+    assert {m: (revenue, n) for m, revenue, n in table(
+        conn, "SELECT merchant, revenue, orders FROM small_sum_totals")} == {
+        m: (revenue, n) for m, (revenue, _, n) in want.items()}

@@ -27,6 +27,12 @@ class DeclarationError(ConfigError):
     pipelines`, `onceflow init`, the DAG's build and every processing."""
 
 
+class StateOverflow(Permanent):
+    """A state's running total outgrew the type its declaration gives the column (a
+    numeric(6,2) sum past 9999.99). No record is at fault: the txid cannot commit until the
+    column is widened (the declaration and the table)."""
+
+
 class Unreachable(Permanent, ConnectionError):
     """A database, Redis or Spark that the settings name does not answer."""
 
