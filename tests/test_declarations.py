@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 from decimal import Decimal
+from types import SimpleNamespace
 
 import pytest
 
@@ -249,10 +250,14 @@ def test_a_sum_keeps_its_declared_numeric_6_2_end_to_end(amounts, spark, dsn, co
     key, the column, the type and the fix, and nothing of the txid is written; with the fix
     done (a wider type declared, the table altered) the txid's next attempt commits, and
     the table equals a recount."""
+    from airflow.sdk.exceptions import AirflowFailException
     from amounts.pipelines import SMALL_SUM
 
-    from onceflow.core.begin import begin, mark_failed
+    from onceflow.airflow.operators import airflow_outcomes, mark_transaction_failed
+    from onceflow.core.begin import begin
     from onceflow.core.commit import commit
+    from onceflow.core.connections import DEFAULT_CONN_ID
+    from onceflow.ops.status import pipeline_status, render
     from spark_tasks.processing import process_batch
 
     register(conn, SMALL_SUM, create_source=True)
@@ -271,22 +276,45 @@ def test_a_sum_keeps_its_declared_numeric_6_2_end_to_end(amounts, spark, dsn, co
     produce(conn, SMALL_SUM.topic, [order(m, a) for m, a in second])
     batch = begin(conn, SMALL_SUM, "run-2")
     process_batch(spark, dsn, SMALL_SUM, batch.attempt, 0)
-    with pytest.raises(StateOverflow) as refused:
-        commit(conn, SMALL_SUM, batch.attempt)
-    assert isinstance(refused.value, Permanent)
-    assert str(refused.value).startswith(
+    with pytest.raises(AirflowFailException) as failed:  # no retries: it cannot help
+        with airflow_outcomes():
+            commit(conn, SMALL_SUM, batch.attempt)
+    refused = failed.value.__cause__
+    assert isinstance(refused, StateOverflow) and isinstance(refused, Permanent)
+    assert str(refused).startswith(
         "pipeline 'small_sum', txid 2 attempt 1: state small_sum_totals: measures['revenue'] = "
         "Sum('amount', 'numeric(6,2)') for key (merchant='a') would be 10500.00 (the table "
         "holds 7000.00, txid 2 adds 3500.00): over numeric(6,2), the type its declaration "
         "gives column revenue. No record is at fault")
     assert "(ALTER TABLE small_sum_totals ALTER COLUMN revenue TYPE numeric(9,2), ALTER " \
-           "COLUMN prev_revenue TYPE numeric(9,2))" in str(refused.value)
+           "COLUMN prev_revenue TYPE numeric(9,2))" in str(refused)
     assert table(conn, "SELECT merchant, revenue, txid FROM small_sum_totals ORDER BY 1") == [
         ("a", Decimal("7000.00"), 1), ("b", Decimal("10.00"), 1)]
     assert table(conn, "SELECT last_committed_txid FROM pipelines") == [(1,)]
 
-    # the fix the message gives; the failed attempt (the operator marks it) is adopted
-    mark_failed(conn, SMALL_SUM.name, batch.attempt, "commit failed: StateOverflow")
+    # the commit task's last failure marks the txid failed, as permanent: status says to
+    # fix it first (the reason, whole, is the fix), never only to run it again
+    mark_transaction_failed({"task": SimpleNamespace(
+        task_id="commit", postgres_conn_id=DEFAULT_CONN_ID,
+        batch={"pipeline": "small_sum", "txid": 2, "attempt": 1}),
+        "exception": failed.value, "run_id": "run-2"})
+    with conn.cursor() as cur:
+        status = pipeline_status(cur, SMALL_SUM.source, "small_sum")
+    conn.commit()
+    [stuck] = status.stuck
+    assert (stuck.txid, stuck.state, stuck.permanent) == (2, "failed", True)
+    assert stuck.holds.startswith("attempt 1 failed: commit failed in run run-2: StateOverflow: "
+                                  "pipeline 'small_sum', txid 2 attempt 1: state small_sum_totals")
+    assert stuck.fix.startswith("retrying cannot help until its cause is fixed") and \
+        stuck.fix.endswith("then: onceflow backfill --pipeline small_sum")
+    lines = render(status)
+    assert max(map(len, lines)) <= 100
+    text = " ".join(line.strip() for line in lines)
+    assert "ALTER TABLE small_sum_totals ALTER COLUMN revenue TYPE numeric(9,2)" in text
+    assert "-> once their cause is fixed (a bolt, a declared type): onceflow " \
+           "replay-dead-letters --pipeline small_sum --error-contains TEXT" in text
+
+    # the fix the message gives; the next run adopts the txid
     with conn.cursor() as cur:
         cur.execute("ALTER TABLE small_sum_totals ALTER COLUMN revenue TYPE numeric(9,2), "
                     "ALTER COLUMN prev_revenue TYPE numeric(9,2)")
@@ -302,3 +330,27 @@ def test_a_sum_keeps_its_declared_numeric_6_2_end_to_end(amounts, spark, dsn, co
     assert {m: (revenue, n) for m, revenue, n in table(
         conn, "SELECT merchant, revenue, orders FROM small_sum_totals")} == {
         m: (revenue, n) for m, (revenue, _, n) in want.items()}
+
+
+def test_status_suggests_a_rerun_only_where_it_can_help():
+    """A permanently failed txid: fix first; a txid after it: after that fix; a transient
+    failure and a dead run: a re-run; a planned txid waiting its turn: nothing."""
+    from onceflow.core.txlog import TxRow, TxState
+    from onceflow.ops.status import _stuck
+
+    def row(txid, state, permanent=False, silent_s=None):
+        return TxRow(txid, 1, state, f"run-{txid}", 10, 0, None, None, None, None,
+                     f"why {txid}", None, silent_s, 60, permanent)
+
+    rows = [row(2, TxState.FAILED), row(3, TxState.FAILED, permanent=True),
+            row(4, TxState.FAILED), row(5, TxState.PLANNED, silent_s=600),
+            row(6, TxState.PLANNED, silent_s=1)]
+    fixes = {s.txid: (s.permanent, s.fix) for s in _stuck("p", rows, last_committed=1)}
+    backfill = "onceflow backfill --pipeline p"
+    assert fixes == {
+        2: (False, f"the next run adopts it; now: {backfill}"),
+        3: (True, "retrying cannot help until its cause is fixed: do what the reason says (a "
+                  f"declaration, a state table, a setting), then: {backfill}"),
+        4: (False, f"once txid 3 is fixed, {backfill} re-runs both in txid order"),
+        5: (False, f"once txid 3 is fixed, {backfill} re-runs both in txid order"),
+        6: (False, "-")}

@@ -73,3 +73,15 @@ class OffsetOutOfRange(OnceflowError):
 
 class BlockedByEarlierTxid(OnceflowError):
     """A commit cannot take its turn: an earlier txid failed or its run is gone."""
+
+
+def is_permanent(error: BaseException | None) -> bool:
+    """Whether ``error``, or an error it was raised from (an Airflow exception raised from
+    one of onceflow's), is Permanent: retrying cannot help until its cause is fixed."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, Permanent):
+            return True
+        seen.add(id(error))
+        error = error.__cause__
+    return False

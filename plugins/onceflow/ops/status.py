@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import textwrap
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +25,7 @@ class Stuck:
     state: str
     holds: str  # what holds it
     fix: str  # the one command (or action) that frees it
+    permanent: bool = False  # failed so that retrying cannot help: the reason says the fix
 
 
 @dataclass
@@ -53,12 +55,30 @@ class PipelineStatus:
 
 
 def _stuck(pipeline: str, rows: list[TxRow], last_committed: int) -> list[Stuck]:
+    """What holds up each open transaction (``rows`` in txid order) and the one thing that
+    frees it. A run of the txid is suggested only where it can help: an attempt that failed
+    permanently (onceflow.core.errors.Permanent: a declaration the data cannot meet, a
+    running total past its declared type, a bad setting) fails again until its cause is
+    fixed, and every txid after it commits only after it."""
     backfill = f"onceflow backfill --pipeline {pipeline}"
     out = []
+    first_permanent = None
     for row in rows:
         if row.state is TxState.COMMITTED:
             continue
-        if row.state in txlog.ADOPTABLE:
+        if row.state in txlog.ADOPTABLE and row.permanent:
+            out.append(Stuck(row.txid, str(row.state),
+                             f"attempt {row.attempt} {row.state}: {row.reason or '-'}",
+                             "retrying cannot help until its cause is fixed: do what the "
+                             f"reason says (a declaration, a state table, a setting), then: "
+                             f"{backfill}", permanent=True))
+            first_permanent = first_permanent or row.txid
+        elif first_permanent is not None and (row.state in txlog.ADOPTABLE or row.abandoned):
+            out.append(Stuck(row.txid, "abandoned" if row.abandoned else str(row.state),
+                             f"commits after txid {first_permanent}, which needs a fix",
+                             f"once txid {first_permanent} is fixed, {backfill} re-runs both "
+                             "in txid order"))
+        elif row.state in txlog.ADOPTABLE:
             out.append(Stuck(row.txid, str(row.state),
                              f"attempt {row.attempt} {row.state}: {row.reason or '-'}",
                              f"the next run adopts it; now: {backfill}"))
@@ -91,6 +111,11 @@ def pipeline_status(cur, source, pipeline: str, limit: int = 20, dead_letters: i
                             strict=True)) for g in offsets.gaps(cur, pipeline)]
     status.backflow = dataclasses.asdict(backflow.queue_sizes(cur, pipeline))
     status.dead_letters = backflow.dead_letter_summary(cur, pipeline, dead_letters, all_dead)
+    # A dead letter failed every replay: replaying it helps only once its cause is fixed.
+    status.dead_letters["fix"] = (
+        f"once their cause is fixed (a bolt, a declared type): onceflow replay-dead-letters "
+        f"--pipeline {pipeline} --error-contains TEXT (or --record P:O)"
+        if status.dead_letters["total"] else "-")
     return status
 
 
@@ -107,6 +132,12 @@ def _coordinator(cur, pipeline: str) -> tuple[str, int, int]:
 
 def _fit(text: str) -> str:
     return text if len(text) <= WIDTH else text[:WIDTH - 1] + "…"
+
+
+def _wrapped(text: str, indent: str) -> list[str]:
+    """``text`` in lines of WIDTH, words (commands' arguments) never cut."""
+    return textwrap.wrap(text, WIDTH, subsequent_indent=indent, break_long_words=False,
+                         break_on_hyphens=False)
 
 
 def _tx_line(row: TxRow) -> str:
@@ -129,9 +160,11 @@ def render(status: PipelineStatus) -> list[str]:
     if status.stuck:
         out.append("open transactions that need something:")
         for s in status.stuck:
-            out.append(f"  txid {s.txid} ({s.state}): {s.holds}")
+            holds = f"  txid {s.txid} ({s.state}): {s.holds}"
+            # a permanent failure's reason is its fix (which column, which type): all of it
+            out += _wrapped(holds, "    ") if s.permanent else [holds]
             if s.fix != "-":
-                out.append(f"    -> {s.fix}")
+                out += _wrapped(f"    -> {s.fix}", "       ")
     out.append("partitions:")
     for p in status.partitions:
         committed = p.committed if p.committed is not None else "-"
@@ -148,6 +181,8 @@ def render(status: PipelineStatus) -> list[str]:
     out.append(f"dead letters: {d['total']}")
     for reason, count in d["by_reason"]:
         out.append(f"  {count:>6} x {reason}")
+    if d.get("fix", "-") != "-":
+        out += _wrapped(f"  -> {d['fix']}", "     ")
     shown = d["all"] or d["newest"]
     if shown:
         out.append("  " + ("all:" if d["all"] else f"newest {len(shown)} (--all for every one):"))
