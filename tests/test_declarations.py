@@ -354,3 +354,20 @@ def test_status_suggests_a_rerun_only_where_it_can_help():
         4: (False, f"once txid 3 is fixed, {backfill} re-runs both in txid order"),
         5: (False, f"once txid 3 is fixed, {backfill} re-runs both in txid order"),
         6: (False, "-")}
+
+
+def test_a_module_that_fails_to_declare_is_named_without_a_traceback(tmp_path, monkeypatch):
+    """The guide's old TableSource example had no topic: importing the declaration raised a
+    TypeError, which every command showed as a traceback."""
+    from onceflow.core.registry import load_ref
+
+    (tmp_path / "no_topic.py").write_text(
+        "from onceflow import Pipeline, StateSpec, TableSource\n"
+        "ORDERS = Pipeline(name='orders', topology='x:y', states=(StateSpec('n'),),\n"
+        "                  source=TableSource(table='public.orders', key='order_id'))\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError, match=r"pipeline reference='no_topic:ORDERS': importing "
+                                          r"module 'no_topic' raised TypeError: .*missing 1 "
+                                          r"required keyword-only argument: 'topic' \(at "
+                                          r".*no_topic.py:3\): fix the module"):
+        load_ref("no_topic:ORDERS")

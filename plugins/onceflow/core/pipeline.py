@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import re
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -318,8 +319,6 @@ class Pipeline:
         every processing. Needs no Spark session and no data, but imports the topology's
         module (pyspark may come with it). Raises a DeclarationError (a ConfigError) naming
         the pipeline, the stream or bolt, the field and the fix."""
-        import traceback
-
         from spark_tasks.topology import Topology, TopologyError
 
         build = resolve(self.topology, f"pipeline[{self.name}].topology")
@@ -328,11 +327,10 @@ class Pipeline:
         except (ConfigError, TopologyError) as error:  # e.g. a stream's DDL without a type
             raise DeclarationError(f"pipeline {self.name!r}: {error}") from error
         except Exception as error:  # the user's function failed: where, not a traceback
-            frame = traceback.extract_tb(error.__traceback__)[-1]
             raise ConfigError(
                 f"pipeline[{self.name}].topology={self.topology!r} raised "
-                f"{type(error).__name__}: {error} (at {frame.filename}:{frame.lineno}): fix "
-                "the function that builds the topology") from error
+                f"{type(error).__name__}: {error} ({_where(error)}): fix the function that "
+                "builds the topology") from error
         check(isinstance(topology, Topology), f"pipeline[{self.name}].topology", self.topology,
               f"the function returned {type(topology).__name__}; return a onceflow.Topology")
         topology.spout_columns = f"{RECORD_KEYS}, {self.source.record_ddl}"
@@ -365,6 +363,12 @@ def start_timestamp(policy: str) -> datetime:
     return stamp if stamp.tzinfo else stamp.replace(tzinfo=UTC)
 
 
+def _where(error: BaseException) -> str:
+    """Where ``error`` was raised: the innermost frame, "at file:line"."""
+    frame = traceback.extract_tb(error.__traceback__)[-1]
+    return f"at {frame.filename}:{frame.lineno}"
+
+
 def resolve(ref: str | Callable, what: str) -> Callable:
     """A callable, or the object a "package.module:attribute" reference names."""
     if not isinstance(ref, str):
@@ -378,6 +382,10 @@ def resolve(ref: str | Callable, what: str) -> Callable:
         raise ConfigError(f"{what}={ref!r}: module {module_name!r} cannot be imported "
                           f"({error}); install the package that holds it, or put its folder "
                           "on PYTHONPATH") from error
+    except Exception as error:  # the module itself failed (a declaration): where, not a trace
+        raise ConfigError(f"{what}={ref!r}: importing module {module_name!r} raised "
+                          f"{type(error).__name__}: {error} ({_where(error)}): fix the "
+                          "module") from error
     target = module
     for part in attr.split("."):
         try:
