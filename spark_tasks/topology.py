@@ -217,10 +217,10 @@ class Topology:
         """Refuse what cannot run (TopologyError), before any data: the streams' wiring, one
         type per column name, and what each sink needs of its stream. ``shapes``: the typed
         states' shapes (onceflow.core.tables.Shape) by the sink name that feeds them, whose
-        key and measure columns must be in the stream, of a type that converts without loss.
-        (``Shape.conversion_loss`` says what is lost.) ``states``: every sink name the
-        declared states are fed by; given, a sink into
-        another name (its tuples would be dropped) and a state no sink feeds are refused."""
+        key and measure columns must be in the stream, of a type that converts without loss
+        (``Shape.conversion_loss`` says what would be lost). ``states``: every sink name the
+        declared states are fed by; given, a sink into another name (its tuples would be
+        dropped) and a state no sink feeds are refused."""
         shapes = shapes or {}
         known = {SPOUT: "the spout"}
         for bolt in self.bolts:
