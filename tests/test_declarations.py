@@ -371,3 +371,25 @@ def test_a_module_that_fails_to_declare_is_named_without_a_traceback(tmp_path, m
                                           r"required keyword-only argument: 'topic' \(at "
                                           r".*no_topic.py:3\): fix the module"):
         load_ref("no_topic:ORDERS")
+
+
+def test_a_spark_submit_process_task_fails_a_bad_declaration_once_before_the_driver(
+        amounts, dsn, conn, spark_submit):
+    """A DAG parsed before the declaration went bad: its process task (spark-submit) checks
+    the declaration itself and fails without retries, before starting a driver that would
+    fail on every retry."""
+    from airflow.sdk.exceptions import AirflowFailException
+    from amounts.pipelines import MISSING_COLUMN
+
+    from onceflow.airflow.operators import ProcessBatchOperator
+    from onceflow.core.begin import begin
+
+    register(conn, MISSING_COLUMN, create_source=True)
+    produce(conn, MISSING_COLUMN.topic, [order("a", "1.00")])
+    batch = begin(conn, MISSING_COLUMN, "run-1")
+    task = ProcessBatchOperator(task_id="process", pipeline="missing_column",
+                                pipeline_refs=["amounts.pipelines:ALL"],
+                                batch={"txid": 1, "attempt": 1, "group": 0})
+    with pytest.raises(AirflowFailException, match=r"DeclarationError: pipeline "
+                                                   r"'missing_column': state "):
+        task._process({"ti": SimpleNamespace(try_number=1)}, batch.attempt, 0)

@@ -445,6 +445,8 @@ class ProcessBatchOperator(_Processes, SparkSubmitOperator):
         if url is not None:
             self._process_here(url, pipeline, dsn, ta, group)
             return
+        with airflow_outcomes():  # a declaration error fails here, once, not in the driver
+            pipeline.build_topology()
         from onceflow.core.registry import reference_of
 
         ref = reference_of(pipeline)
