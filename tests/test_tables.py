@@ -256,3 +256,25 @@ def test_an_integer_sum_past_its_type_is_refused_too(conn):
         apply(conn, COUNTS, 2, [(7, 2800)])
     assert apply(conn, COUNTS, 2, [(7, 2000)]) == 1
     assert rows_of(conn, "SELECT k, n, txid FROM counts") == [(7, 32000, 2)]
+
+
+def test_a_table_of_the_same_columns_and_other_types_is_given_its_alter_table(conn):
+    """A typed state made when sums were widened to numeric(38,s): refused with the
+    statement that migrates it, then accepted."""
+    with db.transaction(conn) as cur:
+        cur.execute("""CREATE TABLE small (merchant text NOT NULL, day date NOT NULL,
+                       txid bigint NOT NULL, prev_txid bigint, total numeric(38,2),
+                       prev_total numeric(38,2), orders bigint, prev_orders bigint,
+                       PRIMARY KEY (merchant, day))""")
+    alter = ("ALTER TABLE small ALTER COLUMN total TYPE numeric(6,2), ALTER COLUMN prev_total "
+             "TYPE numeric(6,2)")
+    with pytest.raises(ConfigError) as refused:
+        apply(conn, SMALL, 1, [])
+    assert str(refused.value) == (
+        "state[small]: table small exists with column types other than the declaration's "
+        "(total numeric(38,2), declared numeric(6,2), prev_total numeric(38,2), declared "
+        f"numeric(6,2)): alter it to the declared types ({alter}; a value that does not fit a "
+        "new type makes it fail), or declare the types it has")
+    with db.transaction(conn) as cur:
+        cur.execute(alter)
+    assert apply(conn, SMALL, 1, [("a", date(2026, 1, 1), Decimal("1.50"), 1)]) == 1

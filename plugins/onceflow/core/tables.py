@@ -359,6 +359,17 @@ def ensure_table(cur, shape: Shape, opaque: bool, with_txid_index: bool) -> None
     cur.execute("SELECT current_schema()")
     have = _columns(cur, cur.fetchone()[0], shape.name)
     want = expected_columns(shape, opaque)
+    if have and [c for c, _ in have] == [c for c, _ in want] and have != want:
+        # the same columns of other types (a sum made numeric(38,s) before sums kept their
+        # declared type, a measure's type changed): the statement that migrates it
+        changed = [(c, old, new) for (c, old), (_, new) in zip(have, want, strict=True)
+                   if old != new]
+        raise ConfigError(
+            f"state[{shape.name}]: table {shape.name} exists with column types other than the "
+            f"declaration's ({', '.join(f'{c} {old}, declared {new}' for c, old, new in changed)}"
+            f"): alter it to the declared types (ALTER TABLE {shape.name} "
+            f"{', '.join(f'ALTER COLUMN {c} TYPE {new}' for c, _, new in changed)}; a value "
+            "that does not fit a new type makes it fail), or declare the types it has")
     if have and have != want:
         raise ConfigError(
             f"state[{shape.name}]: table {shape.name} exists with columns "
