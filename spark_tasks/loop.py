@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from onceflow.core.begin import begin, mark_failed
 from onceflow.core.commit import commit
 from onceflow.core.db import connection
-from onceflow.core.errors import OnceflowError
+from onceflow.core.errors import OnceflowError, is_permanent
 from onceflow.core.pipeline import Pipeline, check
 from onceflow.core.txlog import Batch
 from spark_tasks.processing import process_batch
@@ -121,7 +121,8 @@ def run_batches(spark, dsn: str, pipeline: Pipeline, *, in_flight: int = 1,
             # this batch and every later one: failed, so the next begin adopts them in order
             mark_failed(conn, pipeline.name, batch.attempt,
                         str(error) if error is not None else
-                        f"an earlier batch of the loop failed: {failure}")
+                        f"an earlier batch of the loop failed: {failure}",
+                        permanent=is_permanent(error))
     result.seconds = time.perf_counter() - started
     if failure is not None:
         raise failure

@@ -102,20 +102,9 @@ def _rank(order_by: str | None, cols: Mapping[str, str]):
 
 
 def frame_columns(topology: Topology) -> dict[str, str]:
-    """Every column of the frame and its Spark type (META, then the streams' columns)."""
-    out = dict(META)
-    owner: dict[str, str] = {}
-    for stream, ddl in topology.streams().items():
-        for name, kind in column_types(ddl).items():
-            if name in META:
-                raise TopologyError(f"stream {stream!r}: column {name!r} is reserved by "
-                                    "onceflow; give it another name")
-            if out.setdefault(name, kind).lower() != kind.lower():
-                raise TopologyError(
-                    f"column {name!r} is {out[name]} in stream {owner[name]!r} and {kind} in "
-                    f"{stream!r}: one name has one type in a topology (rename one of them)")
-            owner.setdefault(name, stream)
-    return out
+    """Every column of the frame and its Spark type (META, then the streams' columns: one
+    type per name, Topology.typed_columns)."""
+    return {**META, **topology.typed_columns()}
 
 
 def _typed(names: Mapping[str, str], present: dict) -> list:
@@ -405,31 +394,32 @@ class TopologyRun:
 
     def _bad_key(self, shape: Shape | None = None):
         """Why a tuple's key, or a typed tuple's values, cannot be stored (else null): a
-        record that would break staging fails alone instead of failing its batch for ever."""
+        record that would break staging, or one whose value its declared type cannot hold
+        (1780.25 in a numeric(5,2)), fails alone instead of failing its batch for ever,
+        named with its table, column, value and type. The first reason in the declaration's
+        order is the record's."""
         if shape is None:
             return self._bad_text(F.col("key").cast("string"), "state key")
         keys = {c for c, _ in shape.key}
-        bad = F.lit(None).cast("string")
-        for column, pg_type in reversed(shape.typed_inputs()):
+        checked: set[str] = set()
+        reasons = []
+        for column, pg_type, whats in shape.typed_inputs():
             value = F.col(column)
-            if column in keys and pg_type == "text":
-                why = self._bad_text(value.cast("string"), f"key column {column}")
-            elif column in keys:
-                why = F.when(value.isNull(), F.lit(f"key column {column} is null"))
+            if column in keys and column not in checked:
+                reasons.append(self._bad_text(value.cast("string"), f"key column {column}")
+                               if pg_type == "text" else
+                               F.when(value.isNull(), F.lit(f"key column {column} is null")))
             elif pg_type == "text":
-                why = F.when(value.cast("string").contains("\u0000"), F.lit(
+                reasons.append(F.when(value.cast("string").contains("\u0000"), F.lit(
                     f"column {column} holds a NUL character, which PostgreSQL text cannot "
-                    "store"))
-            else:
-                why = None
+                    "store")))
+            checked.add(column)
             if pg_type != "text":  # the value fits the declared type (numeric(p,s): digits)
-                misfit = F.when(value.isNotNull() & value.try_cast(spark_type(pg_type)).isNull(),
-                                F.concat(F.lit(f"column {column} value "),
-                                         value.cast("string"),
-                                         F.lit(f" does not fit {pg_type}")))
-                why = misfit if why is None else F.coalesce(why, misfit)
-            bad = F.coalesce(why, bad)
-        return bad
+                reasons.append(F.when(
+                    value.isNotNull() & value.try_cast(spark_type(pg_type)).isNull(),
+                    F.concat(F.lit(f"{' and '.join(whats)}: value "), value.cast("string"),
+                             F.lit(f" does not fit {pg_type}"))))
+        return F.coalesce(*reasons) if reasons else F.lit(None).cast("string")
 
     def _typed_row(self, shape: Shape):
         """A typed state's tuple as one JSON text (its inputs and its order), which passes
@@ -460,8 +450,8 @@ class TopologyRun:
             mine = (F.col("_kind") == TUPLE) & (F.col("_stream") == stream)
             if sink.state:
                 shape = self.shapes.get(sink.state)
-                bad = F.when(mine, F.concat(F.lit(f"sink {sink.state}: "),
-                                            self._bad_key(shape))).otherwise(bad)
+                where = f"table {shape.name}: " if shape else f"sink {sink.state}: "
+                bad = F.when(mine, F.concat(F.lit(where), self._bad_key(shape))).otherwise(bad)
                 state = F.when(mine, F.lit(sink.state)).otherwise(state)
                 counted = counted | mine
                 if shape is not None:
@@ -812,7 +802,7 @@ class TopologyRun:
             for measure_name, measure in shape.measures:
                 if measure.column:
                     keyed.append(col(measure.column, measure.type).alias(out(measure_name)))
-                stored = spark_type(measure.stored_type())
+                stored = spark_type(measure.staged_type())
                 value = F.col(out(measure_name))
                 if measure.agg == "sum":
                     agg = F.sum(value * F.col("delta")).cast(stored)

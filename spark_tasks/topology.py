@@ -45,19 +45,25 @@ branches still count); it exists to measure what the acker costs.
 
 from __future__ import annotations
 
+import re
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 
 SPOUT = "records"
 SPOUT_COLUMNS = "partition int, offset long, payload string"
 ANCHORS = ("_root", "_tid", "_replays")
+# Columns of the runner's frame besides the streams' (spark_tasks.runner.META): no stream's.
+RESERVED = ("_kind", "_stream", "_root", "_tid", "_replays", "_error", "_skey", "_sval", "_seq")
 # Spark types that order a typed state's Last measures (order_by)
 ORDERABLE = ("bigint", "int", "smallint", "tinyint", "date", "timestamp", "timestamp_ntz")
 
 
 class TopologyError(ValueError):
-    """A topology that cannot run as declared: the message names the bolt or stream and the fix."""
+    """A topology that cannot run as declared: the message names the bolt or stream, the field
+    and the fix. (Pipeline.build_topology raises it as a DeclarationError: retrying cannot
+    help.) This module imports nothing of onceflow's: a Spark worker that unpickles a bolt
+    imports it first."""
 
 
 @dataclass(frozen=True)
@@ -178,9 +184,43 @@ class Topology:
             out.update(bolt.outputs)
         return out
 
-    def validate(self, shapes: Mapping | None = None) -> Topology:
-        """Refuse what cannot run (TopologyError). ``shapes``: the typed states' shapes
-        (onceflow.core.tables.Shape) by the sink name that feeds them."""
+    def emitters(self) -> dict[str, str]:
+        """Every stream and what emits it ("the spout", "bolt 'parse'")."""
+        out = {SPOUT: "the spout"}
+        for bolt in self.bolts:
+            out.update({stream: f"bolt {bolt.name!r}" for stream in bolt.outputs})
+        return out
+
+    def typed_columns(self) -> dict[str, str]:
+        """Every column of every stream and its Spark type. One name has one type in a
+        topology: the runner keeps every stream's tuples in one frame, a column per name."""
+        emitters = self.emitters()
+        out: dict[str, str] = {}
+        owner: dict[str, str] = {}
+        for stream, ddl in self.streams().items():
+            for name, kind in column_types(ddl).items():
+                where = f"stream {stream!r} ({emitters.get(stream, 'the spout')})"
+                if name in RESERVED:
+                    raise TopologyError(f"{where}: column {name!r} is a name onceflow keeps for "
+                                        "itself: rename it in the stream's columns")
+                if name in out and out[name] != kind:
+                    raise TopologyError(
+                        f"column {name!r} is {out[name]} in {owner[name]} and {kind} in {where}: "
+                        "one name has one type in a topology: give both the same type, or "
+                        "rename one of them")
+                out.setdefault(name, kind)
+                owner.setdefault(name, where)
+        return out
+
+    def validate(self, shapes: Mapping | None = None, states: Collection[str] | None = None
+                 ) -> Topology:
+        """Refuse what cannot run (TopologyError), before any data: the streams' wiring, one
+        type per column name, and what each sink needs of its stream. ``shapes``: the typed
+        states' shapes (onceflow.core.tables.Shape) by the sink name that feeds them, whose
+        key and measure columns must be in the stream, of a type that converts without loss
+        (``Shape.conversion_loss`` says what would be lost). ``states``: every sink name the
+        declared states are fed by; given, a sink into another name (its tuples would be
+        dropped) and a state no sink feeds are refused."""
         shapes = shapes or {}
         known = {SPOUT: "the spout"}
         for bolt in self.bolts:
@@ -199,6 +239,7 @@ class Topology:
                         f"{known[stream]}: give each stream one emitter"
                     )
                 known[stream] = f"bolt {bolt.name!r}"
+        self.typed_columns()
         for bolt in self.stateful():
             if not (hasattr(bolt.fn, "execute") and hasattr(bolt.fn, "init_state")):
                 raise TopologyError(f"stateful bolt {bolt.name!r}: bolt={bolt.fn!r} is not a "
@@ -228,22 +269,79 @@ class Topology:
                 "would never be acked: add a bolt or a sink (count / reject) for each"
             )
         for sink in self.sinks:
-            have = columns(self.streams()[sink.stream])
-            shape = shapes.get(sink.state)
-            need = (set(shape.inputs()) if shape else {"key"}) if sink.state else {"error"}
-            if not need <= set(have):
-                what = f"state {sink.state!r}" if sink.state else "the reject sink"
+            self._check_sink(sink, known, shapes, states)
+        if states is not None:
+            unfed = sorted(set(states) - {s.state for s in self.sinks if s.state})
+            if unfed:
                 raise TopologyError(
-                    f"sink of stream {sink.stream!r} into {what} needs column(s) "
-                    f"{sorted(need - set(have))}; the stream has {have}: add them to the "
-                    "bolt's outputs, or change the state's key / measures")
-            if shape and shape.order_by:
-                kind = column_types(self.streams()[sink.stream])[shape.order_by]
-                if kind.split("(")[0] not in ORDERABLE:
-                    raise TopologyError(
-                        f"state {sink.state!r}: order_by={shape.order_by!r} is a {kind} column; "
-                        f"order Last measures by one of type {', '.join(ORDERABLE)}")
+                    f"state(s) fed by {unfed} would stay empty: no sink of the topology feeds "
+                    "them: add .sink(stream, name) for each (the state's source=, else its "
+                    "name), or remove the state")
         return self
+
+    def _check_sink(self, sink: Sink, emitters: Mapping[str, str], shapes: Mapping,
+                    states: Collection[str] | None) -> None:
+        types = column_types(self.streams()[sink.stream])
+        have = ", ".join(types) or "no column"
+        where = f"stream {sink.stream!r} (emitted by {emitters[sink.stream]})"
+        if sink.state is None:
+            if "error" not in types:
+                raise TopologyError(
+                    f"the reject sink of {where} needs column 'error', the reason kept with "
+                    f"each rejected record; the stream has {have}: add 'error string' to "
+                    "its columns")
+            return
+        if states is not None and sink.state not in states:
+            raise TopologyError(
+                f"sink of {where} into {sink.state!r}: no state is fed by {sink.state!r} (the "
+                f"states are fed by {sorted(states)}), so its tuples would be dropped: declare "
+                f"StateSpec({sink.state!r}) (or a state with source={sink.state!r}), or sink "
+                "into one of those")
+        shape = shapes.get(sink.state)
+        if shape is None:
+            if "key" not in types:
+                raise TopologyError(
+                    f"count state {sink.state!r} counts column 'key' of {where}, which the "
+                    f"stream does not carry (it has {have}): name the counted column key "
+                    "(and an optional delta bigint)")
+            return
+        state = f"state {shape.name!r} (fed by sink {sink.state!r})"
+        for column, pg_type, what in shape.targets():
+            if column not in types:
+                raise TopologyError(
+                    f"{state}: {what} reads column {column!r}, which {where} does not carry "
+                    f"(it has {have}): add it to the stream's columns, or name one it has")
+            loss = shape.conversion_loss(types[column], pg_type)
+            if loss:
+                raise TopologyError(
+                    f"{state}: {what} stores column {column!r} of {where}, a "
+                    f"{types[column]}, as {pg_type}: {loss}: declare a type that holds "
+                    f"every value (e.g. {holding_type(types[column])}), or convert the "
+                    "column in its bolt")
+        for column in shape.inputs():
+            if column not in types:
+                what = "order_by" if column == shape.order_by else "a Count"
+                raise TopologyError(
+                    f"{state}: {what} reads column {column!r}, which {where} does not carry "
+                    f"(it has {have}): add it to the stream's columns, or name one it has")
+        if shape.order_by:
+            kind = types[shape.order_by]
+            if kind.split("(")[0] not in ORDERABLE:
+                raise TopologyError(
+                    f"{state}: order_by={shape.order_by!r} is a {kind} column of {where}; "
+                    f"order Last measures by one of type {', '.join(ORDERABLE)}")
+
+
+def holding_type(kind: str) -> str:
+    """The PostgreSQL type that holds every value of a Spark column type (an example for a
+    fix)."""
+    base = kind.split("(")[0]
+    if base == "decimal":
+        return kind.replace("decimal", "numeric").replace(" ", "")
+    return {"tinyint": "smallint", "smallint": "smallint", "int": "integer", "bigint": "bigint",
+            "float": "double precision", "double": "double precision", "boolean": "boolean",
+            "date": "date", "timestamp": "timestamptz", "timestamp_ntz": "timestamp"
+            }.get(base, "text")
 
 
 def _fields(ddl: str) -> list[str]:
@@ -275,7 +373,7 @@ def column_types(ddl: str) -> dict[str, str]:
         if not kind.strip():
             raise TopologyError(f"column {name!r} in {ddl!r} has no type: write "
                                 "'name type', e.g. 'key string'")
-        kind = kind.strip().lower()
+        kind = re.sub(r"\s*([,()<>])\s*", r"\1", kind.strip().lower())
         base = kind.split("(")[0].split("<")[0].strip()
         out[name.strip("`")] = _ALIASES.get(base, base) + kind[len(base):]
     return out

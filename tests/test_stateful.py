@@ -160,7 +160,7 @@ def recording_topology(pipeline):
     return (topology(pipeline)
             .stateful_bolt("recorder", input="urls", key="key", bolt=RecordingBolt(),
                            outputs={"seen": "key string"})
-            .count("seen", "seen"))
+            .count("seen", "new_urls"))  # first_seen_urls: the states need their sinks
 
 
 def test_hooks_are_called_in_order(spark, dsn, conn):

@@ -14,7 +14,7 @@ from psycopg2 import sql
 
 from onceflow import Count, Last, Max, Min, StateSpec, Sum
 from onceflow.core import db, tables
-from onceflow.core.errors import ConfigError, StaleBatch
+from onceflow.core.errors import ConfigError, StaleBatch, StateOverflow
 from onceflow.core.pipeline import Pipeline
 from onceflow.sources.pglog import PostgresLog
 
@@ -202,3 +202,79 @@ def test_a_staging_name_over_63_bytes_is_refused():
         Pipeline(name="p" * 40, source=PostgresLog(topic="t"), topology="x:y",
                  states=(StateSpec("s" * 30, key={"k": "text"},
                                    measures={"v": Last("v", "text")}),)).validate()
+
+
+SMALL = StateSpec("small", key={"merchant": "text", "day": "date"},
+                  measures={"total": Sum("amount", "numeric(6,2)"), "orders": Count()})
+COUNTS = StateSpec("counts", kind="transactional", key={"k": "bigint"},
+                   measures={"n": Sum("v", "smallint")})
+
+
+def test_a_sum_keeps_its_declared_type_and_a_total_past_it_is_refused_naming_the_fix(conn):
+    """The table's column is the numeric(6,2) declared (staging keeps a batch's sum wide);
+    a running total past 9999.99 refuses the whole batch, naming the state, the key, the
+    column, the type and the fix, and writes nothing."""
+    day = date(2026, 1, 1)
+    apply(conn, SMALL, 1, [("a", day, Decimal("7000.00"), 2), ("b", day, Decimal("10.00"), 1)])
+    assert rows_of(conn, """SELECT attname, format_type(atttypid, atttypmod) FROM pg_attribute
+                            WHERE attrelid = 'small'::regclass AND attname LIKE '%total'
+                            ORDER BY 1""") == [("prev_total", "numeric(6,2)"),
+                                               ("total", "numeric(6,2)")]
+    assert dict(SMALL.shape().staged())["total"] == "numeric(38,2)"
+    with pytest.raises(StateOverflow) as refused:
+        apply(conn, SMALL, 2, [("a", day, Decimal("3500.00"), 1), ("b", day, Decimal("5.00"), 1),
+                               ("c", day, Decimal("12000.00"), 1)])
+    assert str(refused.value) == (
+        "state small: measures['total'] = Sum('amount', 'numeric(6,2)') for key "
+        "(merchant='c', day=2026-01-01) would be 12000.00 (the table holds 0, txid 2 adds "
+        "12000.00) (and 1 more key(s)): over numeric(6,2), the type its declaration gives "
+        "column total. No record is at fault and none is dropped: the txid cannot commit while "
+        "the column is this narrow. Declare a wider type (e.g. numeric(9,2)), alter the table "
+        "to it (ALTER TABLE small ALTER COLUMN total TYPE numeric(9,2), ALTER COLUMN "
+        "prev_total TYPE numeric(9,2)), then run the txid again")
+    assert rows_of(conn, "SELECT merchant, total, orders, txid FROM small ORDER BY 1") == [
+        ("a", Decimal("7000.00"), 2, 1), ("b", Decimal("10.00"), 1, 1)]
+    # the fix the message gives, then the same batch commits
+    with db.transaction(conn) as cur:
+        cur.execute("ALTER TABLE small ALTER COLUMN total TYPE numeric(9,2), "
+                    "ALTER COLUMN prev_total TYPE numeric(9,2)")
+    wider = StateSpec("small", key={"merchant": "text", "day": "date"},
+                      measures={"total": Sum("amount", "numeric(9,2)"), "orders": Count()})
+    apply(conn, wider, 2, [("a", day, Decimal("3500.00"), 1), ("b", day, Decimal("5.00"), 1),
+                           ("c", day, Decimal("12000.00"), 1)])
+    assert rows_of(conn, "SELECT merchant, total, orders FROM small ORDER BY 1") == [
+        ("a", Decimal("10500.00"), 3), ("b", Decimal("15.00"), 2), ("c", Decimal("12000.00"), 1)]
+
+
+def test_an_integer_sum_past_its_type_is_refused_too(conn):
+    apply(conn, COUNTS, 1, [(7, 30000)])
+    with pytest.raises(StateOverflow, match=r"state counts: measures\['n'\] = Sum\('v', "
+                                            r"'smallint'\) for key \(k=7\) would be 32800 \(the "
+                                            r"table holds 30000, txid 2 adds 2800\): over "
+                                            r"smallint.*e.g. integer\), alter the table to it "
+                                            r"\(ALTER TABLE counts ALTER COLUMN n TYPE integer\)"):
+        apply(conn, COUNTS, 2, [(7, 2800)])
+    assert apply(conn, COUNTS, 2, [(7, 2000)]) == 1
+    assert rows_of(conn, "SELECT k, n, txid FROM counts") == [(7, 32000, 2)]
+
+
+def test_a_table_of_the_same_columns_and_other_types_is_given_its_alter_table(conn):
+    """A typed state made when sums were widened to numeric(38,s): refused with the
+    statement that migrates it, then accepted."""
+    with db.transaction(conn) as cur:
+        cur.execute("""CREATE TABLE small (merchant text NOT NULL, day date NOT NULL,
+                       txid bigint NOT NULL, prev_txid bigint, total numeric(38,2),
+                       prev_total numeric(38,2), orders bigint, prev_orders bigint,
+                       PRIMARY KEY (merchant, day))""")
+    alter = ("ALTER TABLE small ALTER COLUMN total TYPE numeric(6,2), ALTER COLUMN prev_total "
+             "TYPE numeric(6,2)")
+    with pytest.raises(ConfigError) as refused:
+        apply(conn, SMALL, 1, [])
+    assert str(refused.value) == (
+        "state[small]: table small exists with column types other than the declaration's "
+        "(total numeric(38,2), declared numeric(6,2), prev_total numeric(38,2), declared "
+        f"numeric(6,2)): alter it to the declared types ({alter}; a value that does not fit a "
+        "new type makes it fail), or declare the types it has")
+    with db.transaction(conn) as cur:
+        cur.execute(alter)
+    assert apply(conn, SMALL, 1, [("a", date(2026, 1, 1), Decimal("1.50"), 1)]) == 1

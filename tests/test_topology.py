@@ -216,7 +216,8 @@ def test_root_ids_keep_the_origin(spark):
     (lambda t: t.bolt("b", input=SPOUT, fn=None, outputs={SPOUT: "key string"}),
      "stream 'records' is already emitted by the spout"),
     (lambda t: t.bolt("b", input=SPOUT, fn=None, outputs={"x": "word string"}).count("x", "s"),
-     r"sink of stream 'x' into state 's' needs column\(s\) \['key'\]"),
+     r"count state 's' counts column 'key' of stream 'x' \(emitted by bolt 'b'\), which the "
+     r"stream does not carry \(it has word\): name the counted column key"),
 ])
 def test_bad_declarations_are_refused_naming_the_fix(build, message):
     with pytest.raises(TopologyError, match=message):
@@ -278,8 +279,9 @@ def test_a_typed_value_that_cannot_be_stored_fails_its_record_alone(spark):
                        shapes={"totals": spec.shape()}).collect()
     failures = {(p, o): error for (p, o, _), error in out.failed.items()}
     assert failures == {
-        (1, 1): "sink totals: column amount value 123456.0 does not fit numeric(6,2)",
-        (2, 2): "sink totals: column note holds a NUL character, which PostgreSQL text "
+        (1, 1): "table totals: measures['total'] = Sum('amount', 'numeric(6,2)'): value "
+                "123456.0 does not fit numeric(6,2)",
+        (2, 2): "table totals: column note holds a NUL character, which PostgreSQL text "
                 "cannot store"}
     rows = out.tables["totals"].to_pylist()
     assert [(r["k"], str(r["total"]), r["n"], r["note"]) for r in rows] == [

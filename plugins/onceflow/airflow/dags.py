@@ -8,7 +8,9 @@ A DAG file is one call (wiring only; nothing heavy at import)::
 
     dag = transaction_dag(PAGE_VIEWS, schedule="@hourly")
 
-or a DAG for every registered pipeline: ``globals().update(transaction_dags())``. Airflow's
+or a DAG for every registered pipeline: ``globals().update(transaction_dags())``. Building
+a DAG checks its pipeline's declaration (Pipeline.build_topology): a bad one is the file's
+import error, naming the pipeline, the stream, the field and the fix. Airflow's
 safe-mode parsing only opens DAG files whose text contains "airflow" and "dag": a file that
 only calls these says both words in its docstring.
 """
@@ -129,6 +131,11 @@ def transaction_dag(pipeline: Pipeline | str, *, dag_id: str | None = None,
                 "declare it at the top level of an importable module (not the DAG file), or "
                 "register it (entry point onceflow.pipelines / ONCEFLOW_PIPELINES)")
         refs = (*refs, ref) if ref not in refs else refs
+    if not get_parsing_context().dag_id:
+        # The declaration, checked where Airflow parses the DAG (a bad one is the file's
+        # import error, naming it). A task's own parse skips it: the DAG processor checked
+        # it, and begin and commit load no topology module.
+        pipeline.build_topology()
     args = {
         # a task's last failure marks its attempt failed: the next run adopts the txid
         "on_failure_callback": mark_transaction_failed,
@@ -198,13 +205,21 @@ def transaction_dags(refs: Iterable[str] = (), **kwargs: Any) -> dict[str, DAG]:
 
     wanted = get_parsing_context().dag_id
     out = {}
+    refused = []
     for name, pipeline in sorted(pipelines(tuple(refs)).items()):
         if not wanted or wanted == f"onceflow_{name}":
-            dag = transaction_dag(name, pipeline_refs=refs, **kwargs)
+            try:
+                dag = transaction_dag(name, pipeline_refs=refs, **kwargs)
+            except ConfigError as error:
+                refused.append(str(error))
+                continue
             out[dag.dag_id] = dag
         out.update(companion_dags(
             pipeline, refs, wanted=wanted,
             postgres_conn_id=kwargs.get("postgres_conn_id", DEFAULT_CONN_ID)))
+    if refused:  # every one named at once; like any import error, the file's DAGs wait
+        raise ConfigError(f"{len(refused)} pipeline(s) cannot have a DAG until their "
+                          "declaration is fixed: " + "; ".join(refused))
     for dag in out.values():
         dag.fileloc = sys._getframe(1).f_globals.get("__file__", dag.fileloc)
     return out

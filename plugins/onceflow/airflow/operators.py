@@ -129,16 +129,21 @@ def mark_transaction_failed(context) -> None:
     transaction failed so the next run adopts it. Fenced: a zombie attempt marks nothing."""
     from onceflow.core.begin import mark_failed
     from onceflow.core.db import connection
+    from onceflow.core.errors import OnceflowError, is_permanent
 
     task = context["task"]
     batch = _batch_of(context)
     if not batch:
         return
     error = context.get("exception")
-    reason = f"{task.task_id} failed in run {context['run_id']}: {error!r}"
+    cause = getattr(error, "__cause__", None)  # onceflow's error an Airflow outcome carries
+    what = f"{type(cause).__name__}: {cause}" if isinstance(cause, OnceflowError) \
+        else repr(error)
+    reason = f"{task.task_id} failed in run {context['run_id']}: {what}"
     dsn = resolve_dsn(getattr(task, "postgres_conn_id", DEFAULT_CONN_ID))
     with connection(dsn) as conn:
-        mark_failed(conn, batch["pipeline"], attempt_of(batch), reason)
+        mark_failed(conn, batch["pipeline"], attempt_of(batch), reason,
+                    permanent=is_permanent(error))
 
 
 def lease_for_retry(context) -> None:
@@ -529,6 +534,8 @@ class ProcessBatchOperator(_Processes, SparkSubmitOperator):
         if url is not None:
             self._process_here(url, pipeline, dsn, ta, group)
             return
+        with airflow_outcomes():  # a declaration error fails here, once, not in the driver
+            pipeline.build_topology()
         from onceflow.core.registry import reference_of
 
         ref = reference_of(pipeline)
@@ -637,9 +644,12 @@ class _Commits(_PipelineTask):
             if result.status == "waiting":
                 blocker = result.blocker
                 if blocker.hopeless:
+                    # a permanent failure needs its fix before a re-run can help
+                    first = ("Fix what its reason says (retrying cannot help until then), "
+                             "then backfill" if blocker.permanent else "Backfill")
                     raise BlockedByEarlierTxid(
                         f"{ta} of {pipeline.name} cannot commit: {blocker.describe()}. "
-                        f"Backfill txid {blocker.txid}: trigger this DAG with "
+                        f"{first} txid {blocker.txid}: trigger this DAG with "
                         f'{{"txid": {blocker.txid}}} or run `onceflow backfill --pipeline '
                         f"{pipeline.name}`; this txid is re-run after it")
                 if time.time() >= deadline:

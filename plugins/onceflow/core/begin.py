@@ -169,11 +169,13 @@ def _replan(cur, pipeline: Pipeline, txid: int, coordinator: txlog.Coordinator,
     return True
 
 
-def mark_failed(conn, pipeline: str, ta: TransactionAttempt, reason: str) -> bool:
-    """Mark ``ta``'s transaction failed, so the next run adopts it. Fenced: only the current,
-    uncommitted attempt can be marked. Returns whether it was."""
+def mark_failed(conn, pipeline: str, ta: TransactionAttempt, reason: str,
+                permanent: bool = False) -> bool:
+    """Mark ``ta``'s transaction failed, so the next run adopts it (``permanent``: once the
+    cause is fixed, see txlog.mark_failed). Fenced: only the current, uncommitted attempt can
+    be marked. Returns whether it was."""
     with transaction(conn) as cur:
-        marked = txlog.mark_failed(cur, pipeline, ta, reason)
+        marked = txlog.mark_failed(cur, pipeline, ta, reason, permanent)
     if marked:
         log.warning("FAILED pipeline=%s %s: %s", pipeline, ta, reason)
     return marked

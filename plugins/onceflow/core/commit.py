@@ -28,7 +28,7 @@ from onceflow.core import backflow, offsets, rejects, staging, tables, txlog
 from onceflow.core import state_tables as state_tables
 from onceflow.core import stateful as stateful_steps
 from onceflow.core.db import connection, transaction
-from onceflow.core.errors import Fenced, OnceflowError, StagingIncomplete
+from onceflow.core.errors import Fenced, OnceflowError, StagingIncomplete, StateOverflow
 from onceflow.core.pipeline import Pipeline
 from onceflow.core.registration import external_dsn
 from onceflow.core.txlog import Blocker, TransactionAttempt, TxState
@@ -107,6 +107,10 @@ def commit(conn, pipeline: Pipeline, ta: TransactionAttempt, *, on_step: Step = 
                 log.error("COMMIT pipeline=%s %s refused, attempt failed: %s", pipeline.name,
                           ta, incomplete)
         raise
+    except StateOverflow as overflow:  # nothing was written: the txid waits for the fix
+        raise StateOverflow(f"pipeline {pipeline.name!r}, {ta}: {overflow} (after the fix, "
+                            f"the next run adopts it; or `onceflow backfill --pipeline "
+                            f"{pipeline.name}`)") from overflow
 
 
 def _commit(conn, pipeline: Pipeline, ta: TransactionAttempt, on_step: Step,

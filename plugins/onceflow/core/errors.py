@@ -24,6 +24,16 @@ class ConfigError(Permanent, ValueError):
 class ImportConflict(Permanent, ValueError):
     """An import holds records at offsets the log already has, with other payloads: refused
     whole (the message names the first conflicting range, the count and the flag)."""
+class DeclarationError(ConfigError):
+    """A pipeline whose topology, sources and states disagree (a measure on a column no
+    stream has, one column name with two types): found before any data, by `onceflow
+    pipelines`, `onceflow init`, the DAG's build and every processing."""
+
+
+class StateOverflow(Permanent):
+    """A state's running total outgrew the type its declaration gives the column (a
+    numeric(6,2) sum past 9999.99). No record is at fault: the txid cannot commit until the
+    column is widened (the declaration and the table)."""
 
 
 class Unreachable(Permanent, ConnectionError):
@@ -77,3 +87,15 @@ class SparkServerGone(OnceflowError):
 
 class BlockedByEarlierTxid(OnceflowError):
     """A commit cannot take its turn: an earlier txid failed or its run is gone."""
+
+
+def is_permanent(error: BaseException | None) -> bool:
+    """Whether ``error``, or an error it was raised from (an Airflow exception raised from
+    one of onceflow's), is Permanent: retrying cannot help until its cause is fixed."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, Permanent):
+            return True
+        seen.add(id(error))
+        error = error.__cause__
+    return False

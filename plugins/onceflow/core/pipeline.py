@@ -23,13 +23,14 @@ import dataclasses
 import importlib
 import os
 import re
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from onceflow.core import tables
-from onceflow.core.errors import ConfigError
+from onceflow.core.errors import ConfigError, DeclarationError
 from onceflow.sources.base import RECORD_KEYS, Source
 
 MODES = ("transactional", "opaque")
@@ -342,15 +343,31 @@ class Pipeline:
         raise KeyError(name)
 
     def build_topology(self):
-        """The pipeline's Topology (imports the topology's module: pyspark may come with it)."""
-        build = resolve(self.topology, f"pipeline[{self.name}].topology")
-        topology = build(self)
-        from spark_tasks.topology import Topology
+        """The pipeline's Topology, checked against the declaration (sources, states): the
+        declaration check, run by `onceflow pipelines`, `onceflow init`, the DAG's build and
+        every processing. Needs no Spark session and no data, but imports the topology's
+        module (pyspark may come with it). Raises a DeclarationError (a ConfigError) naming
+        the pipeline, the stream or bolt, the field and the fix."""
+        from spark_tasks.topology import Topology, TopologyError
 
+        build = resolve(self.topology, f"pipeline[{self.name}].topology")
+        try:
+            topology = build(self)
+        except (ConfigError, TopologyError) as error:  # e.g. a stream's DDL without a type
+            raise DeclarationError(f"pipeline {self.name!r}: {error}") from error
+        except Exception as error:  # the user's function failed: where, not a traceback
+            raise ConfigError(
+                f"pipeline[{self.name}].topology={self.topology!r} raised "
+                f"{type(error).__name__}: {error} ({_where(error)}): fix the function that "
+                "builds the topology") from error
         check(isinstance(topology, Topology), f"pipeline[{self.name}].topology", self.topology,
               f"the function returned {type(topology).__name__}; return a onceflow.Topology")
         topology.spout_columns = f"{RECORD_KEYS}, {self.source.record_ddl}"
-        return topology.validate({s.source_name: s.shape() for s in self.typed_states()})
+        try:
+            return topology.validate({s.source_name: s.shape() for s in self.typed_states()},
+                                     {s.source_name for s in self.states})
+        except TopologyError as error:
+            raise DeclarationError(f"pipeline {self.name!r}: {error}") from None
 
     def recount(self):
         """The optional independent recount function, or None."""
@@ -375,6 +392,12 @@ def start_timestamp(policy: str) -> datetime:
     return stamp if stamp.tzinfo else stamp.replace(tzinfo=UTC)
 
 
+def _where(error: BaseException) -> str:
+    """Where ``error`` was raised: the innermost frame, "at file:line"."""
+    frame = traceback.extract_tb(error.__traceback__)[-1]
+    return f"at {frame.filename}:{frame.lineno}"
+
+
 def resolve(ref: str | Callable, what: str) -> Callable:
     """A callable, or the object a "package.module:attribute" reference names."""
     if not isinstance(ref, str):
@@ -388,6 +411,10 @@ def resolve(ref: str | Callable, what: str) -> Callable:
         raise ConfigError(f"{what}={ref!r}: module {module_name!r} cannot be imported "
                           f"({error}); install the package that holds it, or put its folder "
                           "on PYTHONPATH") from error
+    except Exception as error:  # the module itself failed (a declaration): where, not a trace
+        raise ConfigError(f"{what}={ref!r}: importing module {module_name!r} raised "
+                          f"{type(error).__name__}: {error} ({_where(error)}): fix the "
+                          "module") from error
     target = module
     for part in attr.split("."):
         try:

@@ -21,9 +21,10 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import psycopg2.errors
 from psycopg2 import sql
 
-from onceflow.core.errors import ConfigError, StaleBatch
+from onceflow.core.errors import ConfigError, StaleBatch, StateOverflow
 
 STAGING_SCHEMA = "onceflow_staging"
 AGGREGATES = ("sum", "count", "min", "max", "last")
@@ -69,6 +70,51 @@ def known_type(pg_type: str) -> bool:
 TYPE_HELP = ("use one of text, bigint, integer, smallint, boolean, date, timestamp, "
              "timestamptz, double precision, numeric(p,s) (p up to 38)")
 
+_INTEGERS = ("smallint", "integer", "bigint")
+_SPARK_INTEGRAL = ("tinyint", "smallint", "int", "bigint")
+_SPARK_SIMPLE = (*_SPARK_INTEGRAL, "string", "boolean", "float", "double", "decimal", "date",
+                 "timestamp", "timestamp_ntz")
+_DECIMAL = re.compile(r"^decimal(?:\((\d+)\s*(?:,\s*(\d+))?\))?$")
+
+
+def conversion_loss(kind: str, pg_type: str) -> str | None:
+    """Why a stream column of Spark type ``kind`` (spark_tasks.topology.column_types'
+    spelling) cannot be stored as ``pg_type`` without losing what every value holds, or None.
+
+    A string is parsed per record; a value out of the type's range (1780.25 in a
+    numeric(5,2)) is that record's failure, not the declaration's. What is refused here
+    would change every value silently: a fraction cut off (2.7 into an integer), decimals
+    rounded away (numeric(12,4) into numeric(12,2)), a time of day dropped (timestamp into
+    date), or types that do not convert at all (boolean into a number)."""
+    base = kind.split("(")[0].split("<")[0].strip()
+    if base == "string":
+        return None
+    if base not in _SPARK_SIMPLE:
+        return f"a {kind} column cannot be stored in a table column: convert it in a bolt"
+    if pg_type == "text":
+        return None
+    numeric = _NUMERIC.match(pg_type)
+    if base in ("float", "double", "decimal") and pg_type in _INTEGERS:
+        decimal = _DECIMAL.match(kind)
+        if base != "decimal" or (decimal and int(decimal.group(2) or 0) > 0):
+            return "the fraction of every value would be cut off"
+    if base == "decimal" and numeric:
+        decimal = _DECIMAL.match(kind)
+        scale, want = int((decimal and decimal.group(2)) or 0), int(numeric.group(2))
+        if scale > want:
+            return f"its {scale} decimal places would be rounded to {want}"
+    if base in ("timestamp", "timestamp_ntz") and pg_type == "date":
+        return "the time of day would be cut off"
+    numbers = (*_INTEGERS, "double precision")
+    fits = {"boolean": ("boolean",), "date": ("date", "timestamp", "timestamptz"),
+            "timestamp": ("timestamp", "timestamptz"),
+            "timestamp_ntz": ("timestamp", "timestamptz")}
+    if base in fits:
+        ok = pg_type in fits[base]
+    else:  # a number
+        ok = pg_type in numbers or bool(numeric)
+    return None if ok else f"a {kind} column does not convert to {pg_type}"
+
 
 @dataclass(frozen=True)
 class Measure:
@@ -79,12 +125,33 @@ class Measure:
     column: str | None = None
     type: str = "bigint"
 
+    def describe(self) -> str:
+        """The measure as its declaration reads, e.g. ``Max('amount', 'numeric(5,2)')``."""
+        args = [repr(a) for a in (self.column, None if self.agg == "count" else self.type)
+                if a is not None]
+        return f"{self.agg.capitalize()}({', '.join(args)})"
+
     def stored_type(self) -> str:
-        """The state table's column type: a numeric sum keeps its scale with any precision."""
+        """The state table's column type: the declared one (a Count's is bigint)."""
+        return "bigint" if self.agg == "count" else self.type
+
+    def staged_type(self) -> str:
+        """The type of a batch's aggregate (Spark's and staging's): a sum is kept wide
+        (numeric(38,s), bigint), so a batch's total never fails there; whether the table's
+        declared type holds the new running total is the commit's check (apply_batch)."""
+        if self.agg == "count":
+            return "bigint"
         match = _NUMERIC.match(self.type)
         if self.agg == "sum" and match:
             return f"numeric(38,{match.group(2)})"
-        return "bigint" if self.agg == "count" else self.type
+        if self.agg == "sum" and self.type in _INTEGERS:
+            return "bigint"
+        return self.type
+
+    @property
+    def bounded_sum(self) -> bool:
+        """A sum whose running total may outgrow its declared type (any but a double)."""
+        return self.agg == "sum" and self.type != "double precision"
 
 
 def Sum(column: str, type: str = "bigint") -> Measure:  # noqa: N802 (reads like a type)
@@ -143,6 +210,9 @@ def validate_shape(name: str, kind: str, key: Mapping[str, str], measures: Mappi
             if measure.agg not in AGGREGATES:
                 refuse(f"measures[{measure_name}].agg", measure.agg,
                        f"choose one of {', '.join(AGGREGATES)}")
+            if measure.agg != "count" and not measure.column:
+                refuse(f"measures[{measure_name}].column", measure.column,
+                       f"name the stream column the {measure.agg} reads")
             if measure.agg == "sum" and not (measure.type in _SUMMABLE
                                              or _NUMERIC.match(measure.type)):
                 refuse(f"measures[{measure_name}].type", measure.type,
@@ -180,6 +250,8 @@ class Shape:
     columns: tuple[tuple[str, str], ...]  # append tables
     order_by: str | None
 
+    conversion_loss = staticmethod(conversion_loss)  # for the topology's check
+
     @property
     def ordered(self) -> bool:
         return any(m.agg == "last" for _, m in self.measures)
@@ -194,23 +266,30 @@ class Shape:
                 out.append(column)
         return out
 
-    def typed_inputs(self) -> list[tuple[str, str]]:
-        """(stream column, the PostgreSQL type it is stored as) of the key, measure and
-        append columns: what each record's values must fit."""
+    def targets(self) -> list[tuple[str, str, str]]:
+        """(stream column, the PostgreSQL type its value is stored as, the declaration that
+        stores it) of every key, measure and append column; a Count reads no value."""
         if self.append:
-            return list(self.columns)
-        out = dict(self.key)
-        for _, measure in self.measures:
-            if measure.column and measure.column not in out:
-                out[measure.column] = measure.type
-        return list(out.items())
+            return [(c, t, f"columns[{c!r}]") for c, t in self.columns]
+        out = [(c, t, f"key[{c!r}]") for c, t in self.key]
+        out += [(m.column, m.type, f"measures[{name!r}] = {m.describe()}")
+                for name, m in self.measures if m.column and m.agg != "count"]
+        return out
+
+    def typed_inputs(self) -> list[tuple[str, str, list[str]]]:
+        """(stream column, PostgreSQL type, the declarations that store it) of each distinct
+        pair of column and type (one column may feed measures of several types): what each
+        record's values must fit."""
+        out: dict[tuple[str, str], list[str]] = {}
+        for column, pg_type, what in self.targets():
+            out.setdefault((column, pg_type), []).append(what)
+        return [(c, t, whats) for (c, t), whats in out.items()]
 
     def staged(self) -> list[tuple[str, str]]:
         """(column, PostgreSQL type) of the staging rows, after the key columns' order."""
         if self.append:
             return list(self.columns)
-        out = list(self.key) + [(name, m.stored_type() if m.agg in ("sum", "count") else m.type)
-                                for name, m in self.measures]
+        out = list(self.key) + [(name, m.staged_type()) for name, m in self.measures]
         if self.ordered:  # the last row's rank: order_by as a number, else the record's
             out.append((ORDER, "bigint"))
         return out
@@ -280,6 +359,17 @@ def ensure_table(cur, shape: Shape, opaque: bool, with_txid_index: bool) -> None
     cur.execute("SELECT current_schema()")
     have = _columns(cur, cur.fetchone()[0], shape.name)
     want = expected_columns(shape, opaque)
+    if have and [c for c, _ in have] == [c for c, _ in want] and have != want:
+        # the same columns of other types (a sum made numeric(38,s) before sums kept their
+        # declared type, a measure's type changed): the statement that migrates it
+        changed = [(c, old, new) for (c, old), (_, new) in zip(have, want, strict=True)
+                   if old != new]
+        raise ConfigError(
+            f"state[{shape.name}]: table {shape.name} exists with column types other than the "
+            f"declaration's ({', '.join(f'{c} {old}, declared {new}' for c, old, new in changed)}"
+            f"): alter it to the declared types (ALTER TABLE {shape.name} "
+            f"{', '.join(f'ALTER COLUMN {c} TYPE {new}' for c, _, new in changed)}; a value "
+            "that does not fit a new type makes it fail), or declare the types it has")
     if have and have != want:
         raise ConfigError(
             f"state[{shape.name}]: table {shape.name} exists with columns "
@@ -314,7 +404,7 @@ def ensure_table(cur, shape: Shape, opaque: bool, with_txid_index: bool) -> None
 def _across_groups(name: str, measure: Measure) -> sql.Composable:
     col = sql.Identifier(name)
     if measure.agg in ("sum", "count"):
-        return sql.SQL("sum({c})::{t} AS {c}").format(c=col, t=sql.SQL(measure.stored_type()))
+        return sql.SQL("sum({c})::{t} AS {c}").format(c=col, t=sql.SQL(measure.staged_type()))
     if measure.agg in ("min", "max"):
         return sql.SQL("{f}({c}) AS {c}").format(f=sql.SQL(measure.agg), c=col)
     return sql.SQL("(array_agg({c} ORDER BY {o} DESC))[1] AS {c}").format(
@@ -408,12 +498,101 @@ def apply_batch(cur, shape: Shape, opaque: bool, txid: int, source: sql.Composab
            SELECT (SELECT count(*) FROM d), (SELECT count(*) FROM up)""").format(
         source=source, table=table, keys=key_list, measures=measure_list,
         sets=sql.SQL(", ").join(sets), guard=guard)
-    cur.execute(query, params)
+    # A sum kept in the type its declaration gives may outgrow it: the statement then fails
+    # (numeric_value_out_of_range); under a savepoint the batch is still there to name the
+    # key, read only then (the usual commit makes no extra pass).
+    bounded = [(n, m) for n, m in shape.measures if m.bounded_sum]
+    if bounded:
+        cur.execute("SAVEPOINT onceflow_apply")
+    try:
+        cur.execute(query, params)
+    except psycopg2.errors.NumericValueOutOfRange as error:
+        if not bounded:
+            raise
+        cur.execute("ROLLBACK TO SAVEPOINT onceflow_apply")
+        raise _overflow(cur, shape, opaque, source, params, bounded) from error
     expected, written = cur.fetchone()
+    if bounded:
+        cur.execute("RELEASE SAVEPOINT onceflow_apply")
     if opaque and written != expected:
         raise StaleBatch(f"{shape.name}: {expected - written} key(s) hold a txid newer than "
                          f"{txid}; a batch older than the state is never applied")
     return written
+
+
+_INTEGER_RANGES = {"smallint": (-2**15, 2**15 - 1), "integer": (-2**31, 2**31 - 1),
+                   "bigint": (-2**63, 2**63 - 1)}
+_WIDER = {"smallint": "integer", "integer": "bigint", "bigint": "numeric(38,0)"}
+
+
+def _fits(pg_type: str, value: sql.Composable) -> sql.Composable:
+    """Whether ``value`` (a numeric) fits ``pg_type``, as SQL that cannot fail."""
+    match = _NUMERIC.match(pg_type)
+    if match:
+        precision, scale = int(match.group(1)), int(match.group(2))
+        return sql.SQL("abs(round({v}, {s})) < {limit}").format(
+            v=value, s=sql.Literal(scale), limit=sql.Literal(10 ** (precision - scale)))
+    low, high = _INTEGER_RANGES[pg_type]
+    return sql.SQL("{v} BETWEEN {lo} AND {hi}").format(v=value, lo=sql.Literal(low),
+                                                       hi=sql.Literal(high))
+
+
+def _wider(pg_type: str, total) -> str:
+    """A type that holds ``total`` with room to grow (an example for the fix)."""
+    match = _NUMERIC.match(pg_type)
+    if not match:
+        return _WIDER[pg_type]
+    precision, scale = int(match.group(1)), int(match.group(2))
+    digits = len(str(int(abs(total)))) + scale
+    return f"numeric({min(38, max(precision + 1, digits + 2))},{scale})"
+
+
+def _overflow(cur, shape: Shape, opaque: bool, source: sql.Composable, params: Mapping,
+              bounded: list[tuple[str, Measure]]) -> StateOverflow:
+    """Which key's running total outgrew its declared type (the batch's rows joined with
+    what the table holds, as apply_batch would have combined them), as a refusal naming the
+    table, the key, the column, the type and the fix."""
+    keys = [c for c, _ in shape.key]
+    same = sql.SQL(" AND ").join(sql.SQL("s.{k} = d.{k}").format(k=sql.Identifier(k))
+                                 for k in keys)
+    for name, measure in bounded:
+        column = sql.Identifier(name)
+        if opaque:  # a replay of the txid starts again from the previous value
+            base = sql.SQL("CASE WHEN s.txid = %(txid)s THEN s.{} ELSE s.{} END").format(
+                sql.Identifier(f"prev_{name}"), column)
+            applied = sql.SQL("s.txid IS NULL OR s.txid <= %(txid)s")
+        else:
+            base = sql.SQL("s.{}").format(column)
+            applied = sql.SQL("s.txid IS NULL OR s.txid < %(txid)s")
+        total = sql.SQL("(coalesce({b}, 0)::numeric + d.{m}::numeric)").format(b=base, m=column)
+        cur.execute(sql.SQL(
+            """SELECT {keys}, coalesce({base}, 0), d.{m}, {total}, count(*) OVER ()
+               FROM ({source}) AS d LEFT JOIN {table} AS s ON {same}
+               WHERE ({applied}) AND NOT ({fits})
+               ORDER BY abs({total}) DESC LIMIT 1""").format(
+            keys=sql.SQL(", ").join(sql.SQL("d.{}").format(sql.Identifier(k)) for k in keys),
+            base=base, m=column, total=total, source=source, table=sql.Identifier(shape.name),
+            same=same, applied=applied, fits=_fits(measure.type, total)), params)
+        row = cur.fetchone()
+        if row is None:
+            continue
+        held, added, value, count = row[len(keys):]
+        key = ", ".join(f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}"
+                        for k, v in zip(keys, row[:len(keys)], strict=True))
+        wider = _wider(measure.type, value)
+        alter = f"ALTER COLUMN {name} TYPE {wider}" + (
+            f", ALTER COLUMN prev_{name} TYPE {wider}" if opaque else "")
+        more = f" (and {count - 1} more key(s))" if count > 1 else ""
+        return StateOverflow(
+            f"state {shape.name}: measures[{name!r}] = {measure.describe()} for key ({key}) "
+            f"would be {value} (the table holds {held}, txid {params['txid']} adds {added})"
+            f"{more}: over {measure.type}, the type its declaration gives column {name}. No "
+            "record is at fault and none is dropped: the txid cannot commit while the column "
+            f"is this narrow. Declare a wider type (e.g. {wider}), alter the table to it "
+            f"(ALTER TABLE {shape.name} {alter}), then run the txid again")
+    return StateOverflow(f"state {shape.name}: a running total outgrew the type its "
+                         "declaration gives it (the key was not found again): declare a wider "
+                         "type for its sums, alter the table to it, then run the txid again")
 
 
 def copy_out(cur, pipeline: str, shape: Shape, groups: int, keys: Mapping, out) -> None:
@@ -430,8 +609,7 @@ def apply_csv(cur, shape: Shape, opaque: bool, txid: int, rows_csv) -> int:
     if shape.append:
         names = list(shape.columns)
     else:
-        names = list(shape.key) + [(n, m.stored_type() if m.agg in ("sum", "count") else m.type)
-                                   for n, m in shape.measures]
+        names = list(shape.key) + [(n, m.staged_type()) for n, m in shape.measures]
     cols = sql.SQL(", ").join(sql.SQL("{} {}").format(sql.Identifier(c), sql.SQL(t))
                               for c, t in names)
     cur.execute(sql.SQL("CREATE TEMP TABLE IF NOT EXISTS {} ({}) ON COMMIT DELETE ROWS").format(

@@ -117,6 +117,7 @@ class Blocker:
     silent_s: float | None = None  # seconds since its attempt last reported
     lease_s: int | None = None
     holder: str | None = None  # the host and pid that reported last
+    permanent: bool = False  # its attempt failed so that retrying cannot help (see reason)
 
     @property
     def abandoned(self) -> bool:
@@ -322,7 +323,8 @@ def read_ranges(cur, pipeline: str, txid: int) -> list[tuple[PartitionRange, int
 def blocker(cur, pipeline: str, txid: int) -> Blocker:
     cur.execute(
         """SELECT t.state, t.attempt, t.run_id, a.reason,
-                  EXTRACT(EPOCH FROM now() - t.heartbeat_at), t.lease_s, t.holder
+                  EXTRACT(EPOCH FROM now() - t.heartbeat_at), t.lease_s, t.holder,
+                  coalesce(a.permanent, false)
            FROM transactions t LEFT JOIN transaction_attempts a
              ON a.pipeline = t.pipeline AND a.txid = t.txid AND a.attempt = t.attempt
            WHERE t.pipeline = %s AND t.txid = %s""",
@@ -331,9 +333,10 @@ def blocker(cur, pipeline: str, txid: int) -> Blocker:
     row = cur.fetchone()
     if row is None:
         return Blocker(txid, None)
-    state, attempt, run_id, reason, silent, lease, holder = row
+    state, attempt, run_id, reason, silent, lease, holder, permanent = row
     return Blocker(txid, TxState(state), attempt, run_id, reason,
-                   float(silent) if silent is not None else None, lease, holder)
+                   float(silent) if silent is not None else None, lease, holder,
+                   permanent and state == TxState.FAILED)
 
 
 @dataclass(frozen=True)
@@ -355,6 +358,7 @@ class TxRow:
     silent_s: float | None
     lease_s: int | None
     holder: str | None = None
+    permanent: bool = False  # failed so that retrying cannot help until the cause is fixed
 
     @property
     def abandoned(self) -> bool:
@@ -377,7 +381,10 @@ _HISTORY = """
            (SELECT string_agg(format('p%%s:[%%s,%%s)', partition, start_offset, end_offset),
                               ' ' ORDER BY partition)
             FROM batch_ranges b WHERE b.pipeline = t.pipeline AND b.txid = t.txid),
-           EXTRACT(EPOCH FROM now() - t.heartbeat_at), t.lease_s, t.holder
+           EXTRACT(EPOCH FROM now() - t.heartbeat_at), t.lease_s, t.holder,
+           t.state = 'failed' AND coalesce((SELECT a.permanent FROM transaction_attempts a
+               WHERE a.pipeline = t.pipeline AND a.txid = t.txid AND a.attempt = t.attempt),
+               false)
     FROM transactions t WHERE t.pipeline = %(pipeline)s {where}
     ORDER BY t.txid DESC LIMIT %(limit)s"""
 
@@ -387,7 +394,8 @@ def history(cur, pipeline: str, limit: int = 50, *, open_only: bool = False) -> 
     where = "AND t.state <> 'committed'" if open_only else ""
     cur.execute(_HISTORY.format(where=where), {"pipeline": pipeline, "limit": limit})
     rows = [TxRow(*row[:2], TxState(row[2]), *row[3:12],
-                  float(row[12]) if row[12] is not None else None, row[13], row[14])
+                  float(row[12]) if row[12] is not None else None, row[13], row[14],
+                  row[15])
             for row in cur.fetchall()]
     return sorted(rows, key=lambda r: r.txid)
 
@@ -480,12 +488,13 @@ def supersede_after(cur, pipeline: str, txid: int, reason: str) -> list[Transact
     return superseded
 
 
-def end_attempt(cur, pipeline: str, ta: TransactionAttempt, outcome: Outcome, reason: str
-                ) -> None:
+def end_attempt(cur, pipeline: str, ta: TransactionAttempt, outcome: Outcome, reason: str,
+                permanent: bool = False) -> None:
     cur.execute(
-        """UPDATE transaction_attempts SET outcome = %s, reason = %s, ended_at = now()
+        """UPDATE transaction_attempts SET outcome = %s, reason = %s, permanent = %s,
+                  ended_at = now()
            WHERE pipeline = %s AND txid = %s AND attempt = %s AND outcome IS NULL""",
-        (str(outcome), reason[:2000], pipeline, ta.txid, ta.attempt),
+        (str(outcome), reason[:2000], permanent, pipeline, ta.txid, ta.attempt),
     )
 
 
@@ -500,9 +509,12 @@ def announce_turn(cur, pipeline: str) -> None:
     cur.execute("SELECT pg_notify(%s, %s)", (TURN_CHANNEL, pipeline))
 
 
-def mark_failed(cur, pipeline: str, ta: TransactionAttempt, reason: str) -> bool:
-    """Mark ``ta``'s transaction failed, so the next run adopts it. Fenced: only the current,
-    uncommitted attempt can be marked. Returns whether it was."""
+def mark_failed(cur, pipeline: str, ta: TransactionAttempt, reason: str,
+                permanent: bool = False) -> bool:
+    """Mark ``ta``'s transaction failed, so the next run adopts it. ``permanent``: its error
+    was one retrying cannot help (onceflow.core.errors.Permanent): the cause must be fixed
+    before the txid is run again. Fenced: only the current, uncommitted attempt can be
+    marked. Returns whether it was."""
     cur.execute(
         """UPDATE transactions SET state = 'failed'
            WHERE pipeline = %s AND txid = %s AND attempt = %s AND state = 'planned'""",
@@ -510,7 +522,7 @@ def mark_failed(cur, pipeline: str, ta: TransactionAttempt, reason: str) -> bool
     )
     marked = cur.rowcount == 1
     if marked:
-        end_attempt(cur, pipeline, ta, Outcome.FAILED, reason)
+        end_attempt(cur, pipeline, ta, Outcome.FAILED, reason, permanent)
         announce_turn(cur, pipeline)  # a commit waiting on it can fail at once, naming it
     return marked
 

@@ -111,10 +111,19 @@ def cmd_init(args) -> int:
     if db.ensure_database(dsn):
         print(f"created database {db.database_name(dsn)}")
     chosen = [_pipeline(args)] if args.pipeline else list(_known(args).values())
+    refused = 0
     with db.connection(dsn) as conn:
         applied = db.migrate(conn)
         print(f"migrations applied: {', '.join(applied) if applied else 'none (up to date)'}")
         for pipeline in chosen:
+            try:  # the declaration, checked before anything of the pipeline is made
+                pipeline.build_topology()
+            except ConfigError as exc:
+                if args.pipeline:
+                    raise
+                refused += 1
+                print(f"pipeline {pipeline.name} not set up: {exc}", file=sys.stderr)
+                continue
             try:
                 instance = register(conn, pipeline, external_dsns(pipeline), create_source=True)
             except ConfigError as exc:
@@ -131,18 +140,33 @@ def cmd_init(args) -> int:
                   f"{instance})")
     if not chosen:
         print("no pipeline is registered yet: see `onceflow pipelines`")
-    return 0
+    return 2 if refused else 0
 
 
 def cmd_pipelines(args) -> int:
+    """Each pipeline with its declaration checked (Pipeline.build_topology): exit 2 when
+    one is refused, each refused one marked and its reason under it."""
     known = _known(args)
     if not known:
         print("no pipeline is registered: add an entry point in the group onceflow.pipelines, "
               "or set ONCEFLOW_PIPELINES=package.module:attribute (or --pipelines)")
+    refused = 0
     for name, p in sorted(known.items()):
         states = ", ".join(s.table for s in p.states)
-        print(f"{name}: {p.source.describe()} -> {states} ({p.mode}, batch {p.batch_size}; "
-              f"from {p.ref})")
+        line = (f"{name}: {p.source.describe()} -> {states} ({p.mode}, batch {p.batch_size}; "
+                f"from {p.ref})")
+        try:
+            p.build_topology()
+        except ConfigError as error:
+            refused += 1
+            print(f"{line} DECLARATION ERROR:\n    {error}")
+        else:
+            print(line)
+    if refused:
+        print(f"onceflow pipelines: {refused} of {len(known)} pipelines have declaration "
+              "errors (each is named above): fix them before their DAGs can run",
+              file=sys.stderr)
+        return 2
     return 0
 
 

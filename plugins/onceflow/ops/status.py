@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import textwrap
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -27,6 +28,7 @@ class Stuck:
     holds: str  # what holds it
     fix: str  # the one command (or action) that frees it
     stuck: bool = True  # False: in flight, its holder reporting (listed to name the holder)
+    permanent: bool = False  # failed so that retrying cannot help: the reason says the fix
 
 
 @dataclass
@@ -129,10 +131,23 @@ def _stuck(pipeline: str, rows: list[TxRow], last_committed: int,
     reports)."""
     backfill = f"onceflow backfill --pipeline {pipeline}"
     out = []
+    first_permanent = None
     for row in rows:
         if row.state is TxState.COMMITTED:
             continue
-        if row.state in txlog.ADOPTABLE:
+        if row.state in txlog.ADOPTABLE and row.permanent:
+            out.append(Stuck(row.txid, str(row.state),
+                             f"attempt {row.attempt} {row.state}: {row.reason or '-'}",
+                             "retrying cannot help until its cause is fixed: do what the "
+                             f"reason says (a declaration, a state table, a setting), then: "
+                             f"{backfill}", permanent=True))
+            first_permanent = first_permanent or row.txid
+        elif first_permanent is not None and (row.state in txlog.ADOPTABLE or row.abandoned):
+            out.append(Stuck(row.txid, "abandoned" if row.abandoned else str(row.state),
+                             f"commits after txid {first_permanent}, which needs a fix",
+                             f"once txid {first_permanent} is fixed, {backfill} re-runs both "
+                             "in txid order"))
+        elif row.state in txlog.ADOPTABLE:
             out.append(Stuck(row.txid, str(row.state),
                              f"attempt {row.attempt} {row.state}: {row.reason or '-'}",
                              f"the next run adopts it; now: {backfill}"))
@@ -170,6 +185,11 @@ def pipeline_status(cur, source, pipeline: str, limit: int = 20, dead_letters: i
     status.backflow = dataclasses.asdict(backflow.queue_sizes(cur, pipeline))
     status.dead_letters = backflow.dead_letter_summary(cur, pipeline, dead_letters, all_dead)
     _bookkeeping(cur, status)
+    # A dead letter failed every replay: replaying it helps only once its cause is fixed.
+    status.dead_letters["fix"] = (
+        f"once their cause is fixed (a bolt, a declared type): onceflow replay-dead-letters "
+        f"--pipeline {pipeline} --error-contains TEXT (or --record P:O)"
+        if status.dead_letters["total"] else "-")
     return status
 
 
@@ -210,6 +230,12 @@ def _wrapped(text: str, indent: str) -> list[str]:
 
 def _fit(text: str) -> str:
     return text if len(text) <= WIDTH else text[:WIDTH - 1] + "…"
+
+
+def _wrapped(text: str, indent: str) -> list[str]:
+    """``text`` in lines of WIDTH, words (commands' arguments) never cut."""
+    return textwrap.wrap(text, WIDTH, subsequent_indent=indent, break_long_words=False,
+                         break_on_hyphens=False)
 
 
 def _tx_line(row: TxRow) -> str:
@@ -253,6 +279,8 @@ def render(status: PipelineStatus) -> list[str]:
     out.append(f"dead letters: {d['total']}")
     for reason, count in d["by_reason"]:
         out.append(f"  {count:>6} x {reason}")
+    if d.get("fix", "-") != "-":
+        out += _wrapped(f"  -> {d['fix']}", "     ")
     shown = d["all"] or d["newest"]
     if shown:
         out.append("  " + ("all:" if d["all"] else f"newest {len(shown)} (--all for every one):"))
