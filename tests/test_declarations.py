@@ -340,7 +340,7 @@ def test_status_suggests_a_rerun_only_where_it_can_help():
 
     def row(txid, state, permanent=False, silent_s=None):
         return TxRow(txid, 1, state, f"run-{txid}", 10, 0, None, None, None, None,
-                     f"why {txid}", None, silent_s, 60, permanent)
+                     f"why {txid}", None, silent_s, 60, permanent=permanent)
 
     rows = [row(2, TxState.FAILED), row(3, TxState.FAILED, permanent=True),
             row(4, TxState.FAILED), row(5, TxState.PLANNED, silent_s=600),
@@ -353,7 +353,7 @@ def test_status_suggests_a_rerun_only_where_it_can_help():
                   f"declaration, a state table, a setting), then: {backfill}"),
         4: (False, f"once txid 3 is fixed, {backfill} re-runs both in txid order"),
         5: (False, f"once txid 3 is fixed, {backfill} re-runs both in txid order"),
-        6: (False, "-")}
+        6: (False, "if its run is dead, free it now: onceflow release --pipeline p --txid 6")}
 
 
 def test_a_module_that_fails_to_declare_is_named_without_a_traceback(tmp_path, monkeypatch):

@@ -113,12 +113,14 @@ def release_command(pipeline: str, txid: int) -> str:
     return f"onceflow release --pipeline {pipeline} --txid {txid}"
 
 
-def _held(row: TxRow) -> str:
-    """Who holds planned ``row`` and for how long more: the run, the process that reported
-    last, the time since, and when the next run may adopt it."""
-    text = (f"attempt {row.attempt} held by run {row.run_id or '-'} "
-            f"({row.holder or 'holder unknown'}), last report {row.silent_s:.0f}s ago, "
-            f"lease {row.lease_s}s: ")
+def _held(row: TxRow, *, run: bool = True) -> str:
+    """Who holds planned ``row`` and for how long more: the run (unless ``run`` is False,
+    where the text before already names it), the process that reported last, the time
+    since, and when the next run may adopt it."""
+    who = (f"attempt {row.attempt} held by run {row.run_id or '-'} "
+           f"({row.holder or 'holder unknown'})" if run
+           else f"held by {row.holder or 'a holder not known'}")
+    text = f"{who}, last report {row.silent_s:.0f}s ago, lease {row.lease_s}s: "
     if row.abandoned:
         return text + "its holder is gone; the next run adopts it"
     return text + f"adoptable in {row.adoptable_in_s:.0f}s if it stays silent"
@@ -156,7 +158,7 @@ def _stuck(pipeline: str, rows: list[TxRow], last_committed: int,
                              f"the next run adopts it; now: {backfill}"))
         elif row.silent_s is not None:
             doing = activity(row, (done or {}).get(row.txid), last_committed)
-            out.append(Stuck(row.txid, str(row.state), f"{doing}; {_held(row)}",
+            out.append(Stuck(row.txid, str(row.state), f"{doing}; {_held(row, run=False)}",
                              "if its run is dead, free it now: "
                              + release_command(pipeline, row.txid), stuck=False))
         elif row.txid > last_committed + 1:
