@@ -206,7 +206,8 @@ def test_a_hung_agent_fails_within_its_deadline_showing_its_stderr(dsn, conn):
                    "--attempt", str(batch.attempt.attempt), "--pause-at", "locked"], env)
     try:
         wait_until(lambda: table(conn, """SELECT count(*) FROM pg_stat_activity
-                                          WHERE application_name = 'onceflow-fault-agent'
+                                          WHERE datname = current_database()
+                                            AND application_name = 'onceflow-fault-agent'
                                             AND wait_event_type = 'Lock'""") == [(1,)],
                    "the agent waiting for the coordinator row")
         started = time.monotonic()

@@ -14,7 +14,13 @@ one Spark session) in a random but seeded order, and on the way:
   retry, so that a later run adopts it.
 
 Killed processes are agents, ``python -m onceflow.dev.faults stage|commit ...``, which do one
-write and pause at the chosen point until they are killed. After the faults, ``drain`` runs
+write and pause at the chosen point until they are killed: besides the coordinator's commit
+steps, inside a state's own transaction in another database and after its COMMIT, and
+before and after a key-value store's commit (``commit_steps``). A fault counts (``happened``)
+only once confirmed: the agent said where it paused and died of the SIGKILL there, the server
+came back with a new start time, the newer attempt exists, the zombie was fenced. An agent
+that neither pauses nor ends within its deadline is killed and reported with its stderr
+(AgentError). After the faults, ``drain`` runs
 transactions without faults until every record is committed, rejected or dead. The caller
 then compares the state with an oracle of its own (from what it produced, not from
 onceflow's tables).
@@ -333,11 +339,6 @@ class FaultRun:
         self.runs = 0
         self.commit_steps = commit_steps(self.pipeline)
 
-    @property
-    def faults(self) -> Counter:
-        """The faults that happened, by kind."""
-        return self.happened
-
     def table(self) -> str:
         """Per kind: attempted / happened (a table for a report)."""
         kinds = [*KINDS, *sorted(set(self.attempted) - set(KINDS))]
@@ -486,17 +487,20 @@ class FaultRun:
         item.processed = True
 
     def _commit(self, item: InFlight) -> bool:
-        """True when the txid is committed (or was before). Kills are drawn only when the
-        commit can reach them: it is the txid's turn, and no crash has just emptied its
-        staging (the agent's commit would stop before its first step)."""
-        if self.restart_postgres is not None and self._fault("postgres_crash_before_commit"):
+        """True when the txid is committed (or was before). Faults are drawn only when the
+        commit can reach them: it is the txid's turn and its staging is whole (else the
+        commit, or an agent's, stops before its first step). A crash empties the staging, so
+        no kill follows it."""
+        reachable = self._commit_reaches_its_steps(item)
+        if reachable and self.restart_postgres is not None and \
+                self._fault("postgres_crash_before_commit"):
             before = self._server_started()
             self.restart_postgres()
             self._reconnect()
             after = self._server_started()
             self._confirm("postgres_crash_before_commit", after != before,
                           f"the server's start time is still {before}")
-        elif self._commit_reaches_its_steps(item):
+        elif reachable:
             if self._fault("kill_inside_commit"):
                 step = self.rng.choice(self.commit_steps)
                 kill = self._kill("kill_inside_commit",
