@@ -17,9 +17,9 @@ import pytest
 # them. (A file left out only runs later: nothing depends on this order.)
 LONGEST_FIRST = (
     "test_celery_cluster.py", "test_dag_failures.py", "test_spark_connect.py",
-    "test_faults.py", "test_cluster.py",
-    "test_stateful.py", "test_bench.py", "test_orders.py", "test_table_source.py",
-    "test_commit.py", "test_dags.py", "test_single_task_dag.py", "test_outside_pipeline.py",
+    "test_faults.py", "test_cluster.py", "test_stateful.py", "test_faults_outside.py",
+    "test_bench.py", "test_orders.py", "test_table_source.py", "test_commit.py",
+    "test_dags.py", "test_single_task_dag.py", "test_outside_pipeline.py",
     "test_commit_wait.py", "test_topology.py", "test_landing.py", "test_backflow.py",
 )
 

@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import re
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+
+from psycopg2 import sql
 
 from onceflow.core.begin import begin
 from onceflow.core.commit import CommitResult, commit
@@ -77,21 +83,137 @@ def delete_before(conn, topic: str, before: int, partition: int | None = None, *
     return plan.deletes
 
 
-def tweets_pipeline(conn, *, events: int = 0, batch_size: int = 1000, seed: int = 7,
-                    malformed_share: float = 0.05, poison_share: float = 0.0005,
-                    flaky_share: float = 0.001, state_dsns=None, **overrides) -> Pipeline:
-    """The tweets example's pipeline registered in ``conn``'s database, with ``events``
-    produced."""
+def tweets_events(events: int, *, seed: int = 7, malformed_share: float = 0.05,
+                  poison_share: float = 0.0005, flaky_share: float = 0.001) -> list[str]:
+    """Generated tweets (tweets_pipeline's defaults): what a test produces and then checks
+    the state against (assert_exact)."""
+    return list(generate(events, seed=seed, malformed_share=malformed_share,
+                         poison_share=poison_share, flaky_share=flaky_share))
+
+
+def tweets_pipeline(conn, *, events: int = 0, payloads: list[str] | None = None,
+                    batch_size: int = 1000, state_dsns=None, **overrides) -> Pipeline:
+    """The tweets example's pipeline registered in ``conn``'s database, with ``payloads``
+    produced (or ``events`` generated ones: tweets_events' keyword arguments apply)."""
+    shares = {k: overrides.pop(k) for k in ("seed", "malformed_share", "poison_share",
+                                            "flaky_share") if k in overrides}
     source = {k: overrides.pop(k) for k in ("partitions", "max_record_bytes") if k in overrides}
     if source:
         overrides["source"] = dataclasses.replace(get_pipeline("tweets").source, **source)
     pipeline = get_pipeline("tweets", batch_size=batch_size, **overrides)
     register(conn, pipeline, state_dsns, create_source=True)
-    if events:
-        produce(conn, pipeline.topic, generate(
-            events, seed=seed, malformed_share=malformed_share, poison_share=poison_share,
-            flaky_share=flaky_share))
+    if payloads is None and events:
+        payloads = tweets_events(events, **shares)
+    if payloads:
+        produce(conn, pipeline.topic, payloads)
     return pipeline
+
+
+# -- an oracle of the tests' own --------------------------------------------------------------
+HOST = re.compile(r"^https?://([^/:?#\s]+)")
+
+
+@dataclass(frozen=True)
+class Tweet:
+    """What the test made of one generated payload, by its own rules (not onceflow's, not the
+    example's recount): ``kind`` is "good", "rejected" (malformed, no URL, not http(s)),
+    "poison" (a host with an empty label: fails every try) or "flaky" (fails its first
+    ``flaky`` tries, then counts)."""
+
+    kind: str
+    url: str = ""
+    domain: str = ""
+    flaky: int = 0
+
+
+def classify_tweet(payload: str) -> Tweet:
+    """The generator writes well-formed tweets, four kinds of unusable ones, poison hosts
+    ("a..b") and ASCII hosts only, so this is all it takes."""
+    try:
+        doc = json.loads(payload)
+    except ValueError:
+        return Tweet("rejected")
+    url = doc.get("url") if isinstance(doc, dict) else None
+    match = HOST.match(url) if isinstance(url, str) else None
+    if match is None:
+        return Tweet("rejected")
+    host = match.group(1)
+    if ".." in host:
+        return Tweet("poison", url, host)
+    flaky = doc.get("flaky") or 0
+    return Tweet("flaky" if flaky else "good", url, host.lower(), flaky)
+
+
+@dataclass
+class Exact:
+    """What assert_exact found, for further assertions: positions read, queued, dead."""
+
+    read: int
+    counted: int
+    rejected: int
+    queued: set
+    dead: set
+
+
+def assert_exact(conn, pipeline: Pipeline, payloads: list[str], *, read_all: bool,
+                 drained: bool = False, state_conns: dict | None = None) -> Exact:
+    """The committed state against what the test produced, with none of onceflow's
+    bookkeeping as the expectation: the topic holds exactly ``payloads``; committed ranges
+    tile every partition from 0 (to its head when ``read_all``) and no range was skipped as
+    a gap; the records in them, by the test's own classification, give the counts exactly;
+    rejected records are exactly the unusable ones read; a dead letter is always a poison
+    record, a queued one a poison or flaky one (``drained``: none queued, every poison read
+    dead), and every poison record read is one or the other. ``state_conns``: a connection
+    per state kept in another database."""
+    topic, name = pipeline.topic, pipeline.name
+    log = {(p, o): payload for p, o, payload in table(
+        conn, 'SELECT partition, "offset", payload FROM source_log WHERE topic = %s', (topic,))}
+    assert Counter(log.values()) == Counter(payloads), "the topic does not hold what was produced"
+    ends: dict[int, int] = {}
+    for partition, start, end in table(
+            conn, """SELECT b.partition, b.start_offset, b.end_offset FROM batch_ranges b
+                     JOIN transactions t USING (pipeline, txid)
+                     WHERE t.state = 'committed' AND b.pipeline = %s
+                       AND b.start_offset < b.end_offset ORDER BY 1, 2""", (name,)):
+        assert start == ends.get(partition, 0), f"partition {partition}: committed ranges " \
+            f"jump from {ends.get(partition, 0)} to {start}"
+        ends[partition] = end
+    if read_all:
+        heads = dict(table(conn, "SELECT partition, next_offset FROM source_partitions "
+                                 "WHERE topic = %s AND next_offset > 0", (topic,)))
+        assert ends == heads, f"committed ranges end at {ends}, the heads are {heads}"
+    assert table(conn, "SELECT count(*) FROM offset_gaps WHERE pipeline = %s", (name,)) == [(0,)]
+    read = {pos: classify_tweet(log[pos]) for pos in log if pos[1] < ends.get(pos[0], 0)}
+
+    def positions(query: str) -> set:
+        return {(p, o) for p, o in table(conn, query, (name,))}
+
+    queued = positions('SELECT partition, "offset" FROM backflow_items WHERE pipeline = %s')
+    dead = positions('SELECT partition, "offset" FROM dead_letters WHERE pipeline = %s')
+    rejected = positions('SELECT partition, "offset" FROM rejected_records WHERE pipeline = %s')
+    kinds = {pos: t.kind for pos, t in read.items()}
+    assert rejected == {p for p, k in kinds.items() if k == "rejected"}
+    assert not dead & queued
+    assert {kinds.get(p) for p in dead} <= {"poison"}, "a record dead-lettered wrongly"
+    assert {kinds.get(p) for p in queued} <= {"poison", "flaky"}, "a record queued wrongly"
+    poison = {p for p, k in kinds.items() if k == "poison"}
+    assert poison <= dead | queued, "a poison record neither dead nor queued"
+    if drained:
+        assert not queued and dead == poison
+    want: dict[str, Counter] = {"url_counts": Counter(), "domain_counts": Counter()}
+    counted = [t for pos, t in read.items() if t.kind in ("good", "flaky") and pos not in queued]
+    for t in counted:
+        want["url_counts"][t.url] += 1
+        want["domain_counts"][t.domain] += 1
+    for spec in pipeline.states:
+        state = spec.source_name
+        if state not in want:
+            continue
+        c = (state_conns or {}).get(spec.name, conn)
+        got = dict(table(c, sql.SQL("SELECT key, value FROM {} WHERE value <> 0").format(
+            sql.Identifier(spec.table))))
+        assert got == dict(want[state]), f"{spec.table}: the counts differ from the payloads'"
+    return Exact(len(read), len(counted), len(rejected), queued, dead)
 
 
 def run_transaction(spark, dsn: str, conn, pipeline: Pipeline, run_id: str

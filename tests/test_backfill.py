@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import table, tweets_pipeline
+from helpers import assert_exact, table, tweets_events, tweets_pipeline
 from onceflow.core.begin import begin, mark_failed
 from onceflow.ops.cli import main
 from onceflow.ops.verify import recount as verify
 
+PAYLOADS = tweets_events(700)
+
 
 @pytest.fixture
 def two_failed(conn):
-    pipeline = tweets_pipeline(conn, events=700, batch_size=300)
+    pipeline = tweets_pipeline(conn, payloads=PAYLOADS, batch_size=300)
     batches = {run: begin(conn, pipeline, run) for run in ("run-1", "run-2")}
     for run, batch in batches.items():
         mark_failed(conn, "tweets", batch.attempt, f"{run} died")
@@ -35,6 +37,8 @@ def test_local_backfill_commits_them_in_order(two_failed, conn, airflow_db, caps
                           ORDER BY committed_at""") == [(1, 2, "committed"), (2, 2, "committed")]
     assert main(["backfill", "--pipeline", "tweets", "--dry-run"]) == 0
     assert "no failed, superseded or abandoned transactions" in capsys.readouterr().out
+    assert table(conn, 'SELECT sum("offset") FROM partition_offsets') == [(600,)]
+    assert_exact(conn, two_failed, PAYLOADS, read_all=False)
     assert verify(conn, two_failed).ok
 
 

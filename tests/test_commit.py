@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import run_transaction, table, tweets_pipeline
+from helpers import assert_exact, run_transaction, table, tweets_events, tweets_pipeline
 from onceflow.core.begin import begin
 from onceflow.core.commit import MissingStaging, commit
 from onceflow.core.errors import Fenced
@@ -47,7 +47,8 @@ def snapshot(conn):
 
 
 def test_txid_n_plus_1_never_commits_before_n(spark, conn, dsn):
-    pipeline = tweets_pipeline(conn, events=2000, batch_size=800)
+    payloads = tweets_events(2000)
+    pipeline = tweets_pipeline(conn, payloads=payloads, batch_size=800)
     first = begin(conn, pipeline, "run-1")
     second = begin(conn, pipeline, "run-2")
     # the second batch's processing finishes first
@@ -65,13 +66,15 @@ def test_txid_n_plus_1_never_commits_before_n(spark, conn, dsn):
     order = table(conn, """SELECT txid FROM transactions WHERE state = 'committed'
                            ORDER BY committed_at""")
     assert order == [(1,), (2,)]
+    assert_exact(conn, pipeline, payloads, read_all=False)
     assert verify(conn, pipeline).ok
 
 
 @pytest.mark.parametrize("step", COMMIT_STEPS)
 def test_a_crash_inside_the_commit_leaves_nothing_and_the_rerun_applies_once(
         spark, conn, dsn, step):
-    pipeline = tweets_pipeline(conn, events=1500, batch_size=1000)
+    payloads = tweets_events(1500)
+    pipeline = tweets_pipeline(conn, payloads=payloads, batch_size=1000)
     run_transaction(spark, dsn, conn, pipeline, "run-1")  # txid 1 committed: state not empty
     batch = begin(conn, pipeline, "run-2")  # claims txid 1's failed records for replay
     process_batch(spark, dsn, pipeline, batch.attempt)
@@ -89,6 +92,7 @@ def test_a_crash_inside_the_commit_leaves_nothing_and_the_rerun_applies_once(
 
     assert commit(conn, pipeline, batch.attempt).status == "committed"
     committed = snapshot(conn)
+    assert_exact(conn, pipeline, payloads, read_all=True)
     assert verify(conn, pipeline).ok
     # a replayed commit of a committed txid changes nothing
     assert commit(conn, pipeline, batch.attempt).status == "already_committed"

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from helpers import tweets_pipeline
+from helpers import table, tweets_pipeline
 from onceflow.airflow.operators import CommitBatchOperator
 from onceflow.airflow.triggers import CommitTurnTrigger
 from onceflow.core.begin import begin
@@ -33,33 +33,61 @@ def two_batches(spark, conn, dsn):
     return pipeline, first, second
 
 
+# A poll interval the tests never sit out: a waiter woken only by its next look would take
+# this long, one woken by an announcement returns within seconds.
+POLL = 600
+
+
 def _operator(batch):
     return CommitBatchOperator(task_id="commit", pipeline="tweets", poll_interval=0.2,
                                batch={"txid": batch.attempt.txid,
                                       "attempt": batch.attempt.attempt})
 
 
-def _meanwhile(dsn: str, delay: float, act, wait):
-    """``wait()`` while another thread, after ``delay`` seconds, runs ``act(conn)`` on a
-    connection of its own (txid 1 ending). Returns (what wait returned, seconds it took)."""
+def _listening(conn) -> bool:
+    """Whether a waiter LISTENs for the announcements (onceflow.airflow.triggers.TurnListener):
+    from then on, no commit or failure announced can be missed by it."""
+    return table(conn, """SELECT count(*) FROM pg_stat_activity
+                          WHERE datname = current_database()
+                            AND application_name = 'onceflow-trigger-listen'
+                            AND query LIKE 'LISTEN%%'""") != [(0,)]
+
+
+def _meanwhile(dsn: str, act, wait, timeout: float = 240):
+    """``wait()`` while another thread, once the waiter listens, runs ``act(conn)`` on a
+    connection of its own (txid 1 ending): the waiter is surely waiting when txid 1 ends, by
+    an observed state, not a delay. Returns (what wait returned, seconds from the act's
+    start until wait returned)."""
     from onceflow.core.db import connect
 
+    acted: list[float] = []
+    errors: list[BaseException] = []
+
     def later():
-        time.sleep(delay)
         c = connect(dsn)
         try:
+            deadline = time.monotonic() + timeout
+            while not _listening(c):
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"the waiter never listened within {timeout:.0f}s")
+                time.sleep(0.05)
+            acted.append(time.monotonic())
             act(c)
+        except BaseException as error:  # reported by the test
+            errors.append(error)
         finally:
             c.close()
 
     helper = threading.Thread(target=later)
-    started = time.monotonic()
     helper.start()
     try:
         out = wait()
+        returned = time.monotonic()
     finally:
         helper.join()
-    return out, time.monotonic() - started
+    assert not errors, errors
+    assert acted, "the waiter returned before txid 1 ended"
+    return out, returned - acted[0]
 
 
 def _first_event(trigger):
@@ -83,8 +111,9 @@ def test_commit_defers_after_its_wait_in_the_task_while_an_earlier_txid_is_open(
                                    wait_in_task=1.0, batch={"txid": 2, "attempt": 1})
     started = time.monotonic()
     with pytest.raises(TaskDeferred) as deferred:
-        operator._try_commit(time.time() + 60)
-    assert 1.0 <= time.monotonic() - started < 5
+        operator._try_commit(time.time() + 3600)
+    # it waited its wait_in_task, then deferred: long before its deadline an hour away
+    assert 1.0 <= time.monotonic() - started < 600
     assert first.attempt.txid == 1
     trigger = deferred.value.trigger
     assert isinstance(trigger, CommitTurnTrigger)
@@ -129,11 +158,12 @@ def test_an_abandoned_earlier_txid_wakes_the_trigger(two_batches, conn):
         cur.execute("UPDATE transactions SET heartbeat_at = now() - interval '2 hours' "
                     "WHERE txid = 1")
     conn.commit()
-    trigger = CommitTurnTrigger("tweets", 2, 1, "onceflow_pg", 0.1, time.time() + 60)
+    deadline = time.time() + 3600
+    trigger = CommitTurnTrigger("tweets", 2, 1, "onceflow_pg", 0.1, deadline)
 
-    started = time.monotonic()
     event = _first_event(trigger)
-    assert time.monotonic() - started < 5 and event.payload["last_committed_txid"] == 0
+    # fired because txid 1 is abandoned, not at its deadline an hour away
+    assert time.time() < deadline and event.payload["last_committed_txid"] == 0
     with pytest.raises(AirflowFailException, match="it is abandoned"):
         _operator(second).execute_complete({}, event.payload)
 
@@ -141,12 +171,11 @@ def test_an_abandoned_earlier_txid_wakes_the_trigger(two_batches, conn):
 def test_trigger_fires_when_the_turn_comes_and_the_commit_goes_through(two_batches, dsn):
     pipeline, first, second = two_batches
     trigger = CommitTurnTrigger("tweets", second.attempt.txid, second.attempt.attempt,
-                                "onceflow_pg", 0.1, time.time() + 60)
+                                "onceflow_pg", 0.1, time.time() + 3600)
 
-    event, took = _meanwhile(dsn, 0.5, lambda c: commit(c, pipeline, first.attempt),
-                             lambda: _first_event(trigger))
+    event, _ = _meanwhile(dsn, lambda c: commit(c, pipeline, first.attempt),
+                          lambda: _first_event(trigger))
     assert event.payload["last_committed_txid"] == 1
-    assert took >= 0.5
     result = _operator(second).execute_complete({}, event.payload)
     assert result["status"] == "committed" and result["txid"] == 2
 
@@ -155,11 +184,12 @@ def test_trigger_fires_when_the_turn_comes_and_the_commit_goes_through(two_batch
 def test_the_trigger_wakes_when_the_earlier_txid_ends_not_at_its_next_poll(two_batches, dsn,
                                                                             earlier):
     """A waiting commit LISTENs for commits and failures (txlog.TURN_CHANNEL): txid 1's end
-    wakes txid 2's trigger at once, long before its next look (a 60 s poll interval here)."""
+    wakes txid 2's trigger at once, long before its next look (a 10 min poll interval here:
+    without the announcement the trigger would sleep that long)."""
     from onceflow.core.begin import mark_failed
 
     pipeline, first, second = two_batches
-    trigger = CommitTurnTrigger("tweets", 2, 1, "onceflow_pg", 60, time.time() + 120)
+    trigger = CommitTurnTrigger("tweets", 2, 1, "onceflow_pg", POLL, time.time() + 2 * POLL)
 
     def end_first(c):
         if earlier == "commits":
@@ -167,8 +197,8 @@ def test_the_trigger_wakes_when_the_earlier_txid_ends_not_at_its_next_poll(two_b
         else:
             mark_failed(c, pipeline.name, first.attempt, "a test fails it")
 
-    event, took = _meanwhile(dsn, 1.0, end_first, lambda: _first_event(trigger))
-    assert 1.0 <= took < 10
+    event, took = _meanwhile(dsn, end_first, lambda: _first_event(trigger))
+    assert took < POLL / 2
     assert event.payload["last_committed_txid"] == (1 if earlier == "commits" else 0)
 
 
@@ -200,12 +230,12 @@ def test_a_commit_waits_for_its_turn_in_the_task_instead_of_deferring(
             process_batch(spark, dsn, pipeline, first.attempt)
         commit(c, pipeline, first.attempt)
 
-    operator = CommitBatchOperator(task_id="commit", pipeline="tweets", poll_interval=30,
-                                   batch={"txid": 2, "attempt": 1})
-    result, took = _meanwhile(dsn, 1.0, end_first,
-                              lambda: operator._try_commit(time.time() + 60))
+    operator = CommitBatchOperator(task_id="commit", pipeline="tweets", poll_interval=POLL,
+                                   wait_in_task=2 * POLL, batch={"txid": 2, "attempt": 1})
+    result, took = _meanwhile(dsn, end_first,
+                              lambda: operator._try_commit(time.time() + 3 * POLL))
     assert result["status"] == "committed" and result["txid"] == 2
-    assert 1.0 <= took < 25  # woken by the announcement, not a 30 s poll
+    assert took < POLL / 2  # woken by the announcement, not at its next look
 
 
 def test_wait_in_task_0_defers_at_once(two_batches):
@@ -214,7 +244,5 @@ def test_wait_in_task_0_defers_at_once(two_batches):
     _, _, second = two_batches
     operator = CommitBatchOperator(task_id="commit", pipeline="tweets", poll_interval=0.2,
                                    wait_in_task=0, batch={"txid": 2, "attempt": 1})
-    started = time.monotonic()
-    with pytest.raises(TaskDeferred):
-        operator._try_commit(time.time() + 60)
-    assert time.monotonic() - started < 5
+    with pytest.raises(TaskDeferred):  # deferred, not waiting in the task until its deadline
+        operator._try_commit(time.time() + 3600)

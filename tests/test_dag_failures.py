@@ -8,13 +8,15 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+import psutil
 import pytest
 
-from helpers import table, tweets_pipeline
+from helpers import assert_exact, table, tweets_events, tweets_pipeline
 from onceflow.core.begin import begin
 from onceflow.ops.verify import recount as verify
 
@@ -33,20 +35,58 @@ def logical_date() -> datetime:
 
 
 def start_run(conf: dict | None = None, env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, str(RUNNER), logical_date().isoformat(), json.dumps(conf or {})],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, **(env or {})},
-    )
+    """A DAG run in a process of its own; its output goes to a file (``proc.log``), which a
+    test can watch while the run goes on."""
+    log = Path(tempfile.mkstemp(prefix="onceflow-dag-run-", suffix=".log")[1])
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, str(RUNNER), logical_date().isoformat(), json.dumps(conf or {})],
+            stdout=out, stderr=subprocess.STDOUT, text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        )
+    proc.log = log
+    return proc
 
 
 def finish(proc: subprocess.Popen, timeout: float = 300) -> dict:
-    out, _ = proc.communicate(timeout=timeout)
+    proc.wait(timeout=timeout)
+    out = proc.log.read_text()
+    proc.log.unlink()
     last = out.strip().splitlines()[-1] if out.strip() else ""
     try:
         return json.loads(last) | {"log": out}
     except json.JSONDecodeError:
         raise AssertionError(f"the DAG run printed no result:\n{out[-4000:]}") from None
+
+
+def exact(conn, pipeline, payloads, **kw) -> None:
+    """The independent oracle (helpers.assert_exact) and onceflow's own verify."""
+    assert_exact(conn, pipeline, payloads, **kw)
+    assert verify(conn, pipeline).ok
+
+
+def kill_descendants(proc: subprocess.Popen, marker: str, timeout: float = 180) -> list[int]:
+    """SIGKILL, by PID, the processes among ``proc``'s descendants (processes this test
+    started, and only those) whose command line holds ``marker``, once they appear; waits
+    until they are gone. Returns their PIDs."""
+    root = psutil.Process(proc.pid)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        found = []
+        for child in root.children(recursive=True):
+            try:
+                if marker in " ".join(child.cmdline()):
+                    found.append(child)
+            except psutil.NoSuchProcess:  # ended meanwhile
+                pass
+        if found:
+            for child in found:
+                child.send_signal(signal.SIGKILL)
+            _, alive = psutil.wait_procs(found, timeout=30)
+            assert not alive, f"still running after SIGKILL: {alive}"
+            return [child.pid for child in found]
+        time.sleep(0.1)
+    return []
 
 
 def wait_for_file(path: Path, timeout: float = 180) -> None:
@@ -71,7 +111,8 @@ def test_groups_retry_alone_and_a_crash_after_the_commit_is_a_no_op_on_retry(
     """Two processing groups (mapped tasks); group 1 fails once and is retried alone; the
     commit crashes after PostgreSQL committed, before Airflow records success: its retry is a
     logged no-op."""
-    pipeline = tweets_pipeline(conn, events=500, batch_size=500)
+    payloads = tweets_events(500)
+    pipeline = tweets_pipeline(conn, payloads=payloads, batch_size=500)
     result = finish(start_run(
         {"groups": 2},
         env={"ONCEFLOW_INJECT_FAULTS": "process.before.group1:1:1,commit.after:1:1"}))
@@ -86,14 +127,15 @@ def test_groups_retry_alone_and_a_crash_after_the_commit_is_a_no_op_on_retry(
     assert table(conn, "SELECT groups FROM transactions") == [(2,)]
     assert table(conn, "SELECT txid, attempt, outcome FROM transaction_attempts") == [
         (1, 1, "committed")]
-    assert verify(conn, pipeline).ok
+    exact(conn, pipeline, payloads, read_all=True)
 
 
 @pytest.mark.timeout(300)
 def test_two_runs_racing_for_one_txid_commit_it_once(dsn, conn, airflow_db, warm_spark):
     """Duplicate triggers of one txid: one attempt commits; the fenced one ends skipped (not
     failed: nothing is wrong), saying it was superseded."""
-    pipeline = tweets_pipeline(conn, events=600, batch_size=600)
+    payloads = tweets_events(600)
+    pipeline = tweets_pipeline(conn, payloads=payloads, batch_size=600)
     begin(conn, pipeline, "setup")  # txid 1 exists; both runs ask for it
     runs = [start_run({"txid": 1}), start_run({"txid": 1})]
     results = [finish(r) for r in runs]
@@ -106,7 +148,7 @@ def test_two_runs_racing_for_one_txid_commit_it_once(dsn, conn, airflow_db, warm
     if fenced:  # one run was overtaken while processing: it says so and writes nothing
         assert "superseded, nothing to do" in fenced[0]["log"]
     assert table(conn, "SELECT state FROM transactions") == [("committed",)]
-    assert verify(conn, pipeline).ok
+    exact(conn, pipeline, payloads, read_all=True)
 
 
 @pytest.mark.timeout(420)
@@ -116,7 +158,8 @@ def test_a_failed_txid_fails_the_waiting_commit_fast_and_a_backfill_commits_both
     (txid 1's first try holds until the test says so: no timing window), processes, and its
     commit waits. Once txid 1 failed, the waiting commit fails at once, naming txid 1 and the
     backfill; `onceflow backfill` then re-runs 1 and 2, committed in order."""
-    pipeline = tweets_pipeline(conn, events=900, batch_size=400)
+    payloads = tweets_events(900)
+    pipeline = tweets_pipeline(conn, payloads=payloads, batch_size=400)
     hold = tmp_path / "release"
     failing = start_run(env={"ONCEFLOW_INJECT_FAULTS": "process.before:1",
                              "ONCEFLOW_HOLD_AT": f"process.before:1:{hold}"})
@@ -140,7 +183,7 @@ def test_a_failed_txid_fails_the_waiting_commit_fast_and_a_backfill_commits_both
     assert main(["backfill", "--pipeline", "tweets", "--via", "local"]) == 0
     assert table(conn, """SELECT txid, attempt FROM transactions
                           WHERE state = 'committed' ORDER BY committed_at""") == [(1, 2), (2, 2)]
-    assert verify(conn, pipeline).ok
+    exact(conn, pipeline, payloads, read_all=True)  # (txid 2 read the rest: 500)
 
 
 @pytest.mark.timeout(300)
@@ -152,7 +195,8 @@ def test_a_txid_whose_run_died_is_adopted_by_the_next_run(dsn, conn, airflow_db,
     over (seconds here, about a minute by default, not ten) the next run adopts txid 1 and
     commits it, counted once."""
     monkeypatch.setenv("ONCEFLOW_ATTEMPT_LEASE_S", "5")
-    pipeline = tweets_pipeline(conn, events=600, batch_size=300)
+    payloads = tweets_events(600)
+    pipeline = tweets_pipeline(conn, payloads=payloads, batch_size=300)
     hold = tmp_path / "hold"
     doomed = start_run(env={"ONCEFLOW_HOLD_AT": f"process.before:1:{hold}"})
     try:
@@ -178,6 +222,8 @@ def test_a_txid_whose_run_died_is_adopted_by_the_next_run(dsn, conn, airflow_db,
     assert table(conn, """SELECT attempt, outcome FROM transaction_attempts
                           ORDER BY attempt""") == [(1, "abandoned"), (2, "committed")]
     assert verify(conn, pipeline).ok
+    exact(conn, pipeline, payloads, read_all=False)
+    assert table(conn, 'SELECT sum("offset") FROM partition_offsets') == [(300,)]
 
 
 @pytest.mark.timeout(300)
@@ -194,25 +240,16 @@ def test_errors_retrying_cannot_fix_fail_the_task_at_once(dsn, conn, airflow_db,
 def test_a_killed_spark_driver_is_retried_and_counts_once(dsn, conn, airflow_db, spark_submit):
     """SIGKILL of the real spark-submit process of a run: the process task fails, Airflow
     retries it, and the transaction commits exactly once."""
-    import signal
-
-    pipeline = tweets_pipeline(conn, events=400, batch_size=400)
+    payloads = tweets_events(400)
+    pipeline = tweets_pipeline(conn, payloads=payloads, batch_size=400)
     run = start_run()
-    deadline = time.monotonic() + 120
-    killed = False
-    while time.monotonic() < deadline and not killed:
-        found = subprocess.run(["pgrep", "-f", "process_batch.py --pipeline tweets --txid 1 "
-                                "--attempt 1"], capture_output=True, text=True).stdout.split()
-        for pid in found:
-            os.kill(int(pid), signal.SIGKILL)
-            killed = True
-        time.sleep(0.1)
+    killed = kill_descendants(run, "process_batch.py --pipeline tweets --txid 1 --attempt 1")
     assert killed, "the Spark driver was never seen"
     result = finish(run)
     assert result["state"] == "success", result["log"][-3000:]
     assert result["tries"]["process[0]"] == 2
     assert table(conn, "SELECT state, attempt FROM transactions") == [("committed", 1)]
-    assert verify(conn, pipeline).ok
+    exact(conn, pipeline, payloads, read_all=True)
 
 
 @pytest.mark.timeout(300)
@@ -232,19 +269,42 @@ def test_a_run_that_may_not_wait_is_skipped_past_max_pending(dsn, conn, airflow_
 
 @pytest.mark.timeout(420)
 def test_runs_past_max_pending_wait_in_begin_and_plan_when_one_commits(
-        dsn, conn, airflow_db, warm_spark):
-    pipeline = tweets_pipeline(conn, events=2500, batch_size=500)  # max_pending 3
-    results = [finish(r) for r in [start_run() for _ in range(5)]]
+        dsn, conn, airflow_db, warm_spark, tmp_path):
+    """Txid 1's run holds in its process task (until the test says so) while four more
+    start: two plan txids 2 and 3, and the other two, finding max_pending=3 open, wait in
+    begin; once txid 1 commits they plan in turn. Exactly two wait, by construction."""
+    payloads = tweets_events(2500)
+    pipeline = tweets_pipeline(conn, payloads=payloads, batch_size=500)  # max_pending 3
+    hold = tmp_path / "release"
+    first = start_run(env={"ONCEFLOW_HOLD_AT": f"process.before:1:{hold}"})
+    wait_for_file(Path(str(hold) + ".reached"))
+    others = [start_run() for _ in range(4)]
+
+    def waiting() -> list:
+        return [r for r in others if WAITING in r.log.read_text()]
+
+    deadline = time.monotonic() + 240
+    while len(waiting()) < 2:
+        assert time.monotonic() < deadline, "two runs never waited in begin"
+        assert all(r.poll() is None for r in others), "a run ended while txid 1 was held"
+        time.sleep(0.5)
+    assert table(conn, "SELECT txid, state FROM transactions ORDER BY 1") == [
+        (1, "planned"), (2, "planned"), (3, "planned")]
+    hold.touch()  # txid 1 processes and commits: a place frees, and then another
+    results = [finish(r) for r in [first, *others]]
     assert all(r["state"] == "success" for r in results), [r["tasks"] for r in results]
     assert all(r["tasks"].get("begin[-1]") == "success" for r in results), [
         r["tasks"] for r in results]
     # all five planned and committed, never more than three open at once; two waited
     assert table(conn, "SELECT count(*) FROM transactions WHERE state = 'committed'") == [(5,)]
-    waited = [r for r in results if "waiting up to 300s for one to commit" in r["log"]]
-    assert len(waited) >= 2, [r["log"][-2000:] for r in results]
+    waited = [r for r in results if WAITING in r["log"]]
+    assert len(waited) == 2, [r["log"][-2000:] for r in results]
     assert all("a place freed after" in r["log"] for r in waited)
     _at_most_three_open(conn)
-    assert verify(conn, pipeline).ok
+    exact(conn, pipeline, payloads, read_all=True)
+
+
+WAITING = "waiting up to 300s for one to commit"
 
 
 def _at_most_three_open(conn) -> None:

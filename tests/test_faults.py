@@ -3,89 +3,38 @@ staging, inside the commit transaction and right after its COMMIT; PostgreSQL cr
 (immediate-mode restart of a private cluster) between staging and commit and under a commit;
 duplicate triggers; zombie attempts reaching the staging fence; runs that die silently.
 
-The oracle is the test's own: it counts what the generator wrote (the payload list), with
-none of onceflow's bookkeeping (no offsets, gaps, queues or dead letters), and every count
-must match: zero duplicates, zero losses.
+A fault counts only once it happened (onceflow.dev.faults confirms each), and an agent that
+hangs fails within its own deadline, showing its stderr. The oracle is the test's own
+(helpers.assert_exact): it reads what the generator wrote (the payload list), with none of
+onceflow's bookkeeping as the expectation, and every count must match: zero duplicates, zero
+losses, dead letters exactly the poison records. Kills inside commits that write outside the
+coordinator's database: tests/test_faults_outside.py.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
+import signal
 import socket
 import subprocess
-import sys
-from collections import Counter
+import time
 from pathlib import Path
 
 import pytest
 
+from helpers import assert_exact, table, tweets_pipeline
 from onceflow.core import db
 from onceflow.core.begin import begin
 from onceflow.core.commit import commit
 from onceflow.core.errors import StagingIncomplete
 from onceflow.core.registration import register
 from onceflow.core.registry import get_pipeline
-from onceflow.dev.faults import FaultRun, run_and_kill
+from onceflow.dev.faults import KINDS, Agent, AgentError, FaultRun, run_and_kill
 from onceflow.dev.localpg import crash_restart, recreate_database, start_private, stop_private
 from tweets_example.data import generate
 
 SEED = int(os.environ.get("ONCEFLOW_FAULT_SEED", "20261123"))
-HOST = re.compile(r"^https?://([^/:?#\s]+)")
-
-
-def oracle(payloads: list[str]) -> dict:
-    """What the committed state must be, from the payloads alone. The generator writes
-    well-formed tweets, four kinds of unusable ones, poison hosts ("a..b": an empty label)
-    and ASCII hosts only, so this is all it takes."""
-    urls, domains = Counter(), Counter()
-    rejected = poison = 0
-    for payload in payloads:
-        try:
-            doc = json.loads(payload)
-        except ValueError:
-            rejected += 1
-            continue
-        url = doc.get("url") if isinstance(doc, dict) else None
-        match = HOST.match(url) if isinstance(url, str) else None
-        if match is None:
-            rejected += 1
-        elif ".." in match.group(1):
-            poison += 1
-        else:
-            urls[url] += 1
-            domains[match.group(1).lower()] += 1
-    return {"url_counts": urls, "domain_counts": domains, "rejected": rejected,
-            "poison": poison}
-
-
-def assert_exact(conn, payloads: list[str]) -> None:
-    want = oracle(payloads)
-
-    def rows(query):
-        with conn.cursor() as cur:
-            cur.execute(query)
-            out = cur.fetchall()
-        conn.commit()
-        return out
-
-    for state in ("url_counts", "domain_counts"):
-        got = dict(rows(f"SELECT key, value FROM {state} WHERE value <> 0"))  # noqa: S608
-        assert got == dict(want[state]), state
-    assert rows("SELECT count(*) FROM rejected_records") == [(want["rejected"],)]
-    assert rows("SELECT count(*) FROM dead_letters") == [(want["poison"],)]
-    assert rows("SELECT count(*) FROM backflow_items") == [(0,)]
-    # committed ranges tile every partition from 0 to its head: nothing read twice or skipped
-    ends: dict[int, int] = {}
-    for partition, start, end in rows(
-            """SELECT b.partition, b.start_offset, b.end_offset FROM batch_ranges b
-               JOIN transactions t USING (pipeline, txid)
-               WHERE t.state = 'committed' ORDER BY 1, 2"""):
-        assert start == ends.get(partition, 0)
-        ends[partition] = end
-    heads = dict(rows("SELECT partition, next_offset FROM source_partitions"))
-    assert ends == heads
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +69,11 @@ def setup(dsn, events: int, **settings):
     return pipeline, payloads, conn
 
 
+def exact(conn, pipeline, payloads) -> None:
+    """Drained: every record read, every poison one dead, nothing queued."""
+    assert_exact(conn, pipeline, payloads, read_all=True, drained=True)
+
+
 def test_a_postgres_crash_between_staging_and_commit_loses_nothing(spark, crashable,
                                                                    monkeypatch):
     """The outside fault run's finding: PostgreSQL crashed after staging (its unlogged
@@ -146,7 +100,7 @@ def test_a_postgres_crash_between_staging_and_commit_loses_nothing(spark, crasha
     process_batch(spark, dsn, pipeline, again.attempt)
     assert commit(conn, pipeline, again.attempt).status == "committed"
     FaultRun(pipeline, dsn, spark, SEED).drain()
-    assert_exact(conn, payloads)
+    exact(conn, pipeline, payloads)
 
 
 def test_a_postgres_crash_under_a_commit_transaction_loses_nothing(spark, crashable,
@@ -159,19 +113,22 @@ def test_a_postgres_crash_under_a_commit_transaction_loses_nothing(spark, crasha
     batch = begin(conn, pipeline, "run-1")
     process_batch(spark, dsn, pipeline, batch.attempt)
     env = {**os.environ, "ONCEFLOW_PG_DSN": dsn}
-    agent = subprocess.Popen(
-        [sys.executable, "-m", "onceflow.dev.faults", "commit", "--pipeline", "tweets",
-         "--settings", json.dumps({"batch_size": 400}), "--txid", "1", "--attempt", "1",
-         "--pause-at", "offsets"], env=env, stdout=subprocess.PIPE, text=True)
-    assert agent.stdout.readline().startswith("PAUSED commit:offsets")
-    crash()  # the commit's transaction is cut off by the crash, then the agent goes
-    agent.kill()
-    agent.wait()
+    agent = Agent(["commit", "--pipeline", "tweets", "--settings",
+                   json.dumps({"batch_size": 400}), "--txid", "1", "--attempt", "1",
+                   "--pause-at", "offsets"], env)
+    try:
+        assert agent.wait_paused().where == "commit:offsets"
+        before = server_started(dsn)
+        crash()  # the commit's transaction is cut off by the crash, then the agent goes
+        assert server_started(dsn) != before  # the server did restart
+        assert agent.kill().killed
+    finally:
+        agent.stop()
     conn = db.connect(dsn)
     with pytest.raises(StagingIncomplete):
         commit(conn, pipeline, batch.attempt)
     FaultRun(pipeline, dsn, spark, SEED).drain()
-    assert_exact(conn, payloads)
+    exact(conn, pipeline, payloads)
 
 
 def test_kills_inside_and_after_the_commit_apply_once(spark, dsn, conn):
@@ -185,29 +142,87 @@ def test_kills_inside_and_after_the_commit_apply_once(spark, dsn, conn):
     env = {**os.environ, "ONCEFLOW_PG_DSN": dsn}
     agent = ["commit", "--pipeline", "tweets", "--settings", json.dumps({"batch_size": 300}),
              "--txid", "1", "--attempt", "1"]
-    assert run_and_kill([*agent, "--pause-at", "commit_record"], env) == "commit:commit_record"
-    assert run_and_kill([*agent, "--pause-at", "after"], env) == "after commit"
+    inside = run_and_kill([*agent, "--pause-at", "commit_record"], env)
+    assert inside.killed and inside.where == "commit:commit_record", inside.describe()
+    assert table(conn, "SELECT last_committed_txid FROM pipelines") == [(0,)]
+    after = run_and_kill([*agent, "--pause-at", "after"], env)
+    assert after.killed and after.where == "after commit", after.describe()
+    assert "COMMIT committed" in after.stdout
     assert commit(conn, pipeline, batch.attempt).status == "already_committed"
     FaultRun(pipeline, dsn, spark, SEED).drain()
-    assert_exact(conn, payloads)
+    exact(conn, pipeline, payloads)
 
 
 @pytest.mark.parametrize("mode", ["transactional", "opaque"])
 def test_randomized_faults_end_exact(spark, crashable, monkeypatch, capsys, mode):
-    """Seeded (ONCEFLOW_FAULT_SEED, fixed by default), bounded: every kind of fault, drawn at
-    every point, until 6 transactions committed; then a drain; then the oracle."""
+    """Seeded (ONCEFLOW_FAULT_SEED, fixed by default), bounded: faults drawn at every point
+    until 6 transactions committed and every kind of fault happened (a kill counts once the
+    agent died of it at the step drawn, a PostgreSQL crash once the server came back with a
+    new start time); then a drain; then the oracle."""
     dsn, crash = crashable
     monkeypatch.setenv("ONCEFLOW_PG_DSN", dsn)
     settings = {"batch_size": 150, "mode": mode, "max_pending": 3}
     pipeline, payloads, conn = setup(dsn, 1500, **settings)
     run = FaultRun(pipeline, dsn, spark, SEED + (mode == "opaque"), settings=settings,
                    restart_postgres=crash, rate=0.2)
-    run.run(transactions=6)
+    run.run(transactions=6, cover=KINDS)
     run.drain()
     with capsys.disabled():
-        print(f"\nfault run {mode} seed {run.seed}: {run.steps} steps, "
-              f"faults {dict(run.faults)}")
-    assert sum(run.faults.values()) >= 5
+        print(f"\nfault run {mode} seed {run.seed}: {run.steps} steps\n{run.table()}\n"
+              f"outcomes {dict(sorted(run.outcomes.items()))}")
+    assert not run.missed, run.missed  # every fault drawn happened
+    assert run.happened == run.attempted
+    assert all(run.happened[kind] >= 1 for kind in KINDS), run.table()
     conn = db.connect(dsn)
-    assert_exact(conn, payloads)
+    exact(conn, pipeline, payloads)
     run.close()
+
+
+def server_started(dsn: str):
+    with db.connection(dsn) as c, c.cursor() as cur:
+        cur.execute("SELECT pg_postmaster_start_time()")
+        return cur.fetchone()[0]
+
+
+def wait_until(check, what: str, timeout: float = 120) -> None:
+    """Poll an observable state; the deadline only catches a real hang."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout:.0f}s"
+        time.sleep(0.1)
+
+
+def test_a_hung_agent_fails_within_its_deadline_showing_its_stderr(dsn, conn):
+    """An agent that never reaches its step (here: blocked on the coordinator row another
+    session holds) is killed when its deadline passes, and the error shows its stderr."""
+    tweets_pipeline(conn, events=20)
+    batch = begin(conn, get_pipeline("tweets"), "run-1")
+    holder = db.connect(dsn)
+    with holder.cursor() as cur:
+        cur.execute("SELECT 1 FROM pipelines WHERE name = 'tweets' FOR UPDATE")
+    env = {**os.environ, "ONCEFLOW_PG_DSN": dsn}
+    agent = Agent(["commit", "--pipeline", "tweets", "--txid", str(batch.attempt.txid),
+                   "--attempt", str(batch.attempt.attempt), "--pause-at", "locked"], env)
+    try:
+        wait_until(lambda: table(conn, """SELECT count(*) FROM pg_stat_activity
+                                          WHERE datname = current_database()
+                                            AND application_name = 'onceflow-fault-agent'
+                                            AND wait_event_type = 'Lock'""") == [(1,)],
+                   "the agent waiting for the coordinator row")
+        started = time.monotonic()
+        with pytest.raises(AgentError, match="neither paused nor ended within 1s") as failed:
+            agent.wait_paused(timeout=1)
+        assert time.monotonic() - started < 60  # its own deadline, not the test's timeout
+    finally:
+        agent.stop()
+        holder.close()
+    assert agent.proc.returncode == -signal.SIGKILL
+    assert f"fault agent pid {agent.proc.pid}: commit tweets txid 1" in str(failed.value)
+
+
+def test_an_agent_that_fails_is_reported_with_its_stderr(dsn):
+    env = {**os.environ, "ONCEFLOW_PG_DSN": dsn}
+    with pytest.raises(AgentError, match="the agent failed") as failed:
+        run_and_kill(["commit", "--pipeline", "no_such_pipeline", "--txid", "1",
+                      "--attempt", "1", "--pause-at", "locked"], env)
+    assert "no_such_pipeline" in str(failed.value).split("--- its stderr ---")[1]

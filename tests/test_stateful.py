@@ -9,11 +9,10 @@ import json
 import os
 import random
 import sys
-import uuid
 
 import pytest
-import redis
 from pyspark import cloudpickle
+from redis_server import RedisServer
 
 from helpers import produce, table
 from onceflow.core.begin import begin, mark_failed
@@ -43,19 +42,21 @@ def first_seen_pipeline(conn, events: int, **overrides):
     return pipeline
 
 
-def redis_settings(prefix: str) -> str:
-    return json.dumps({"host": "127.0.0.1", "port": 6379, "key_prefix": prefix})
-
-
 @pytest.fixture
-def redis_prefix():
-    prefix = f"onceflow-test-{uuid.uuid4().hex[:12]}:"
-    yield prefix
-    client = redis.Redis(host="127.0.0.1", port=6379)
-    keys = list(client.scan_iter(match=prefix + "*", count=1000))
-    if keys:
-        client.delete(*keys)
-    client.close()
+def redis_settings(tmp_path):
+    """The provider settings (JSON) of a redis-server of this test's own (tests/redis_server.py),
+    started on first use: no test depends on a Redis the machine may or may not run."""
+    servers: list[RedisServer] = []
+
+    def settings() -> str:
+        if not servers:
+            servers.append(RedisServer(tmp_path / "redis", persistent=False).start())
+        return json.dumps({"host": "127.0.0.1", "port": servers[0].port,
+                           "key_prefix": "onceflow-test:"})
+
+    yield settings
+    for server in servers:
+        server.stop()
 
 
 def exactly_once(conn, pipeline):
@@ -68,15 +69,14 @@ def exactly_once(conn, pipeline):
 
 @pytest.mark.parametrize("provider, transactions", [("postgres", 8), ("redis", 5)])
 def test_first_seen_emits_each_url_once_over_transactions_with_failures(
-        spark, dsn, conn, provider, transactions, redis_prefix):
+        spark, dsn, conn, provider, transactions, redis_settings):
     # fixed by default, so that every run tests the same interleaving; another one with
     # ONCEFLOW_FAULT_SEED
     seed = int(os.environ.get("ONCEFLOW_FAULT_SEED", "20261123")) + transactions
     print(f"fault seed {seed}")
     rng = random.Random(seed)
     settings = {"state_provider": provider,
-                "state_provider_config": redis_settings(redis_prefix)
-                if provider == "redis" else None}
+                "state_provider_config": redis_settings() if provider == "redis" else None}
     pipeline = first_seen_pipeline(conn, 250 * transactions, batch_size=250, **settings)
     committed = runs = 0
     while committed < transactions:
@@ -189,11 +189,12 @@ def test_hooks_are_called_in_order(spark, dsn, conn):
     assert total == counted > 0
 
 
-def test_a_crash_after_the_store_commit_then_a_replay_is_exact(spark, dsn, conn, redis_prefix):
+def test_a_crash_after_the_store_commit_then_a_replay_is_exact(spark, dsn, conn,
+                                                               redis_settings):
     """Redis commits first, the coordinator crashes before its COMMIT; the re-attempt reads
     the state as before the txid and its commit puts back what the first one changed."""
     pipeline = first_seen_pipeline(conn, 900, batch_size=300, state_provider="redis",
-                                   state_provider_config=redis_settings(redis_prefix),
+                                   state_provider_config=redis_settings(),
                                    mode="opaque")
 
     def crash(name):
@@ -208,7 +209,7 @@ def test_a_crash_after_the_store_commit_then_a_replay_is_exact(spark, dsn, conn,
     mark_failed(conn, pipeline.name, b1.attempt, "test: crashed")
     # the re-attempt reads a different batch (opaque re-plan with a smaller batch size)
     smaller = get_pipeline("tweets_first_seen", batch_size=200, state_provider="redis",
-                           state_provider_config=redis_settings(redis_prefix), mode="opaque")
+                           state_provider_config=redis_settings(), mode="opaque")
     b2 = begin(conn, smaller, "run-2")
     assert b2.attempt.attempt == 2
     process_batch(spark, dsn, smaller, b2.attempt)

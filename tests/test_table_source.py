@@ -6,8 +6,6 @@ from __future__ import annotations
 import bisect
 import json
 import random
-import threading
-import time
 
 import psycopg2
 import pytest
@@ -177,55 +175,34 @@ def test_the_head_waits_for_a_key_drawn_without_an_xid(conn, dsn, orders):
 
 
 def test_concurrent_writers_committing_out_of_order(spark, conn, dsn, orders):
-    """Writers hold transactions open for random times, commit or roll back, while batches are
-    planned and committed; every committed row is counted exactly once."""
+    """Writers hold transactions open, insert, commit or roll back, interleaved with batches
+    planned and committed, in a seeded order played by one thread (the same interleaving on
+    every run, however loaded the machine); every committed row is counted exactly once."""
     pipeline = orders(batch_size=100_000, wait_s=0)
-    stop = threading.Event()
-    errors: list[BaseException] = []
-
-    def write(n: int) -> None:
-        rng = random.Random(n)
-        try:
-            c = psycopg2.connect(dsn, application_name=f"writer-{n}")
-            i = 0
-            with c.cursor() as cur:
-                while not stop.is_set():
-                    for _ in range(rng.randint(1, 3)):
-                        cur.execute("INSERT INTO orders (url) VALUES (%s)",
-                                    (f"https://w{n}.example.com/{i}",))
-                        i += 1
-                    time.sleep(rng.uniform(0, 0.15))
-                    (c.rollback if rng.random() < 0.15 else c.commit)()
-                    time.sleep(rng.uniform(0, 0.02))
-            c.close()
-        except BaseException as error:  # reported by the test
-            errors.append(error)
-
-    # A naive head, max(id) + 1 of the visible rows, sampled meanwhile, with how many rows
-    # were visible below it: rows that show up below it later are what it would have skipped.
+    rng = random.Random(20261127)
+    writers = [Writer(dsn) for _ in range(4)]
+    inserted = [0] * len(writers)
+    # A naive head, max(id) + 1 of the visible rows, taken before each batch, with how many
+    # rows were visible below it: rows that show up below it later are what it would skip.
     naive: list[tuple[int, int]] = []
-
-    def sample() -> None:
-        while not stop.is_set():
+    batches = 0
+    for _ in range(160):
+        n = rng.randrange(len(writers))
+        roll = rng.random()
+        if roll < 0.55:
+            writers[n].insert(f"https://w{n}.example.com/{inserted[n]}")
+            inserted[n] += 1
+        elif roll < 0.97:
+            writers[n].end(commit=rng.random() >= 0.15)
+            writers[n] = Writer(dsn)
+        else:
             naive.append(sql(dsn, "SELECT coalesce(max(id), 0) + 1, count(*) FROM orders")[0])
-            time.sleep(0.05)
-
-    threads = [threading.Thread(target=write, args=(n,)) for n in range(4)]
-    threads.append(threading.Thread(target=sample))
-    for t in threads:
-        t.start()
-    try:
-        i = 0  # batches while the writers write: at least 5, and until 60 rows committed
-        while i < 5 or len(committed_urls(dsn)) < 60:
-            batch, result = run_transaction(spark, dsn, conn, pipeline, f"busy-{i}")
+            batch, result = run_transaction(spark, dsn, conn, pipeline, f"busy-{batches}")
             assert result.status == "committed"
-            i += 1
-            assert i < 200, "the writers committed too few rows"
-    finally:
-        stop.set()
-        for t in threads:
-            t.join()
-    assert not errors, errors
+            batches += 1
+    for writer in writers:
+        writer.end()
+    assert batches >= 5, batches
     for i in range(2):  # no writer left: the head catches up, the rest is read
         run_transaction(spark, dsn, conn, pipeline, f"drain-{i}")
     batch, _ = run_transaction(spark, dsn, conn, pipeline, "last")

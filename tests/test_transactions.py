@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import table, tweets_pipeline
+from helpers import assert_exact, table, tweets_events, tweets_pipeline
 from onceflow.core.begin import begin, mark_failed
 from onceflow.core.commit import MissingStaging, commit
 from onceflow.core.db import connect
@@ -22,7 +22,8 @@ def ranges_of(batch):
 
 
 def test_a_new_attempt_fences_the_old_one(spark, conn, dsn):
-    pipeline = tweets_pipeline(conn, events=400, batch_size=200)
+    payloads = tweets_events(400)
+    pipeline = tweets_pipeline(conn, payloads=payloads, batch_size=200)
     old = begin(conn, pipeline, "run-1")
     process_batch(spark, dsn, pipeline, old.attempt)
     new = begin(conn, pipeline, "run-2", txid=1)  # a manual backfill of txid 1
@@ -43,6 +44,7 @@ def test_a_new_attempt_fences_the_old_one(spark, conn, dsn):
     assert done.committed and done.attempt == new.attempt
     assert process_batch(spark, dsn, pipeline, done.attempt) is None
     assert commit(conn, pipeline, done.attempt).status == "already_committed"
+    assert_exact(conn, pipeline, payloads, read_all=False)  # txid 1's 200 records, once
     assert verify(conn, pipeline).ok
 
 
@@ -83,7 +85,9 @@ def test_transactional_mode_never_changes_a_batch(conn):
 def test_opaque_replan_supersedes_later_transactions_seed_scenario(spark, conn, dsn):
     """Seed 001: A reads 1-50, B reads 51-100, A fails, A reads 1-40, so B must read 41-...
     (one partition, offsets from 0)."""
-    pipeline = tweets_pipeline(conn, events=120, batch_size=50, mode="opaque", partitions=1)
+    payloads = tweets_events(120)
+    pipeline = tweets_pipeline(conn, payloads=payloads, batch_size=50, mode="opaque",
+                               partitions=1)
     a = begin(conn, pipeline, "run-a")
     b = begin(conn, pipeline, "run-b")
     assert (ranges_of(a), ranges_of(b)) == ([(0, 0, 50)], [(0, 50, 100)])
@@ -108,6 +112,7 @@ def test_opaque_replan_supersedes_later_transactions_seed_scenario(spark, conn, 
     process_batch(spark, dsn, pipeline, c.attempt)
     commit(conn, pipeline, c.attempt)
     assert table(conn, 'SELECT "offset" FROM partition_offsets') == [(120,)]
+    assert_exact(conn, pipeline, payloads, read_all=True)  # B's first batch counted nowhere
     report = verify(conn, pipeline)
     assert report.ok and report.records == 120
 
@@ -122,8 +127,9 @@ def test_a_state_in_a_second_database_survives_a_crash_between_the_two_commits(
     The replay, with a different (opaque, re-planned) batch, leaves it exactly right."""
     states = (StateSpec("url_counts"), StateSpec("domain_counts", conn_id="state2"))
     dsns = {"domain_counts": second_dsn}
-    pipeline = tweets_pipeline(conn, events=900, batch_size=400, mode="opaque", states=states,
-                               state_dsns=dsns)
+    payloads = tweets_events(900)
+    pipeline = tweets_pipeline(conn, payloads=payloads, batch_size=400, mode="opaque",
+                               states=states, state_dsns=dsns)
     run_first = begin(conn, pipeline, "run-1")
     process_batch(spark, dsn, pipeline, run_first.attempt)
     commit(conn, pipeline, run_first.attempt, state_dsns=dsns)
@@ -148,12 +154,15 @@ def test_a_state_in_a_second_database_survives_a_crash_between_the_two_commits(
     assert replay.records == 150 != batch.records  # a different batch
     process_batch(spark, dsn, pipeline, replay.attempt)
     commit(conn, pipeline, replay.attempt, state_dsns=dsns)
+    # the first try's domains, written ahead in the second database, counted nowhere
+    assert_exact(conn, pipeline, payloads, read_all=False, state_conns={"domain_counts": second})
     assert verify(conn, pipeline, dsns).ok
     second.close()
 
 
 def test_groups_are_processed_apart_and_committed_together(spark, conn, dsn):
-    pipeline = tweets_pipeline(conn, events=800, batch_size=800, groups=2)
+    payloads = tweets_events(800)
+    pipeline = tweets_pipeline(conn, payloads=payloads, batch_size=800, groups=2)
     batch = begin(conn, pipeline, "run-1")
     assert batch.groups == 2 and {g for _, g in batch.ranges} == {0, 1}
     process_batch(spark, dsn, pipeline, batch.attempt, group=1)
@@ -162,4 +171,5 @@ def test_groups_are_processed_apart_and_committed_together(spark, conn, dsn):
     process_batch(spark, dsn, pipeline, batch.attempt, group=0)
     process_batch(spark, dsn, pipeline, batch.attempt, group=1)  # a retried group: replaces
     assert commit(conn, pipeline, batch.attempt).status == "committed"
+    assert_exact(conn, pipeline, payloads, read_all=True)  # the retried group counted once
     assert verify(conn, pipeline).ok

@@ -11,6 +11,11 @@ migrated once), ``server_dsn`` (the server's DSN).
 
 The PostgreSQL is found as everywhere (onceflow.dev.localpg): ONCEFLOW_PG_DSN, the server on
 127.0.0.1:5432, or a private cluster started for the project folder.
+
+With the environment variable CI set (to anything but "" or "false"), hypothesis runs under
+the profile "onceflow-ci": derandomized (the same examples on every run, so CI cannot pass
+once and fail the next time on the same code) and without per-example deadlines (a loaded
+machine is not a failure). An explicit ``--hypothesis-profile`` wins.
 """
 
 from __future__ import annotations
@@ -50,6 +55,29 @@ def pytest_configure(config) -> None:
     # py4j logs "Closing down clientserver connection" from __del__ after pytest closed its
     # streams.
     logging.getLogger("py4j").setLevel(logging.WARNING)
+    _hypothesis_profile(config)
+
+
+CI_PROFILE = "onceflow-ci"
+
+
+def _hypothesis_profile(config) -> None:
+    """Under CI, hypothesis derandomized and without deadlines (see the module docstring)."""
+    if os.environ.get("CI", "").strip().lower() in ("", "0", "false", "no"):
+        return
+    try:
+        from hypothesis import settings
+    except ImportError:
+        return
+    settings.register_profile(CI_PROFILE, derandomize=True, deadline=None,
+                              print_blob=True)
+    chosen = None
+    try:
+        chosen = config.getoption("hypothesis_profile")
+    except ValueError:  # hypothesis's pytest plugin is not loaded
+        pass
+    if chosen is None:
+        settings.load_profile(CI_PROFILE)
 
 
 def pytest_report_header(config):
