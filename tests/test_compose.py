@@ -75,7 +75,12 @@ def test_one_image_with_onceflow_and_shared_data_everywhere(compose):
         assert service["image"] == "onceflow:local"
         assert "onceflow-data:/data" in service["volumes"], name
     build = services["spark-worker"]["build"]["dockerfile_inline"]
-    assert "openjdk-17-jre-headless" in build
+    # the wheels are built with a JDK (onceflow's build compiles its JVM reader), the image
+    # that runs them has a JRE
+    wheels, runs = build.split("\n\n")
+    assert "openjdk-17-jdk-headless" in wheels and "pip wheel" in wheels
+    assert "openjdk-17-jre-headless" in runs and "-jdk-" not in runs
+    assert "COPY --from=wheels" in runs
     for path in ("/opt/onceflow", "/opt/onceflow/examples/tweets"):
         assert path in build
         assert (ROOT / path.removeprefix("/opt/onceflow").lstrip("/")).exists()

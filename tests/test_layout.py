@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import os
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -13,6 +14,20 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 LIBRARY = [ROOT / "plugins" / "onceflow", ROOT / "spark_tasks"]
+
+
+def source_tree(dest: Path) -> Path:
+    """The checkout's files as git knows them (tracked or new, not ignored: no .venv, no
+    build/ or egg-info of earlier builds, no built jar), copied to ``dest``: what a clean
+    clone builds from, and two builds at once do not share a build folder."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others",
+                             "--exclude-standard"], cwd=ROOT, capture_output=True,
+                            check=True).stdout.decode().split("\0")
+    for name in filter(None, listed):
+        if (ROOT / name).is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, dest / name)
+    return dest
 
 
 def _module_name(path: Path) -> str:
@@ -86,13 +101,35 @@ def test_the_library_knows_nothing_of_the_demo():
     assert not offenders, f"these library files mention the demo: {offenders}"
 
 
-def test_every_package_folder_ships():
+# The checkout's own helpers (a local PostgreSQL, the demo runner, the checkout's Airflow
+# environment): importable in the editable install, never in the wheel.
+DEV_ONLY = "onceflow.dev"
+
+
+def test_every_package_folder_ships_but_the_checkouts_own():
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
                  ["packages"])
     found = {_module_name(p.parent / "__init__.py") for folder in LIBRARY
              for p in folder.rglob("__init__.py")}
-    assert found - {"onceflow.migrations"} <= listed, found - listed
+    shipped = {m for m in found if m != DEV_ONLY and not m.startswith(DEV_ONLY + ".")}
+    assert shipped - {"onceflow.migrations"} <= listed, shipped - listed
+    assert not {m for m in listed if m.startswith(DEV_ONLY)}
     assert "onceflow.migrations" in listed and (ROOT / "sql" / "__init__.py").exists()
+
+
+def test_the_shipped_library_imports_nothing_of_the_checkouts_own():
+    """onceflow.dev is not in the wheel: a module of the package that imports it at module
+    level would fail to import there (the CLI imports it inside the checkout's commands)."""
+    offenders = []
+    for folder in LIBRARY:
+        for path in folder.rglob("*.py"):
+            name = _module_name(path)
+            if name.startswith(DEV_ONLY):
+                continue
+            package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+            if any(i == DEV_ONLY or i.startswith(DEV_ONLY + ".") for i in _imports(path, package)):
+                offenders.append(name)
+    assert not offenders, offenders
 
 
 def test_begin_and_commit_do_not_load_pyspark():
@@ -132,3 +169,14 @@ def test_onceflow_runs_installed_from_a_wheel_in_another_directory(tmp_path, dsn
                           env=env, capture_output=True, text=True)
     assert init.returncode == 0, init.stderr
     assert "migrations applied: none (up to date)" in init.stdout
+
+
+def test_the_jar_is_built_against_the_locked_pyspark():
+    """The build requirement (the pyspark an isolated build compiles the JVM reader against)
+    is the version constraints.txt locks, which the tests and run.sh run."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    locked = [line for line in (ROOT / "constraints.txt").read_text().splitlines()
+              if line.startswith("pyspark==")]
+    assert len(locked) == 1
+    assert locked[0] in project["build-system"]["requires"]
+    assert "setup.py" in (ROOT / "run.sh").read_text()  # a build input: a change reinstalls

@@ -341,17 +341,15 @@ def cmd_spark(args) -> int:
         stopped = localspark.stop(args.port)
         print("stopped" if stopped else "not running")
     elif args.action == "jar":
-        from spark_tasks.jvm import ENABLED, jar
+        from spark_tasks.jvm import ENABLED, JAR, built_for, installed_spark, unusable
 
-        path = jar()
-        if path is None:
-            print("onceflow's JVM reader cannot be built here: it needs javac (a JDK 17, not "
-                  "only a JRE) and pyspark's jars; without it JSON lines are read by Python "
-                  "workers", file=sys.stderr)
-            return 1
-        print(path)
-        print(f"for a Spark that onceflow does not start (your Connect server, a cluster): "
-              f"--jars {path} --conf {ENABLED}=true", file=sys.stderr)
+        problem = unusable(installed_spark())
+        if problem is not None:
+            raise ConfigError(problem)
+        print(JAR)
+        print(f"built for Spark {built_for()}; for a Spark of that version that onceflow does "
+              f"not start (your Connect server, a cluster): --jars {JAR} --conf "
+              f"{ENABLED}=true", file=sys.stderr)
     else:
         current = localspark.status(args.port)
         print(current.line())
@@ -447,8 +445,9 @@ def build_parser() -> argparse.ArgumentParser:
             "it; --yes fixes it")
     p.add_argument("--yes", action="store_true", help="do the repairs")
     p = add("spark", cmd_spark, "start, stop or check the local Spark Connect server (the warm "
-            "Spark processing tasks use in local mode); jar: build onceflow's JVM reader and "
-            "print its path, for a Spark onceflow does not start", pipeline=False)
+            "Spark processing tasks use in local mode); jar: print the path of onceflow's JVM "
+            "reader (built with the package), for a Spark onceflow does not start",
+            pipeline=False)
     p.add_argument("action", choices=("start", "stop", "status", "jar"))
     p.add_argument("--port", type=_positive, default=None,
                    help="its port (default ONCEFLOW_SPARK_CONNECT_PORT or 15002)")
