@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     url, ours = args.spark_connect, False
     if not url and ({"connect", "airflow", "airflow-phases"} & set(systems)
                     or args.acker_events):
-        from onceflow.dev import localspark
+        from spark_tasks import localspark
 
         ours = not localspark.status(folder=args.folder / "spark-connect").running
         url = localspark.start(folder=args.folder / "spark-connect").url

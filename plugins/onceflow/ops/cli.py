@@ -331,7 +331,7 @@ def cmd_repair(args) -> int:
 
 
 def cmd_spark(args) -> int:
-    from onceflow.dev import localspark
+    from spark_tasks import localspark
 
     args.port = args.port or localspark.DEFAULT_PORT
     if args.action == "start":
