@@ -54,6 +54,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from onceflow.dev import use_examples  # noqa: E402
+
+use_examples()  # the checkout's examples (code, pipelines), as `bash run.sh demo` has them
+
 import peers  # noqa: E402
 
 from onceflow.dev.localpg import recreate_database  # noqa: E402

@@ -1,4 +1,4 @@
-"""Exactly once under real faults (onceflow.dev.faults): processes killed with SIGKILL while
+"""Exactly once under real faults (onceflow_testing.faults): processes killed with SIGKILL while
 staging, inside the commit transaction and right after its COMMIT; PostgreSQL crashed
 (immediate-mode restart of a private cluster) between staging and commit and under a commit;
 duplicate triggers; zombie attempts reaching the staging fence; runs that die silently.
@@ -27,8 +27,8 @@ from onceflow.core.commit import commit
 from onceflow.core.errors import StagingIncomplete
 from onceflow.core.registration import register
 from onceflow.core.registry import get_pipeline
-from onceflow.dev.faults import FaultRun, run_and_kill
 from onceflow.dev.localpg import crash_restart, recreate_database, start_private, stop_private
+from onceflow_testing.faults import FaultRun, run_and_kill
 from tweets_example.data import generate
 
 SEED = int(os.environ.get("ONCEFLOW_FAULT_SEED", "20261123"))
@@ -160,7 +160,7 @@ def test_a_postgres_crash_under_a_commit_transaction_loses_nothing(spark, crasha
     process_batch(spark, dsn, pipeline, batch.attempt)
     env = {**os.environ, "ONCEFLOW_PG_DSN": dsn}
     agent = subprocess.Popen(
-        [sys.executable, "-m", "onceflow.dev.faults", "commit", "--pipeline", "tweets",
+        [sys.executable, "-m", "onceflow_testing.faults", "commit", "--pipeline", "tweets",
          "--settings", json.dumps({"batch_size": 400}), "--txid", "1", "--attempt", "1",
          "--pause-at", "offsets"], env=env, stdout=subprocess.PIPE, text=True)
     assert agent.stdout.readline().startswith("PAUSED commit:offsets")

@@ -13,7 +13,7 @@ one Spark session) in a random but seeded order, and on the way:
 - marks an attempt failed after a fault, as Airflow's failure callback does after the last
   retry, so that a later run adopts it.
 
-Killed processes are agents, ``python -m onceflow.dev.faults stage|commit ...``, which do one
+Killed processes are agents, ``python -m onceflow_testing.faults stage|commit ...``, which do one
 write and pause at the chosen point until they are killed. After the faults, ``drain`` runs
 transactions without faults until every record is committed, rejected or dead. The caller
 then compares the state with an oracle of its own (from what it produced, not from
@@ -62,7 +62,7 @@ def _pause(where: str) -> None:
 
 
 def agent_main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m onceflow.dev.faults")
+    parser = argparse.ArgumentParser(prog="python -m onceflow_testing.faults")
     parser.add_argument("action", choices=("stage", "commit"))
     parser.add_argument("--pipeline", required=True)
     parser.add_argument("--settings", default="{}", help="pipeline settings (JSON)")
@@ -100,7 +100,7 @@ def agent_main(argv: list[str] | None = None) -> int:
 def run_and_kill(argv: list[str], env: dict[str, str], timeout: float = 120) -> str:
     """Start an agent, wait until it pauses, SIGKILL it. Returns where it paused ("" if it
     ended first, e.g. fenced)."""
-    proc = subprocess.Popen([sys.executable, "-m", "onceflow.dev.faults", *argv], env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "onceflow_testing.faults", *argv], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + timeout
     try:
