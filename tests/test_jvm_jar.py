@@ -143,7 +143,7 @@ def test_a_missing_or_stale_jar_is_named_with_its_fix(tmp_path, packaged, capsys
 
 def test_building_without_javac_fails_and_says_what_is_missing(tmp_path):
     """A wheel without the jar would only show up later as slower reads: the build stops."""
-    from test_layout import source_tree
+    from test_wheel import source_tree
 
     env = {k: v for k, v in os.environ.items() if k != "JAVA_HOME"}
     env["PATH"] = str(Path(sys.executable).parent)  # pip, python; no javac there
