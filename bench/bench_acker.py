@@ -23,8 +23,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from onceflow.core.registry import get_pipeline
+from onceflow.dev import use_examples
 from onceflow.dev.localenv import project_dir
-from tweets_example.data import generate
+
+use_examples()  # the checkout's examples (code, pipelines), as `bash run.sh demo` has them
+
+from tweets_example.data import generate  # noqa: E402
 
 PARTITIONS = 4
 

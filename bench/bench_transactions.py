@@ -19,10 +19,14 @@ from onceflow.core.begin import begin
 from onceflow.core.commit import commit
 from onceflow.core.registration import register
 from onceflow.core.registry import get_pipeline
+from onceflow.dev import use_examples
 from onceflow.dev.localenv import project_dir
 from onceflow.dev.localpg import ensure_postgres, recreate_database
 from onceflow.ops.verify import recount as verify
-from tweets_example.data import generate
+
+use_examples()  # the checkout's examples (code, pipelines), as `bash run.sh demo` has them
+
+from tweets_example.data import generate  # noqa: E402
 
 
 def main() -> None:

@@ -54,6 +54,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from onceflow.dev import use_examples  # noqa: E402
+
+use_examples()  # the checkout's examples (code, pipelines), as `bash run.sh demo` has them
+
 import peers  # noqa: E402
 
 from onceflow.dev.localpg import recreate_database  # noqa: E402
@@ -254,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     url, ours = args.spark_connect, False
     if not url and ({"connect", "airflow", "airflow-phases"} & set(systems)
                     or args.acker_events):
-        from onceflow.dev import localspark
+        from spark_tasks import localspark
 
         ours = not localspark.status(folder=args.folder / "spark-connect").running
         url = localspark.start(folder=args.folder / "spark-connect").url

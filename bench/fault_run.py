@@ -1,4 +1,4 @@
-"""A long fault run: the fault tests' harness (onceflow.dev.faults), for longer and more seeds.
+"""A long fault run: the fault tests' harness (onceflow_testing.faults), for longer and more seeds.
 
     .venv/bin/python bench/fault_run.py --transactions 60
     .venv/bin/python bench/fault_run.py --transactions 30 --seeds 5 --mode both
@@ -90,8 +90,8 @@ def one_run(spark, args, seed: int, mode: str) -> bool:
     from onceflow.core import db
     from onceflow.core.registration import register
     from onceflow.core.registry import get_pipeline
-    from onceflow.dev.faults import FaultRun
     from onceflow.dev.localpg import crash_restart, start_private, stop_private
+    from onceflow_testing.faults import FaultRun
     from tweets_example.data import generate
 
     data_dir = Path("/var/tmp") / f"onceflow-fault-run-{os.getpid()}-{seed}-{mode}"
@@ -137,6 +137,13 @@ def one_run(spark, args, seed: int, mode: str) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from onceflow.dev import use_examples
+
+    use_examples()  # the checkout's examples (code, pipelines), as `bash run.sh demo` has them
+    # the fault harness lives with the tests (tests/onceflow_testing): here and in its agents
+    tests = str(Path(__file__).resolve().parents[1] / "tests")
+    sys.path.insert(0, tests)
+    os.environ["PYTHONPATH"] = os.pathsep.join([tests, os.environ["PYTHONPATH"]])
     parser = argparse.ArgumentParser(
         description="Run the tweets pipeline under random real faults (SIGKILLs inside "
                     "staging and commit, PostgreSQL crashes, duplicate triggers, zombies, "

@@ -181,6 +181,9 @@ def bench_commit(dsn: str, keys: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from onceflow.dev import use_examples
+
+    use_examples()  # the checkout's examples (code, pipelines), as `bash run.sh demo` has them
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      epilog=__doc__.split("\n\n", 2)[2],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -1,100 +1,137 @@
-"""onceflow's JVM side: Spark classes of its own, in one jar built from spark_tasks/java
-on first use (javac, against the installed pyspark's jars; a few seconds, once per version of
-the sources and of pyspark) and cached under ONCEFLOW_JVM_CACHE (default
-~/.cache/onceflow/jvm).
+"""onceflow's JVM side: Spark classes of its own, in one jar that is built with the package
+(setup.py compiles spark_tasks/java with javac against pyspark's jars) and ships inside it,
+at spark_tasks/jars/onceflow-spark.jar. Nothing is compiled at run time.
 
 What is in it: ``onceflow.spark.JsonLinesSource``, the landing folder's JSON-lines reader in
 the JVM (onceflow.sources.landing uses it when the session has the jar): the same rows as the
 Python reader, without a Python worker decoding lines and handing them over through Arrow.
 
+The jar's manifest records the Spark version it was compiled against. A Spark of another
+major.minor version does not get it: the Spark onceflow starts here is checked before the jar
+is added (the installed pyspark), any session when a read asks for the reader
+(``spark.version``, which covers a cluster's Spark and a Connect server). On a mismatch a
+warning names both versions and the fix, and the Python reader does the work (the same rows,
+more CPU), as it does on a Spark that onceflow did not start without the jar, or with
+ONCEFLOW_JVM_READER=off (or 0). A jar older than the sources beside it (a checkout whose
+Java changed since its last install) is not used either.
+
 ``jvm_conf()`` is what a session needs for it (the jar, and ``spark.onceflow.jvmReader`` that
-tells the readers it is there); empty when no jar can be had (no javac: a JRE only), and then
-the Python reader does the work, as it does on a Spark that onceflow did not start (a
-cluster's Connect server without the jar). ONCEFLOW_JVM_READER=off (or 0) turns it off.
-No pyspark import: the Airflow operators read this too.
+tells the readers it is there). No pyspark import: the Airflow operators read this too.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
-import importlib.util
 import logging
-import os
-import shutil
-import subprocess
-import tempfile
 import zipfile
+from importlib import metadata
 from pathlib import Path
 
 from spark_tasks.conf import env_flag
 
 log = logging.getLogger(__name__)
 
-SOURCES = Path(__file__).parent / "java"
+JAR = Path(__file__).parent / "jars" / "onceflow-spark.jar"
+SOURCES = Path(__file__).parent / "java"  # in a checkout only: the wheel has the jar alone
 READER = "onceflow.spark.JsonLinesSource"
 ENABLED = "spark.onceflow.jvmReader"
+FALLBACK = "JSON lines are read by Python workers instead: the same rows, more CPU"
+FIX = ("run a Spark of the jar's major.minor version, or build onceflow's wheel against your "
+       "pyspark (`pip wheel --no-deps --no-build-isolation` of onceflow's source, with that "
+       "pyspark and a JDK installed: docs/deployment.md); ONCEFLOW_JVM_READER=off silences "
+       "this")
 
 
-def _pyspark_jars() -> Path | None:
-    spec = importlib.util.find_spec("pyspark")
-    if spec is None or not spec.submodule_search_locations:
+def sources_digest() -> str | None:
+    """The digest of the sources beside the package (setup.py records the same in the jar);
+    None where there are none (an installed wheel)."""
+    files = sorted(SOURCES.rglob("*.java")) if SOURCES.is_dir() else []
+    if not files:
         return None
-    jars = Path(next(iter(spec.submodule_search_locations))) / "jars"
-    return jars if jars.is_dir() else None
-
-
-def _cache() -> Path:
-    default = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "onceflow" / "jvm"
-    return Path(os.environ.get("ONCEFLOW_JVM_CACHE") or default)
-
-
-def _version() -> str:
-    """A digest of the sources and of the pyspark jars they compile against."""
     digest = hashlib.sha256()
-    for path in sorted(SOURCES.rglob("*.java")):
+    for path in files:
         digest.update(path.relative_to(SOURCES).as_posix().encode())
         digest.update(path.read_bytes())
-    jars = _pyspark_jars()
-    for jar in sorted(jars.glob("spark-*.jar")) if jars else ():
-        digest.update(jar.name.encode())
-    return digest.hexdigest()[:16]
+    return digest.hexdigest()
+
+
+def manifest(path: Path = JAR) -> dict[str, str]:
+    """The jar's manifest attributes (empty when there is no readable jar)."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            text = archive.read("META-INF/MANIFEST.MF").decode()
+    except (OSError, KeyError, zipfile.BadZipFile):
+        return {}
+    return dict(line.split(": ", 1) for line in text.splitlines() if ": " in line)
+
+
+def built_for() -> str | None:
+    """The Spark version the packaged jar was compiled against."""
+    return _jar_state()[1]
 
 
 @functools.lru_cache(maxsize=1)
-def jar() -> Path | None:
-    """The jar, built if missing; None (logged once) when it cannot be built here."""
-    jars = _pyspark_jars()
-    javac = shutil.which("javac", path=os.pathsep.join(filter(None, [
-        str(Path(os.environ["JAVA_HOME"]) / "bin") if os.environ.get("JAVA_HOME") else None,
-        os.environ.get("PATH")])))
-    out = _cache() / f"onceflow-spark-{_version()}.jar"
-    if out.exists():
-        return out
-    if jars is None or javac is None:
-        log.warning("onceflow's JVM reader is not available (%s): JSON lines are read by "
-                    "Python workers instead", "no javac: install a JDK, not only a JRE"
-                    if javac is None else "pyspark's jars are missing")
+def _jar_state() -> tuple[Path | None, str | None, str | None]:
+    """(the jar, its Spark version, why it is not usable): read once per process."""
+    attrs = manifest(JAR)
+    version = attrs.get("Onceflow-Spark-Version")
+    if not version:
+        return None, None, (f"its jar is missing from this installation ({JAR}): onceflow "
+                            "was installed without building it. Its build compiles it, with "
+                            "a JDK: in a checkout `bash run.sh` (any command), or `pip "
+                            "install --no-build-isolation --no-deps -e .`")
+    digest = sources_digest()
+    if digest is not None and digest != attrs.get("Onceflow-Sources-Digest"):
+        return None, version, (f"its jar ({JAR}) is older than the sources in {SOURCES}: "
+                               "rebuild it with `bash run.sh` (any command) or `pip install "
+                               "--no-build-isolation --no-deps -e .`")
+    return JAR, version, None
+
+
+def _major_minor(version: str) -> tuple[str, ...]:
+    return tuple(version.split(".")[:2])
+
+
+def unusable(spark_version: str | None) -> str | None:
+    """Why the packaged jar cannot serve a Spark of ``spark_version`` (None: unknown), or
+    None when it can."""
+    _, version, problem = _jar_state()
+    if problem is not None:
+        return f"onceflow's JVM reader is not available ({FALLBACK}): {problem}"
+    if spark_version and _major_minor(spark_version) != _major_minor(version):
+        return (f"onceflow's JVM reader was built for Spark {version} and this Spark is "
+                f"{spark_version}, another minor version, which may not load it ({FALLBACK}). "
+                f"Fix: {FIX}")
+    return None
+
+
+_warned: set[str] = set()
+
+
+def compatible(spark_version: str | None) -> bool:
+    """Whether the packaged jar can serve a Spark of ``spark_version``; when not, a warning
+    (once per reason) says why and that Python workers read JSON lines instead."""
+    problem = unusable(spark_version)
+    if problem is not None and problem not in _warned:
+        _warned.add(problem)
+        log.warning("%s", problem)
+    return problem is None
+
+
+def jar(spark_version: str | None = None) -> Path | None:
+    """The packaged jar, when it serves a Spark of ``spark_version`` (None: the Spark of
+    the installed pyspark, if any); None, logged once, when it does not."""
+    return JAR if compatible(spark_version or installed_spark()) else None
+
+
+def installed_spark() -> str | None:
+    """The version of the Spark this environment starts (its pyspark's), without importing
+    pyspark; None when only the Spark Connect client is installed."""
+    try:
+        return metadata.version("pyspark")
+    except metadata.PackageNotFoundError:
         return None
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        classes = Path(tmp) / "classes"
-        sources = sorted(str(p) for p in SOURCES.rglob("*.java"))
-        done = subprocess.run(
-            [javac, "-d", str(classes), "-cp", str(jars / "*"), "--release", "17",
-             "-nowarn", "-Xlint:-path", *sources], capture_output=True, text=True)
-        if done.returncode != 0:
-            log.warning("onceflow's JVM reader did not compile (Python workers read JSON "
-                        "lines instead):\n%s", done.stderr[-3000:])
-            return None
-        built = Path(tmp) / out.name
-        with zipfile.ZipFile(built, "w", zipfile.ZIP_DEFLATED) as archive:
-            archive.writestr("META-INF/MANIFEST.MF", "Manifest-Version: 1.0\n")
-            for path in sorted(classes.rglob("*.class")):
-                archive.write(path, path.relative_to(classes).as_posix())
-        os.replace(built, out)  # atomic: a task building at the same time finds it whole
-    log.info("built %s", out)
-    return out
 
 
 def _turned_off() -> bool:
@@ -104,7 +141,9 @@ def _turned_off() -> bool:
 def jvm_conf(conf: dict[str, str] | None = None) -> dict[str, str]:
     """``conf`` (Spark settings, e.g. an operator's) plus what gives a session onceflow's JVM
     classes: the jar added to its ``spark.jars`` and the flag. Static settings: for a Spark
-    that onceflow starts (a local session, spark-submit, the local Connect server)."""
+    that onceflow starts (a local session, spark-submit, the local Connect server), checked
+    against the installed pyspark's version (a cluster's Spark is checked when a read asks:
+    ``jvm_reader``)."""
     out = dict(conf or {})
     path = None if _turned_off() else jar()
     if path is None:
@@ -119,14 +158,16 @@ _CONNECT_SESSIONS: dict[str, bool] = {}  # Spark Connect session id -> has the r
 
 
 def jvm_reader(spark) -> bool:
-    """Whether ``spark`` can use onceflow's JVM reader: its Spark was started with the jar
-    (asked once per Spark Connect session: a round trip to the server)."""
+    """Whether ``spark`` can use onceflow's JVM reader: its Spark was started with the jar,
+    and is of the version the jar was built for (asked once per Spark Connect session: round
+    trips to the server)."""
     if _turned_off():
         return False
     session = getattr(spark, "session_id", None)
     if session is not None and session in _CONNECT_SESSIONS:
         return _CONNECT_SESSIONS[session]
-    enabled = str(spark.conf.get(ENABLED, "false")).lower() == "true"
+    enabled = str(spark.conf.get(ENABLED, "false")).lower() == "true" and \
+        compatible(spark.version)
     if session is not None:
         _CONNECT_SESSIONS[session] = enabled
     return enabled

@@ -106,7 +106,7 @@ def ship_code(*refs: object) -> list[str]:
 
 
 # The Spark Connect session every processing task joins (connect_session's ``shared``), and the
-# warm-up of a server onceflow starts (onceflow.dev.localspark): one for all pipelines, so that
+# warm-up of a server onceflow starts (spark_tasks.localspark): one for all pipelines, so that
 # the Python workers a warm-up or an earlier task started are the ones the next task finds.
 SHARED_SESSION_KEY = "onceflow"
 

@@ -1,6 +1,6 @@
-"""The suite's fixtures come from onceflow's pytest plugin (onceflow.dev.testing, loaded by
-pyproject.toml's addopts): a real PostgreSQL with a fresh database per test, one local
-SparkSession, an Airflow home of the run's own.
+"""The suite's fixtures come from onceflow's pytest plugin (onceflow_testing.plugin, beside
+this file, loaded by pyproject.toml's addopts): a real PostgreSQL with a fresh database per
+test, one local SparkSession, an Airflow home of the run's own.
 
 The suite runs on two pytest-xdist workers (``-n 2 --dist loadgroup --no-loadscope-reorder``
 in addopts; ``-n 0`` runs it in one process). Each worker has its own of the session's

@@ -286,7 +286,7 @@ def deployment(tmp_path_factory, template_db, server_dsn):
     from onceflow.core.registration import register
     from onceflow.core.registry import clear_cache, get_pipeline
     from onceflow.dev import localspark
-    from onceflow.dev.testing import fresh_database
+    from onceflow_testing.plugin import fresh_database
 
     folder = tmp_path_factory.mktemp("celery-cluster")
     landing = folder / "shared" / "landing"  # what every machine mounts

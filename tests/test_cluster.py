@@ -205,8 +205,8 @@ def test_a_spark_connect_server_on_the_cluster(cluster, pageviews, conn, dsn, ai
     """The warm Spark of a deployment: a Connect server whose master is the cluster; the
     process task is its client, the user's code shipped by value to the cluster's executors."""
     from onceflow.airflow import transaction_dag
-    from onceflow.dev import localspark
     from onceflow.dev.localenv import spark_connection as connect_connection
+    from spark_tasks import localspark
 
     port, = free_ports(1)
     folder = tmp_path / "connect"

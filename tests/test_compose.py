@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from onceflow.dev.localspark import SERVER_CLASS
+from spark_tasks.localspark import SERVER_CLASS
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKERS = ("airflow-worker-1", "airflow-worker-2")  # Celery workers
@@ -95,7 +95,7 @@ def test_spark_runs_the_cluster_and_the_warm_server_on_it(compose):
     assert SERVER_CLASS in connect and "--master spark://spark-master:7077" in connect
     assert "spark.connect.grpc.binding.port=15002" in connect
     # the server's driver JVM has the options of the local server onceflow starts
-    from onceflow.dev.localspark import SERVER_JAVA_OPTIONS
+    from spark_tasks.localspark import SERVER_JAVA_OPTIONS
 
     assert f"'spark.driver.extraJavaOptions={SERVER_JAVA_OPTIONS}' " in connect
 
@@ -108,7 +108,12 @@ def test_one_image_with_onceflow_and_shared_data_everywhere(compose):
         # the data volume at the same path in every Airflow worker and Spark container
         assert "onceflow-data:/data" in service["volumes"], name
     build = services["spark-worker-1"]["build"]["dockerfile_inline"]
-    assert "openjdk-17-jre-headless" in build
+    # the wheels are built with a JDK (onceflow's build compiles its JVM reader), the image
+    # that runs them has a JRE
+    wheels, runs = build.split("\n\n")
+    assert "openjdk-17-jdk-headless" in wheels and "pip wheel" in wheels
+    assert "openjdk-17-jre-headless" in runs and "-jdk-" not in runs
+    assert "COPY --from=wheels" in runs
     for path in ("/opt/onceflow", "/opt/onceflow/examples/tweets"):
         assert path in build
         assert (ROOT / path.removeprefix("/opt/onceflow").lstrip("/")).exists()

@@ -1,9 +1,9 @@
-"""Exactly once under real faults (onceflow.dev.faults): processes killed with SIGKILL while
+"""Exactly once under real faults (onceflow_testing.faults): processes killed with SIGKILL while
 staging, inside the commit transaction and right after its COMMIT; PostgreSQL crashed
 (immediate-mode restart of a private cluster) between staging and commit and under a commit;
 duplicate triggers; zombie attempts reaching the staging fence; runs that die silently.
 
-A fault counts only once it happened (onceflow.dev.faults confirms each), and an agent that
+A fault counts only once it happened (onceflow_testing.faults confirms each), and an agent that
 hangs fails within its own deadline, showing its stderr. The oracle is the test's own
 (helpers.assert_exact): it reads what the generator wrote (the payload list), with none of
 onceflow's bookkeeping as the expectation, and every count must match: zero duplicates, zero
@@ -30,8 +30,8 @@ from onceflow.core.commit import commit
 from onceflow.core.errors import StagingIncomplete
 from onceflow.core.registration import register
 from onceflow.core.registry import get_pipeline
-from onceflow.dev.faults import KINDS, Agent, AgentError, FaultRun, run_and_kill
 from onceflow.dev.localpg import crash_restart, recreate_database, start_private, stop_private
+from onceflow_testing.faults import KINDS, Agent, AgentError, FaultRun, run_and_kill
 from tweets_example.data import generate
 
 SEED = int(os.environ.get("ONCEFLOW_FAULT_SEED", "20261123"))

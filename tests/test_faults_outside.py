@@ -1,4 +1,4 @@
-"""Kills inside commits that write outside the coordinator's database (onceflow.dev.faults'
+"""Kills inside commits that write outside the coordinator's database (onceflow_testing.faults'
 agents): a state table kept in a second database, and a stateful bolt's key-value state in
 Redis. After recovery every row's and key's txid, value and previous value must equal the
 pure opaque reference (onceflow.core.opaque) fed with what each attempt read, by the test's
@@ -24,7 +24,7 @@ from onceflow.core.begin import begin, mark_failed
 from onceflow.core.commit import commit
 from onceflow.core.registration import register
 from onceflow.core.registry import clear_cache, get_pipeline
-from onceflow.dev.faults import Agent, run_and_kill
+from onceflow_testing.faults import Agent, run_and_kill
 
 SEED = int(os.environ.get("ONCEFLOW_FAULT_SEED", "20261123"))
 TESTS = Path(__file__).parent

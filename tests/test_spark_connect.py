@@ -24,8 +24,8 @@ from helpers import (
     outside_pipeline,
     table,
 )
-from onceflow.dev import localspark
 from onceflow.dev.localenv import spark_connection
+from spark_tasks import localspark
 
 RUNNER = Path(__file__).with_name("dag_runner.py")
 

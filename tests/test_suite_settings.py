@@ -1,5 +1,5 @@
 """How the suite itself runs: under CI (the CI environment variable, which .ci/run sets),
-hypothesis is derandomized and has no per-example deadline (onceflow.dev.testing), so a CI
+hypothesis is derandomized and has no per-example deadline (onceflow_testing.plugin), so a CI
 run cannot pass once and fail the next time on the same code, nor fail on a loaded machine."""
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def profile(tmp_path: Path, ci: str | None, *extra: str) -> str:
         env["CI"] = ci
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-c", os.devnull, "--rootdir", str(tmp_path),
-         "-p", "onceflow.dev.testing", "-p", "no:cacheprovider", "-q", "-s", *extra,
+         "-p", "onceflow_testing.plugin", "-p", "no:cacheprovider", "-q", "-s", *extra,
          str(test)], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     return next(line for line in done.stdout.splitlines() if line.startswith("PROFILE"))

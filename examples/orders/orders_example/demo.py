@@ -15,12 +15,13 @@ fails, 2 for bad arguments.
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import sys
 import time
 from pathlib import Path
 
-from onceflow.dev.demo import command_main, positive_int
+from onceflow.ops.cli import positive_int, run_command
 from orders_example import data
 
 
@@ -156,7 +157,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return command_main("orders-demo", build_parser(), argv)
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return run_command("orders-demo", args.func, args)
+    finally:
+        gc.freeze()  # skips the exit's last collection of Airflow's objects (tweets_example)
 
 
 if __name__ == "__main__":

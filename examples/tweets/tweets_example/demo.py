@@ -11,11 +11,12 @@ status 1 when the check fails or a run fails.
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import sys
 import time
 
-from onceflow.dev.demo import command_main, positive_int
+from onceflow.ops.cli import positive_int, run_command
 from tweets_example.data import generate
 from tweets_example.pipelines import PIPELINES
 
@@ -41,18 +42,36 @@ def _produce(args, conn, pipeline) -> int:
     return n
 
 
-def _setup(args, for_runs: bool = False):
+def _dsn(for_runs: bool) -> str:
+    """The demo's PostgreSQL. In onceflow's checkout (run.sh) its embedded environment finds
+    or starts one, and for DAG runs the local Spark and Airflow. Where onceflow is installed
+    from its package (docker-compose.yml's image), `produce` uses ONCEFLOW_PG_DSN."""
     from onceflow.core import db
-    from onceflow.core.registration import register
-    from onceflow.core.registry import get_pipeline
-    from onceflow.dev.demo import prepare_dag_test
-    from onceflow.dev.localenv import embedded_env
+    from onceflow.core.errors import ConfigError
 
+    try:
+        from onceflow.dev.demo import prepare_dag_test
+        from onceflow.dev.localenv import embedded_env
+    except ModuleNotFoundError:
+        if for_runs:
+            raise ConfigError("the demo's DAG runs need onceflow's checkout (bash run.sh "
+                              "demo); with your own Airflow, trigger onceflow_tweets there "
+                              "and add tweets with `tweets-demo produce`") from None
+        return db.dsn_from_env()
     # for DAG runs, Airflow's in-process API is built while the Spark server starts
     # (run_transactions waits for the server)
     dsn = embedded_env(wait_spark=not for_runs)
     if for_runs:
         prepare_dag_test()
+    return dsn
+
+
+def _setup(args, for_runs: bool = False):
+    from onceflow.core import db
+    from onceflow.core.registration import register
+    from onceflow.core.registry import get_pipeline
+
+    dsn = _dsn(for_runs)
     db.ensure_database(dsn)
     conn = db.connect(dsn)
     db.migrate(conn)
@@ -140,7 +159,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return command_main("tweets-demo", build_parser(), argv)
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return run_command("tweets-demo", args.func, args)
+    finally:
+        # The interpreter's last garbage collection, as it exits, walks every object that
+        # Airflow and the Spark Connect client made: 4 s after a demo had printed its
+        # result (measured). Nothing left needs collecting then; frozen objects are skipped.
+        gc.freeze()
 
 
 if __name__ == "__main__":

@@ -5,7 +5,6 @@ with Airflow's and Spark's own output sent to a log file.
 
 from __future__ import annotations
 
-import gc
 import importlib.util
 import logging
 import os
@@ -104,38 +103,3 @@ def run_transactions(dag, count: int, conf: Mapping[str, Any], log_file: Path
         results.append((dr.run_id, str(dr.state), time.monotonic() - started))
         print(f"  run {dr.run_id}: {dr.state} in {results[-1][2]:.1f}s", flush=True)
     return results
-
-
-def positive_int(text: str) -> int:
-    """An argparse type: an integer of 1 or more."""
-    import argparse
-
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value}: give 1 or more")
-    return value
-
-
-def command_main(prog: str, parser, argv: list[str] | None = None) -> int:
-    """A demo command's main: parse, log at INFO, run ``args.func(args)``; a user mistake
-    (Permanent) exits 2 with its message, another onceflow failure 1, never a traceback."""
-    import logging
-
-    from onceflow.core.errors import OnceflowError, Permanent
-
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        return args.func(args)
-    except Permanent as error:
-        print(f"{prog}: error: {error}", file=sys.stderr)
-        return 2
-    except OnceflowError as error:
-        print(f"{prog}: failed: {type(error).__name__}: {error}", file=sys.stderr)
-        return 1
-    finally:
-        # The interpreter's last garbage collection, as it exits, walks every object that
-        # Airflow and the Spark Connect client made: 4 s after a demo had printed its
-        # result (measured). Nothing left needs collecting then; frozen objects are skipped.
-        gc.freeze()

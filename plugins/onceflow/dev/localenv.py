@@ -107,7 +107,7 @@ def embedded_env(*, warm_spark: bool = True, wait_spark: bool = True) -> str:
     # a Spark connection given in the environment wins: no local server to start for it
     if warm_spark and os.environ.get("ONCEFLOW_SPARK", "connect") == "connect" \
             and "AIRFLOW_CONN_SPARK_DEFAULT" not in os.environ:
-        from onceflow.dev import localspark
+        from spark_tasks import localspark
 
         _launched = localspark.launch(warm=wait_spark)
         port = _launched.port

@@ -19,8 +19,9 @@ from onceflow.core.errors import ConfigError, OnceflowError, Permanent
 EPILOG = """\
 Pipelines are found by entry point (group onceflow.pipelines) and by module:attribute
 references in ONCEFLOW_PIPELINES or --pipelines.
-PostgreSQL: ONCEFLOW_PG_DSN (default postgresql://postgres@127.0.0.1:5432/onceflow);
-`onceflow pg` finds or starts a local one. `onceflow COMMAND --help` explains each command.
+PostgreSQL: ONCEFLOW_PG_DSN (default postgresql://postgres@127.0.0.1:5432/onceflow); in
+onceflow's checkout, `onceflow pg` finds or starts a local one. `onceflow COMMAND --help`
+explains each command.
 """
 
 
@@ -82,22 +83,43 @@ def _non_negative(text: str) -> int:
     return value
 
 
-def _positive(text: str) -> int:
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number of 1 or more."""
     value = _non_negative(text)
     if value == 0:
         raise argparse.ArgumentTypeError("0: give 1 or more")
     return value
 
 
+def _checkout(module: str, what: str, instead: str):
+    """``onceflow.dev.<module>``: the helpers of onceflow's checkout (a local PostgreSQL, its
+    Airflow environment, the demo's DAG runner), importable in the checkout's editable
+    install only; the package has none of them. Without them: a ConfigError saying ``what``
+    needs the checkout, and ``instead``."""
+    import importlib
+
+    try:
+        return importlib.import_module(f"onceflow.dev.{module}")
+    except ModuleNotFoundError as error:
+        if error.name not in ("onceflow.dev", f"onceflow.dev.{module}"):
+            raise
+        raise ConfigError(f"{what} is a development command of onceflow's checkout (run it "
+                          f"there through run.sh); this onceflow is installed as a package. "
+                          f"{instead}") from None
+
+
 # -- commands -------------------------------------------------------------------------------------
 def cmd_pg(args) -> int:
-    from onceflow.dev.localenv import project_dir
-    from onceflow.dev.localpg import ensure_postgres, private_data_dir, stop_private
+    localpg = _checkout(
+        "localpg", "`onceflow pg` (find or start a throwaway PostgreSQL for the demo and the "
+        "tests)", "Point onceflow at your PostgreSQL with ONCEFLOW_PG_DSN, e.g. "
+        "postgresql://user@host:5432/onceflow, then `onceflow init`")
+    from onceflow.dev import project_dir
 
     if args.stop:
-        stop_private(private_data_dir(project_dir()))
+        localpg.stop_private(localpg.private_data_dir(project_dir()))
         return 0
-    dsn, how = ensure_postgres(project_dir())
+    dsn, how = localpg.ensure_postgres(project_dir())
     print(f"onceflow: using {how}", file=sys.stderr)
     print(dsn)
     return 0
@@ -312,13 +334,15 @@ def cmd_backfill(args) -> int:
     dag_id = args.dag_id or f"onceflow_{pipeline.name}"
     load = None
     if args.via == "local" and not args.dry_run:
-        from onceflow.dev.demo import load_dag
-        from onceflow.dev.localenv import embedded_env, project_dir
-
-        embedded_env()
+        instead = ("Backfill with --via airflow (the default): the runs are queued for your "
+                   "Airflow's scheduler")
+        demo = _checkout("demo", "`onceflow backfill --via local` (DAG runs here with "
+                         "dag.test(), from the checkout's dags/ folder)", instead)
+        localenv = _checkout("localenv", "`onceflow backfill --via local`", instead)
+        localenv.embedded_env()
 
         def load():
-            return load_dag(project_dir() / "dags", dag_id)
+            return demo.load_dag(localenv.project_dir() / "dags", dag_id)
     with db.connection() as conn:
         done = backfill(conn, pipeline.name, dag_id, args.via, args.dry_run, load)
     return 0 if all(state in ("success", "queued") for _, _, state in done) else 1
@@ -394,7 +418,7 @@ def cmd_release(args) -> int:
 
 
 def cmd_spark(args) -> int:
-    from onceflow.dev import localspark
+    from spark_tasks import localspark
 
     args.port = args.port or localspark.DEFAULT_PORT
     if args.action == "start":
@@ -404,17 +428,15 @@ def cmd_spark(args) -> int:
         stopped = localspark.stop(args.port)
         print("stopped" if stopped else "not running")
     elif args.action == "jar":
-        from spark_tasks.jvm import ENABLED, jar
+        from spark_tasks.jvm import ENABLED, JAR, built_for, installed_spark, unusable
 
-        path = jar()
-        if path is None:
-            print("onceflow's JVM reader cannot be built here: it needs javac (a JDK 17, not "
-                  "only a JRE) and pyspark's jars; without it JSON lines are read by Python "
-                  "workers", file=sys.stderr)
-            return 1
-        print(path)
-        print(f"for a Spark that onceflow does not start (your Connect server, a cluster): "
-              f"--jars {path} --conf {ENABLED}=true", file=sys.stderr)
+        problem = unusable(installed_spark())
+        if problem is not None:
+            raise ConfigError(problem)
+        print(JAR)
+        print(f"built for Spark {built_for()}; for a Spark of that version that onceflow does "
+              f"not start (your Connect server, a cluster): --jars {JAR} --conf "
+              f"{ENABLED}=true", file=sys.stderr)
     else:
         current = localspark.status(args.port)
         print(current.line())
@@ -423,14 +445,17 @@ def cmd_spark(args) -> int:
 
 
 def cmd_ui(args) -> int:
-    from onceflow.dev.localenv import embedded_env, project_dir
-
-    embedded_env()
+    localenv = _checkout(
+        "localenv", "`onceflow ui` (airflow standalone on the checkout's DAGs folder, with a "
+        "local PostgreSQL and Spark)", "In your own Airflow, a DAG file of yours gives the "
+        "pipelines their DAGs (docs/write-your-own-pipeline.md) and onceflow's view is in "
+        "its navigation")
+    localenv.embedded_env()
     cmd_init(argparse.Namespace(pipeline=None, pipelines=_refs(args)))
     home = os.environ["AIRFLOW_HOME"]
     print(f"Airflow UI: http://127.0.0.1:8080  user admin, password in "
           f"{home}/simple_auth_manager_passwords.json.generated")
-    print(f"DAGs folder {project_dir() / 'dags'}; stop with Ctrl-C")
+    print(f"DAGs folder {localenv.project_dir() / 'dags'}; stop with Ctrl-C")
     sys.stdout.flush()
     os.execvp("airflow", ["airflow", "standalone"])
     return 0  # not reached
@@ -456,7 +481,8 @@ def build_parser() -> argparse.ArgumentParser:
                            help="the pipeline (default: the only registered one)")
         return p
 
-    p = add("pg", cmd_pg, "find or start PostgreSQL and print its DSN", pipeline=False)
+    p = add("pg", cmd_pg, "find or start PostgreSQL and print its DSN (onceflow's checkout "
+            "only: its demo and tests)", pipeline=False)
     p.add_argument("--stop", action="store_true", help="stop the private cluster in .pgdata/")
     add("init", cmd_init, "create the database, apply migrations, register pipelines and "
         "create their sources (default: every registered pipeline)")
@@ -480,7 +506,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("status", cmd_status, "transactions in commit order, what holds up open ones, "
             "partition offsets and lag, gaps, backflow queues, dead letters, damaged "
             "bookkeeping (exit 1 when there is some: see `onceflow repair`)")
-    p.add_argument("--limit", type=_positive, default=20, help="last N transactions (20)")
+    p.add_argument("--limit", type=positive_int, default=20, help="last N transactions (20)")
     p.add_argument("--json", action="store_true", help="print it as JSON")
     p.add_argument("--all", action="store_true", help="list every dead letter")
     p = add("verify", cmd_verify, "check the committed state: re-run the topology over every "
@@ -504,7 +530,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dag-id", help="the pipeline's DAG (default onceflow_<pipeline>)")
     p.add_argument("--via", choices=("airflow", "local"), default="airflow",
                    help="airflow: queue runs for the scheduler (airflow dags trigger); "
-                        "local: run them here one by one with dag.test() (default airflow)")
+                        "local: run them here one by one with dag.test(), in onceflow's "
+                        "checkout (default airflow)")
     p.add_argument("--dry-run", action="store_true", help="only list what would be re-run")
     p = add("replay-dead-letters", cmd_replay_dead_letters,
             "put chosen dead letters back in the backflow queue (after fixing their cause)")
@@ -521,18 +548,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("release", cmd_release, "free a planned txid whose run is dead, now: its attempt is "
             "fenced and the next run adopts the txid (refused while a task of it reports, "
             "unless --force)")
-    p.add_argument("--txid", type=_positive, required=True, help="the planned txid")
+    p.add_argument("--txid", type=positive_int, required=True, help="the planned txid")
     p.add_argument("--force", action="store_true",
                    help="also when its holder reported within the lease (its writes are then "
                         "refused)")
     p = add("spark", cmd_spark, "start, stop or check the local Spark Connect server (the warm "
-            "Spark processing tasks use in local mode); jar: build onceflow's JVM reader and "
-            "print its path, for a Spark onceflow does not start", pipeline=False)
+            "Spark processing tasks use in local mode); jar: print the path of onceflow's JVM "
+            "reader (built with the package), for a Spark onceflow does not start",
+            pipeline=False)
     p.add_argument("action", choices=("start", "stop", "status", "jar"))
-    p.add_argument("--port", type=_positive, default=None,
+    p.add_argument("--port", type=positive_int, default=None,
                    help="its port (default ONCEFLOW_SPARK_CONNECT_PORT or 15002)")
     add("ui", cmd_ui, "start the Airflow UI (airflow standalone on 127.0.0.1:8080) with the "
-        "embedded defaults", pipeline=False)
+        "embedded defaults (onceflow's checkout only: `bash run.sh ui`)", pipeline=False)
     return parser
 
 
@@ -544,17 +572,23 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["ONCEFLOW_PIPELINES"] = ",".join(
             filter(None, [os.environ.get("ONCEFLOW_PIPELINES"), *args.pipelines]))
         args.pipelines = ()
+    return run_command(f"onceflow {args.command}", args.func, args)
+
+
+def run_command(prog: str, func, args) -> int:
+    """``func(args)``'s exit status, the way every onceflow command ends (the examples' demo
+    commands too): a user's mistake (Permanent) is one line naming it and exit 2, another
+    onceflow failure one line and exit 1, never a traceback."""
     try:
-        return args.func(args)
+        return func(args)
     except Permanent as error:
-        print(f"onceflow {args.command}: error: {error}", file=sys.stderr)
+        print(f"{prog}: error: {error}", file=sys.stderr)
         return 2
     except OnceflowError as error:
-        print(f"onceflow {args.command}: failed: {type(error).__name__}: {error}",
-              file=sys.stderr)
+        print(f"{prog}: failed: {type(error).__name__}: {error}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print(f"onceflow {args.command}: interrupted", file=sys.stderr)
+        print(f"{prog}: interrupted", file=sys.stderr)
         return 130
 
 

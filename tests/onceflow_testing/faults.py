@@ -13,7 +13,7 @@ one Spark session) in a random but seeded order, and on the way:
 - marks an attempt failed after a fault, as Airflow's failure callback does after the last
   retry, so that a later run adopts it.
 
-Killed processes are agents, ``python -m onceflow.dev.faults stage|commit ...``, which do one
+Killed processes are agents, ``python -m onceflow_testing.faults stage|commit ...``, which do one
 write and pause at the chosen point until they are killed: besides the coordinator's commit
 steps, inside a state's own transaction in another database and after its COMMIT, and
 before and after a key-value store's commit (``commit_steps``). A fault counts (``happened``)
@@ -124,7 +124,7 @@ def _pause_inside_external_and_kv(on_step: Callable[[str], None]) -> None:
 
 
 def agent_main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m onceflow.dev.faults")
+    parser = argparse.ArgumentParser(prog="python -m onceflow_testing.faults")
     parser.add_argument("action", choices=("stage", "commit"))
     parser.add_argument("--pipeline", required=True)
     parser.add_argument("--settings", default="{}", help="pipeline settings (JSON)")
@@ -204,13 +204,13 @@ class Kill:
 
 
 class Agent:
-    """A running agent (``python -m onceflow.dev.faults ...``). Its stdout and stderr are
+    """A running agent (``python -m onceflow_testing.faults ...``). Its stdout and stderr are
     read by threads of their own, so a wait has a deadline even when the agent prints
     nothing, and its stderr is there to show when it hangs or fails."""
 
     def __init__(self, argv: list[str], env: dict[str, str]):
         self.argv = list(argv)
-        self.proc = subprocess.Popen([sys.executable, "-m", "onceflow.dev.faults", *argv],
+        self.proc = subprocess.Popen([sys.executable, "-m", "onceflow_testing.faults", *argv],
                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True)
         self.lines: queue.Queue[str | None] = queue.Queue()

@@ -1,8 +1,10 @@
 """A pytest plugin for testing pipelines against the real services: a real PostgreSQL (one
 fresh database per test, cloned from a migrated template), one local SparkSession for the
-whole run, and an Airflow home of the run's own (under pytest-xdist: per worker). Use it
-with ``-p onceflow.dev.testing`` (or ``pytest_plugins = ["onceflow.dev.testing"]`` in a
-conftest.py).
+whole run, and an Airflow home of the run's own (under pytest-xdist: per worker). The suite
+loads it with ``-p onceflow_testing.plugin`` (pyproject.toml's addopts). It is the checkout's
+(tests/onceflow_testing/), not the package's: it needs onceflow.dev, and it registers the
+examples (onceflow.dev.use_examples) and puts tests/ on the path of every process the tests
+start (the fault harness's agents, benchmarks run as scripts).
 
 Fixtures: ``dsn`` (a fresh migrated database; also ONCEFLOW_PG_DSN and the Airflow connection
 onceflow_pg for the test), ``conn`` (a connection to it), ``second_dsn`` (an empty second
@@ -25,6 +27,7 @@ import logging
 import os
 import tempfile
 from contextlib import contextmanager
+from pathlib import Path
 
 import psycopg2
 import pytest
@@ -38,9 +41,15 @@ _counter = itertools.count()
 
 def pytest_configure(config) -> None:
     """Before anything imports Airflow: PostgreSQL found, an Airflow home of this run's own."""
+    from onceflow.dev import use_examples
     from onceflow.dev.localenv import airflow_env, apply_env, project_dir
     from onceflow.dev.localpg import ensure_postgres
 
+    # the suite runs the examples' pipelines and DAGs, registered as `bash run.sh demo` has
+    # them (for this process and every one it starts: Airflow's, Spark's, the CLI's)
+    use_examples()
+    tests = str(Path(__file__).resolve().parents[1])
+    os.environ["PYTHONPATH"] = os.pathsep.join([tests, os.environ["PYTHONPATH"]])
     root = project_dir()
     server, how = ensure_postgres(root)
     home = tempfile.mkdtemp(prefix="onceflow-airflow-")
@@ -192,7 +201,7 @@ def spark_connect_server(tmp_path_factory):
     that processing tasks reach through a ``spark_connect`` connection. Yields its port."""
     import socket
 
-    from onceflow.dev import localspark
+    from spark_tasks import localspark
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -72,9 +72,8 @@ class ServerStatus:
 def _dir(folder: Path | None = None) -> Path:
     if folder is not None:
         return Path(folder)
-    from onceflow.dev import project_dir
-
-    return project_dir() / ".run" / "spark-connect"
+    # ONCEFLOW_HOME (run.sh: the checkout), else the current directory
+    return Path(os.environ.get("ONCEFLOW_HOME") or Path.cwd()) / ".run" / "spark-connect"
 
 
 def _answers(port: int, timeout: float = 0.5) -> bool:
@@ -185,7 +184,7 @@ class Launch:
                 if self.warm:
                     with open(log, "ab") as out:
                         subprocess.Popen(
-                            [sys.executable, "-m", "onceflow.dev.localspark", "warm-up",
+                            [sys.executable, "-m", "spark_tasks.localspark", "warm-up",
                              f"sc://127.0.0.1:{self.port}"], stdout=out,
                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                             start_new_session=True, env=_own_env())
@@ -236,7 +235,7 @@ def launch(port: int = DEFAULT_PORT, *, master: str | None = None,
         "spark.connect.session.manager.defaultSessionTimeout": "15min",
         "spark.driver.extraJavaOptions": os.environ.get("ONCEFLOW_SPARK_SERVER_JAVA_OPTIONS",
                                                         SERVER_JAVA_OPTIONS),
-        **jvm_conf(),  # onceflow's JVM reader (spark_tasks.jvm), when a JDK can build it
+        **jvm_conf(),  # onceflow's JVM reader (spark_tasks.jvm), when it serves this Spark
     }
     cmd = [str(submit) if submit.exists() else "spark-submit", "--class", SERVER_CLASS,
            "--name", "onceflow-spark-connect",
@@ -320,7 +319,7 @@ def warm_up(url: str) -> float:
     return time.monotonic() - started
 
 
-if __name__ == "__main__":  # start(warm=True) runs: python -m onceflow.dev.localspark warm-up URL
+if __name__ == "__main__":  # start(warm=True) runs: python -m spark_tasks.localspark warm-up URL
     if len(sys.argv) == 3 and sys.argv[1] == "warm-up":
         # A server stopped meanwhile must not leave this process waiting on it for ever:
         # SIGALRM's default action ends it, wherever it waits (a gRPC call in C included).
@@ -331,4 +330,4 @@ if __name__ == "__main__":  # start(warm=True) runs: python -m onceflow.dev.loca
         except Exception as error:  # a warm-up is a courtesy: the server works without it
             print(f"onceflow: warm-up of {sys.argv[2]} failed: {error}", flush=True)
     else:
-        sys.exit("usage: python -m onceflow.dev.localspark warm-up sc://HOST:PORT")
+        sys.exit("usage: python -m spark_tasks.localspark warm-up sc://HOST:PORT")

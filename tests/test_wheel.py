@@ -1,0 +1,272 @@
+"""onceflow installed as a package into the Airflow a team already runs: the wheel carries the
+JVM reader's jar and none of the checkout's own helpers, and a user's package installed beside
+it is all `onceflow pipelines` shows. The examples are registered by `run.sh demo` only.
+
+The whole story, a fresh virtualenv (no system site-packages, no checkout on the path) with
+the wheel and an outside package installed from the lock file, running that package's
+pipeline through its Airflow DAG, takes minutes (pip installs Airflow and pyspark): it is
+marked ``fresh_venv``, left out of the default run and run by .ci/run as
+
+    bash run.sh test tests/test_wheel.py -m fresh_venv -n 0
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import tomllib
+import zipfile
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+from test_outside_pipeline import oracle, payloads
+
+from helpers import table
+from spark_tasks.jvm import sources_digest
+
+ROOT = Path(__file__).resolve().parents[1]
+OUTSIDE = ROOT / "tests" / "outside"
+REF = "pageviews.pipelines:PAGE_VIEWS"
+
+
+def source_tree(dest: Path) -> Path:
+    """The checkout's files as git knows them (tracked or new, not ignored: no .venv, no
+    build/ or egg-info of earlier builds, no built jar), copied to ``dest``: what a clean
+    clone builds from, and two builds at once do not share a build folder."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others",
+                             "--exclude-standard"], cwd=ROOT, capture_output=True,
+                            check=True).stdout.decode().split("\0")
+    for name in filter(None, listed):
+        if (ROOT / name).is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, dest / name)
+    return dest
+
+
+def _wheel(source: Path, out: Path) -> Path:
+    """``pip wheel --no-deps`` of ``source`` with this environment's setuptools and pyspark
+    (what run.sh installs); an isolated build installs the same pinned pyspark first."""
+    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps",
+                           "--no-build-isolation", "--disable-pip-version-check", "-w",
+                           str(out), str(source)], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    name = tomllib.loads((source / "pyproject.toml").read_text())["project"]["name"]
+    return next(out.glob(f"{name.replace('-', '_')}-*.whl"))
+
+
+@pytest.fixture(scope="module")
+def wheels(tmp_path_factory):
+    """onceflow's wheel, built from a clean copy of the checkout, and the outside package's."""
+    tmp = tmp_path_factory.mktemp("wheels")
+    started = time.monotonic()
+    onceflow = _wheel(source_tree(tmp / "onceflow"), tmp / "dist")
+    built_s = time.monotonic() - started
+    outside = _wheel(shutil.copytree(OUTSIDE, tmp / "outside",
+                                     ignore=shutil.ignore_patterns("__pycache__")), tmp / "dist")
+    print(f"onceflow's wheel built in {built_s:.1f}s")
+    return onceflow, outside
+
+
+def _clean_env(**extra: str) -> dict[str, str]:
+    """This environment without what registers the checkout's examples or its tests (the
+    pytest plugin's PYTHONPATH, ONCEFLOW_PIPELINES) or points into the checkout."""
+    drop = ("PYTHONPATH", "ONCEFLOW_PIPELINES", "ONCEFLOW_HOME", "ONCEFLOW_SQL_DIR",
+            "VIRTUAL_ENV")
+    return {**{k: v for k, v in os.environ.items() if k not in drop}, **extra}
+
+
+def test_the_wheel_has_the_jar_and_none_of_the_checkouts_own(wheels):
+    onceflow, _ = wheels
+    with zipfile.ZipFile(onceflow) as archive:
+        names = archive.namelist()
+        with archive.open("spark_tasks/jars/onceflow-spark.jar") as jar, \
+                zipfile.ZipFile(jar) as inner:
+            manifest = inner.read("META-INF/MANIFEST.MF").decode()
+            classes = inner.namelist()
+        entry_points = archive.read(next(n for n in names if n.endswith("entry_points.txt")))
+    assert f"Onceflow-Spark-Version: {metadata.version('pyspark')}" in manifest
+    assert f"Onceflow-Sources-Digest: {sources_digest()}" in manifest
+    assert "onceflow/spark/JsonLinesSource.class" in classes
+    assert not [n for n in names if n.startswith("onceflow/dev/") or n.endswith(".java")]
+    assert not [n for n in names if n.split("/")[0] in ("tests", "examples", "onceflow_testing",
+                                                        "tweets_example", "orders_example")]
+    for module in ("spark_tasks/localspark.py", "onceflow/ops/cli.py",
+                   "onceflow/migrations/001_core.sql", "onceflow/airflow/ui/templates/base.html"):
+        assert module in names
+    assert b"onceflow.pipelines" not in entry_points  # onceflow registers no pipeline itself
+
+
+def test_installed_elsewhere_it_shows_only_the_users_pipeline(wheels, dsn, tmp_path):
+    """The wheel and the outside package installed into a folder of their own (no
+    dependencies: those of this environment serve), run from a directory that knows nothing
+    of the checkout: migrations from the package, the user's pipeline by its entry point and
+    no other, the jar from the package."""
+    target, elsewhere = tmp_path / "site", tmp_path / "cwd"
+    elsewhere.mkdir()
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
+                    "--disable-pip-version-check", "--target", str(target), *map(str, wheels)],
+                   check=True, capture_output=True)
+    env = _clean_env(PYTHONPATH=str(target), ONCEFLOW_HOME=str(elsewhere))
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, *args], cwd=elsewhere, env=env,
+                              capture_output=True, text=True, timeout=300)
+
+    probe = run("-c", "import onceflow, onceflow.core.db as db; print(onceflow.__file__); "
+                      "print(len(db.migration_files()))").stdout.split()
+    assert probe[0].startswith(str(target))
+    assert int(probe[1]) == len(list((ROOT / "sql").glob("[0-9][0-9][0-9]_*.sql")))
+    listed = run("-m", "onceflow.ops.cli", "pipelines")
+    assert listed.returncode == 0, listed.stderr
+    assert [line.split(":")[0] for line in listed.stdout.splitlines()] == ["page_views"]
+    assert f"from {REF})" in listed.stdout
+    init = run("-m", "onceflow.ops.cli", "init")
+    assert init.returncode == 0, init.stderr
+    assert "migrations applied: none (up to date)" in init.stdout
+    assert "pipeline page_views ready" in init.stdout
+    jar = run("-m", "onceflow.ops.cli", "spark", "jar")
+    assert jar.returncode == 0, jar.stderr
+    assert jar.stdout.strip() == str(target / "spark_tasks" / "jars" / "onceflow-spark.jar")
+
+
+def test_run_sh_registers_the_examples_for_the_demo_only(tmp_path):
+    """A user's package beside the checkout's environment: `run.sh onceflow` (and so `run.sh
+    ui`, the same environment) lists it alone; `run.sh demo onceflow` adds the examples."""
+    env = _clean_env(PYTHONPATH=str(OUTSIDE), ONCEFLOW_PIPELINES=REF)
+
+    def names(*args: str) -> list[str]:
+        done = subprocess.run(["bash", str(ROOT / "run.sh"), *args, "pipelines"], env=env,
+                              cwd=tmp_path, capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return sorted(line.split(":")[0] for line in done.stdout.splitlines())
+
+    assert names("onceflow") == ["page_views"]
+    assert names("demo", "onceflow") == ["orders", "orders_files", "page_views", "tweets",
+                                         "tweets_files", "tweets_first_seen"]
+
+
+@pytest.mark.fresh_venv
+@pytest.mark.timeout(3000)  # pip installs Airflow and pyspark: 5-6 minutes on a busy machine
+def test_a_fresh_virtualenv_runs_a_users_pipeline_through_airflow(wheels, dsn, conn,
+                                                                    tmp_path):
+    """`pip install` of the wheel (with the spark extra, from the lock file) and of an outside
+    package into a new virtualenv without system site-packages; no checkout on any path.
+    There: only the user's pipeline is registered, the checkout's commands say they are the
+    checkout's; with an Airflow home of its own and a DAG file of the user's (the three lines
+    of dags/onceflow_pipelines.py), one transaction runs through the pipeline's Airflow DAG
+    (spark-submit in local mode), exact against a count of the payloads; the packaged jar
+    reads JSON lines in a local Spark."""
+    from onceflow.dev.localenv import airflow_connection_json, spark_connection
+
+    venv, elsewhere = tmp_path / "venv", tmp_path / "cwd"
+    elsewhere.mkdir()
+    started = time.monotonic()
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    onceflow, outside = wheels
+    done = subprocess.run(
+        [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+         "-c", str(ROOT / "constraints.txt"), f"{onceflow}[spark]", str(outside)],
+        capture_output=True, text=True, timeout=3600, cwd=elsewhere)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    print(f"fresh virtualenv with the wheel installed in {time.monotonic() - started:.0f}s")
+
+    (elsewhere / "dags").mkdir()
+    shutil.copy(ROOT / "dags" / "onceflow_pipelines.py", elsewhere / "dags")
+    env = {k: v for k, v in _clean_env().items() if not k.startswith("AIRFLOW")}
+    env.update(
+        PATH=os.pathsep.join([str(venv / "bin"), "/usr/local/bin", "/usr/bin", "/bin"]),
+        ONCEFLOW_HOME=str(elsewhere), ONCEFLOW_PG_DSN=dsn, AIRFLOW_HOME=str(tmp_path / "af"),
+        AIRFLOW__CORE__DAGS_FOLDER=str(elsewhere / "dags"),
+        AIRFLOW__CORE__LOAD_EXAMPLES="False",
+        AIRFLOW_CONN_ONCEFLOW_PG=airflow_connection_json(dsn),
+        AIRFLOW_CONN_SPARK_DEFAULT=spark_connection(None),
+        PYSPARK_PYTHON=str(python), PYSPARK_DRIVER_PYTHON=str(python))
+
+    def run(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+        return subprocess.run(args, cwd=elsewhere, env=env, input=stdin, capture_output=True,
+                              text=True, timeout=900)
+
+    where = run(str(python), "-c", "import sys, onceflow, spark_tasks, pageviews; "
+                                   "print(sys.path); print(onceflow.__file__)")
+    assert where.returncode == 0, where.stderr
+    assert str(ROOT) not in where.stdout and where.stdout.split()[-1].startswith(str(venv))
+    assert "ModuleNotFoundError: No module named 'onceflow.dev'" in \
+        run(str(python), "-c", "import onceflow.dev").stderr
+    listed = run("onceflow", "pipelines")
+    assert listed.returncode == 0, listed.stderr
+    assert [line.split(":")[0] for line in listed.stdout.splitlines()] == ["page_views"]
+    pg = run("onceflow", "pg")
+    assert pg.returncode == 2 and "development command of onceflow's checkout" in pg.stderr
+    assert "ONCEFLOW_PG_DSN" in pg.stderr and "Traceback" not in pg.stderr
+    jar = run("onceflow", "spark", "jar")
+    assert jar.returncode == 0 and jar.stdout.strip().startswith(str(venv)), jar.stderr
+
+    assert run("airflow", "db", "migrate").returncode == 0
+    assert run("onceflow", "init").returncode == 0
+    records = payloads(300, seed=11)
+    produced = run("onceflow", "produce", "--pipeline", "page_views",
+                   stdin="\n".join(records) + "\n")
+    assert "produced 300 records" in produced.stdout, produced.stderr
+    script = elsewhere / "run_dag.py"
+    script.write_text(RUN_DAG)
+    ran = run(str(python), str(script))
+    lines = [x for x in ran.stdout.splitlines() if x.startswith("RESULT ")]
+    assert ran.returncode == 0 and lines, ran.stdout[-3000:] + ran.stderr[-3000:]
+    result = json.loads(lines[-1].removeprefix("RESULT "))
+    assert result["state"] == "success"
+    assert result["jvm_reader"] and result["read_in_the_jvm"] and result["rows"] == ["a", "b"]
+
+    countries, pages, rejected, failing = oracle(records)
+    assert table(conn, "SELECT txid, state FROM transactions") == [(1, "committed")]
+    assert dict(table(conn, "SELECT key, value FROM views_per_country")) == dict(countries)
+    assert dict(table(conn, "SELECT key, value FROM views_per_page")) == dict(pages)
+    assert table(conn, "SELECT count(*) FROM rejected_records") == [(rejected,)]
+    parked = table(conn, "SELECT count(*) FROM backflow_items")[0][0] + \
+        table(conn, "SELECT count(*) FROM dead_letters")[0][0]
+    assert parked == failing > 0
+
+
+# Run in the fresh virtualenv: the user's pipeline's DAG from the DAGs folder, then the
+# packaged jar in a local Spark reading JSON lines.
+RUN_DAG = """
+import json, os, sys, time
+from pathlib import Path
+
+from airflow.dag_processing.dagbag import DagBag
+
+bag = DagBag(dag_folder=os.environ["AIRFLOW__CORE__DAGS_FOLDER"])
+assert not bag.import_errors, bag.import_errors
+run = bag.get_dag("onceflow_page_views").test()
+
+from onceflow.core import db
+from onceflow.core.planner import PartitionRange
+from onceflow.sources.landing import LandingFolder
+from spark_tasks.jvm import jvm_reader
+from spark_tasks.session import get_spark
+
+folder = Path("lines")
+folder.mkdir()
+(folder / "a.jsonl").write_bytes(b'{"s": "a"}\\n{"s": "b"}\\n')
+os.utime(folder / "a.jsonl", (time.time() - 5, time.time() - 5))
+source = LandingFolder(topic="fresh_lines", path=str(folder.resolve()), settle_s=0.0,
+                       json_schema="s string")
+dsn = os.environ["ONCEFLOW_PG_DSN"]
+with db.connection(dsn) as conn:
+    source.ensure(conn, create=True)
+    with conn.cursor() as cur:
+        source.positions(cur)
+    conn.commit()
+spark = get_spark("fresh-venv", master="local[1]")
+df = source.read(spark, dsn, [PartitionRange(0, 0, 2)])
+print("RESULT " + json.dumps({
+    "state": str(run.state), "jvm_reader": jvm_reader(spark),
+    "read_in_the_jvm": "onceflow JSON lines" in df._jdf.queryExecution().toString(),
+    "rows": [r["s"] for r in df.orderBy("offset").collect()]}), flush=True)
+spark.stop()
+"""
