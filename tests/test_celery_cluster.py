@@ -285,7 +285,7 @@ def deployment(tmp_path_factory, template_db, server_dsn):
     from onceflow.core.db import connection
     from onceflow.core.registration import register
     from onceflow.core.registry import clear_cache, get_pipeline
-    from onceflow.dev import localspark
+    from spark_tasks import localspark
     from onceflow_testing.plugin import fresh_database
 
     folder = tmp_path_factory.mktemp("celery-cluster")

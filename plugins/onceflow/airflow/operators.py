@@ -461,7 +461,7 @@ class _Processes(_PipelineTask):
         return True
 
     def _process_here(self, url: str, pipeline, dsn: str, ta, group: int) -> None:
-        from onceflow.dev.localspark import revive
+        from spark_tasks.localspark import revive
         from spark_tasks.processing import process_batch
         from spark_tasks.session import SHARED_SESSION_KEY, connect_session
 
