@@ -325,9 +325,10 @@ def cmd_repair(args) -> int:
 
     pipeline = _pipeline(args)
     with db.connection() as conn:
-        report = repair(conn, pipeline, apply=args.yes)
+        report = repair(conn, pipeline, apply=args.yes, accept_changed=args.accept_changed or (),
+                        skip_changed=args.skip_changed or ())
     print("\n".join(report.lines()))
-    return 0
+    return 1 if report.unresolved else 0
 
 
 def cmd_spark(args) -> int:
@@ -443,9 +444,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--error-contains", metavar="TEXT",
                    help="the dead letters with TEXT in any of their errors")
     p.add_argument("--all", action="store_true", help="every dead letter of the pipeline")
-    p = add("repair", cmd_repair, "find what a crash left inconsistent and say what would fix "
-            "it; --yes fixes it")
+    p = add("repair", cmd_repair, "find what a crash left inconsistent, and landed files that "
+            "changed after they were indexed, and say what would fix them; --yes fixes the "
+            "former, --accept-changed or --skip-changed each changed file (exit 1 while one "
+            "is left as it is)")
     p.add_argument("--yes", action="store_true", help="do the repairs")
+    p.add_argument("--accept-changed", action="append", metavar="FILE",
+                   help="a changed landed file (as repair lists it): index it again as it is "
+                        "now, when no pipeline planned its changed part (repeatable)")
+    p.add_argument("--skip-changed", action="append", metavar="FILE",
+                   help="a changed landed file: skip its records no pipeline committed, "
+                        "recorded as gaps, and stop following it (repeatable)")
     p = add("spark", cmd_spark, "start, stop or check the local Spark Connect server (the warm "
             "Spark processing tasks use in local mode); jar: build onceflow's JVM reader and "
             "print its path, for a Spark onceflow does not start", pipeline=False)

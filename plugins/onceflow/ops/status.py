@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import textwrap
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,21 +48,27 @@ class PipelineStatus:
     gaps: list[dict[str, Any]] = field(default_factory=list)
     backflow: dict[str, Any] = field(default_factory=dict)
     dead_letters: dict[str, Any] = field(default_factory=dict)
+    source: list[dict[str, str]] = field(default_factory=list)  # what the source holds up
 
     def as_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), default=str, indent=2)
 
 
 def _stuck(pipeline: str, rows: list[TxRow], last_committed: int) -> list[Stuck]:
+    from onceflow.sources.landing import REPAIR_HINT
+
     backfill = f"onceflow backfill --pipeline {pipeline}"
     out = []
     for row in rows:
         if row.state is TxState.COMMITTED:
             continue
         if row.state in txlog.ADOPTABLE:
+            # A batch refused because a landed file changed fails again until repair.
+            fix = (f"onceflow repair --pipeline {pipeline} (a landed file changed)"
+                   if REPAIR_HINT in (row.reason or "") else
+                   f"the next run adopts it; now: {backfill}")
             out.append(Stuck(row.txid, str(row.state),
-                             f"attempt {row.attempt} {row.state}: {row.reason or '-'}",
-                             f"the next run adopts it; now: {backfill}"))
+                             f"attempt {row.attempt} {row.state}: {row.reason or '-'}", fix))
         elif row.abandoned:
             out.append(Stuck(row.txid, "abandoned",
                              f"run {row.run_id} silent {row.silent_s:.0f}s (lease "
@@ -91,6 +98,9 @@ def pipeline_status(cur, source, pipeline: str, limit: int = 20, dead_letters: i
                             strict=True)) for g in offsets.gaps(cur, pipeline)]
     status.backflow = dataclasses.asdict(backflow.queue_sizes(cur, pipeline))
     status.dead_letters = backflow.dead_letter_summary(cur, pipeline, dead_letters, all_dead)
+    notices = getattr(source, "notices", None)  # (a landing folder's changed files)
+    if notices is not None:
+        status.source = [{"what": what, "fix": fix} for what, fix in notices(cur, pipeline)]
     return status
 
 
@@ -132,6 +142,14 @@ def render(status: PipelineStatus) -> list[str]:
             out.append(f"  txid {s.txid} ({s.state}): {s.holds}")
             if s.fix != "-":
                 out.append(f"    -> {s.fix}")
+    if status.source:
+        out.append("source files that need something:")
+        for notice in status.source:  # wrapped, not cut: the path and command matter
+            out += textwrap.wrap(notice["what"], WIDTH, initial_indent="  ",
+                                 subsequent_indent="    ", break_on_hyphens=False)
+            if notice["fix"] != "-":
+                out += textwrap.wrap(notice["fix"], WIDTH, initial_indent="    -> ",
+                                     subsequent_indent="       ", break_on_hyphens=False)
     out.append("partitions:")
     for p in status.partitions:
         committed = p.committed if p.committed is not None else "-"
