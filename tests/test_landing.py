@@ -196,6 +196,66 @@ def test_a_file_that_grows_is_read_on_at_later_offsets(spark, conn, dsn, landed)
     assert counted(conn) == outside_count(a, b, c)
 
 
+def test_files_that_grow_while_batches_run_are_counted_whole(spark, conn, dsn, tmp_path):
+    """A producer thread appends to two log files in place (no temporary name), each round
+    ending inside a line, while transactions commit; at the end the committed records are
+    the files' lines, counted here, none refused. (GROWING_LINES, GROWING_BATCH: a larger
+    run; it prints its figures.)"""
+    import threading
+
+    folder = tmp_path / "logs"
+    folder.mkdir()
+    source = LandingFolder(topic="growing", path=str(folder), partitions=2, chunk_bytes=8192,
+                           settle_s=0.0)
+    pipeline = get_pipeline("tweets", source=source,
+                            batch_size=int(os.environ.get("GROWING_BATCH", "600")))
+    register(conn, pipeline, create_source=True)
+    total, rounds = int(os.environ.get("GROWING_LINES", "2000")), 4
+    lines = [(line + "\n").encode() for line in clean(total, seed=12)]
+    logs = [folder / "0.log", folder / "1.log"]
+    ahead = threading.Semaphore(1)  # the producer runs at most a round ahead of the batches
+    failed: list[BaseException] = []
+
+    def produce() -> None:
+        try:
+            handles = [open(path, "ab", buffering=0) for path in logs]  # noqa: SIM115
+            held = [b"", b""]  # the rest of a line a round ended inside
+            for r in range(rounds):
+                ahead.acquire(timeout=600)
+                share = lines[r * total // rounds:(r + 1) * total // rounds]
+                for n, f in enumerate(handles):
+                    mine = b"".join(share[n::2])
+                    cut = len(mine) - len(share[n::2][-1]) // 2 if r < rounds - 1 else len(mine)
+                    f.write(held[n] + mine[:cut])
+                    held[n] = mine[cut:]
+            for f in handles:
+                f.close()
+        except BaseException as error:  # noqa: BLE001 (the test thread re-raises it)
+            failed.append(error)
+
+    producer = threading.Thread(target=produce, name="producer")
+    producer.start()
+    during = []
+    while producer.is_alive() or not during:
+        batch, result = run_transaction(spark, dsn, conn, pipeline, f"during-{len(during)}")
+        assert result.status == "committed"
+        during.append(batch.records)
+        ahead.release()
+    producer.join()
+    assert not failed, failed
+    after = drain(spark, dsn, conn, pipeline, "after")
+    urls, _ = counted(conn)
+    oracle, count = outside_count(*logs)
+    print(f"GROWING: {count} lines written by the producer (counted in the files), "
+          f"{sum(urls.values())} records committed, {len(during)} transactions while it "
+          f"wrote ({sum(during)} records), {len(after)} after ({sum(after)})")
+    assert count == total and urls == oracle and sum(urls.values()) == total
+    assert sum(1 for n in during if n) >= 2  # batches committed while the files grew
+    assert table(conn, "SELECT count(*) FROM rejected_records") == [(0,)]
+    assert table(conn, "SELECT count(*) FROM landing_files WHERE changed IS NOT NULL") \
+        == [(0,)]
+
+
 def test_a_changed_file_is_held_back_until_it_is_as_indexed_again(conn, landed):
     """A file that shrank is marked changed and its unread records are not planned; written
     back as it was (another modification time), it is the indexed file again."""
