@@ -460,6 +460,45 @@ def test_a_parquet_file_of_another_schema_is_set_aside_or_stops(spark, conn, dsn
                  ("%bad.parquet",)) == [("missing column(s) ['url']",)]
 
 
+def test_a_parquet_file_edited_in_place_is_refused_naming_the_row_group(spark, conn, dsn,
+                                                                         tmp_path):
+    """A value of a Parquet file's second row group changed in place, its size, footer and
+    modification time kept: the batch's read (checked on the driver before Spark's reader)
+    and the Python payloads refuse that row group, naming it; the first still reads."""
+    import re
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from onceflow.core.errors import SourceChanged
+    from onceflow.core.planner import PartitionRange
+
+    folder = tmp_path / "pq_edit"
+    folder.mkdir()
+    source = LandingFolder(topic="pq_edit", path=str(folder), format="parquet", settle_s=0.0)
+    source.ensure(conn, create=True)
+    path = folder / "t.parquet"
+    pq.write_table(pa.table({"n": list(range(3000))}), path, row_group_size=1000,
+                   compression="NONE", use_dictionary=False, write_statistics=False)
+    settled(path)
+    with conn, conn.cursor() as cur:
+        assert source.positions(cur)[0].head == 3000
+    column = pq.ParquetFile(path).metadata.row_group(1).column(0)
+    at = column.data_page_offset + column.total_compressed_size - 8  # a value's low byte
+    data, before = bytearray(path.read_bytes()), path.stat()
+    data[at] ^= 0x01
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    expected = re.escape(f"landed file '{path}' changed after it was indexed: row group 1 "
+                         "(offsets [1000, 2000) of partition 0) is not the one indexed")
+    with pytest.raises(SourceChanged, match=expected):
+        source.read(spark, dsn, [PartitionRange(0, 0, 3000)])
+    with pytest.raises(RuntimeError, match=expected):
+        list(source.payloads(conn, [PartitionRange(0, 1500, 1501)]))
+    assert source.read(spark, dsn, [PartitionRange(0, 0, 1000)]).count() == 1000
+    conn.rollback()
+
+
 def test_an_empty_batch_commits_nothing_and_moves_nothing(spark, conn, dsn, landed):
     pipeline, _ = landed
     batch, result = run_transaction(spark, dsn, conn, pipeline, "run-1")

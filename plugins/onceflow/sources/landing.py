@@ -320,6 +320,7 @@ class _Known(NamedTuple):
     skipped: str | None
     last: tuple[int, int, int | None] | None  # its last chunk's byte_start, byte_end, crc
     legacy: bool  # a chunk of it was indexed before chunk checksums
+    refused: bool = False  # set aside (a Parquet file of another schema): it holds no record
 
 
 class _Chunk(NamedTuple):
@@ -507,7 +508,8 @@ class LandingFolder(Source):
             """SELECT f.path, f.file_no, f.partition, f.size, f.mtime, f.indexed_to,
                       f.checksum, f.changed, f.skipped, l.byte_start, l.byte_end, l.crc,
                       EXISTS (SELECT 1 FROM landing_chunks o WHERE o.topic = f.topic
-                              AND o.file_no = f.file_no AND o.crc IS NULL AND o.void IS NULL)
+                              AND o.file_no = f.file_no AND o.crc IS NULL AND o.void IS NULL),
+                      f.refused IS NOT NULL
                FROM landing_files f
                LEFT JOIN LATERAL (
                    SELECT c.byte_start, c.byte_end, c.crc FROM landing_chunks c
@@ -515,7 +517,7 @@ class LandingFolder(Source):
                    ORDER BY c.byte_start DESC LIMIT 1) l ON true
                WHERE f.topic = %s AND f.path = ANY(%s)""", (self.topic, paths))
         return {row[0]: _Known(*row[1:9], None if row[9] is None else tuple(row[9:12]),
-                               row[12]) for row in cur.fetchall()}
+                               *row[12:]) for row in cur.fetchall()}
 
     def _scan(self, filesystem, path: str, start: int, size: int, mtime: float) -> _Scan:
         tail = self.unterminated_s is not None and \
@@ -538,6 +540,8 @@ class LandingFolder(Source):
                                   f"({refused}); fix or remove it, or set on_mismatch='skip'")
             return "new", _Scan(0, indexed_to=size) if refused \
                 else _scan_parquet(filesystem, path), refused
+        if known.refused:  # nothing of it is read: whatever it holds now
+            return "grown", _Scan(0, indexed_to=known.indexed_to), None
         if known.legacy:
             return "changed", (f"its size or modification time changed (size "
                                f"{known.size} -> {size}), and it was indexed before chunk "
@@ -764,9 +768,16 @@ class LandingFolder(Source):
             reader = spark.read.schema(self.schema) if self.schema else spark.read
             df = reader.parquet(_spark_path(self.path, path))
             offset = F.lit(bases[path]) + F.col("_metadata.row_index")
+            # the planned ranges, within the row groups that hold records (not void ones)
+            held = []
+            for c in sorted(groups, key=lambda c: c.first):
+                if held and held[-1][1] == c.first:
+                    held[-1][1] = c.first + c.records
+                else:
+                    held.append([c.first, c.first + c.records])
             keep = reduce(lambda a, b: a | b, [
-                (offset >= r.start) & (offset < r.end) for r in ranges
-                if r.partition == partition])
+                (offset >= max(r.start, lo)) & (offset < min(r.end, hi)) for r in ranges
+                for lo, hi in held if r.partition == partition and r.start < hi and lo < r.end])
             parts.append(df.select(
                 F.lit(partition).cast("int").alias("partition"), offset.alias("offset"),
                 F.to_json(F.struct("*"), SPARK_JSON).alias("payload")).where(keep))
