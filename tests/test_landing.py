@@ -256,6 +256,37 @@ def test_files_that_grow_while_batches_run_are_counted_whole(spark, conn, dsn, t
         == [(0,)]
 
 
+def test_a_last_line_without_its_newline_waits_and_status_names_it(conn, tmp_path):
+    """The bytes after a file's last newline are not read while they wait for it; status names
+    the file once it has waited a minute; with ``unterminated_s`` the line is read as a
+    record once its file has been unmodified that long."""
+    import re
+
+    from onceflow.core.planner import PartitionRange
+
+    folder = tmp_path / "tails"
+    folder.mkdir()
+    source = LandingFolder(topic="tails", path=str(folder), settle_s=0.0)
+    register(conn, get_pipeline("tweets", source=source), create_source=True)
+    path = folder / "a.jsonl"
+    path.write_bytes(b'{"n": 1}\n{"n": 2}\n{"n": 3')
+    settled(path, age_s=120)
+    with conn.cursor() as cur:
+        assert source.positions(cur)[0].head == 2
+        [(what, fix)] = source.notices(cur, "tweets")
+    conn.commit()
+    assert re.fullmatch(re.escape(f"landed file {path}: its last 7 bytes have no newline yet "
+                                  "(unmodified for ") + r"12\ds\): they are not read", what)
+    assert fix.startswith("if the file is complete, append a newline to it")
+    later = dataclasses.replace(source, unterminated_s=60.0)
+    with conn.cursor() as cur:
+        assert later.positions(cur)[0].head == 3
+        assert later.notices(cur, "tweets") == []
+    conn.commit()
+    assert [p for *_, p in later.payloads(conn, [PartitionRange(0, 0, 3)])] == [
+        '{"n": 1}', '{"n": 2}', '{"n": 3']
+
+
 def test_a_changed_file_is_held_back_until_it_is_as_indexed_again(conn, landed):
     """A file that shrank is marked changed and its unread records are not planned; written
     back as it was (another modification time), it is the indexed file again."""

@@ -453,12 +453,11 @@ class LandingFolder(Source):
         ``enough()``: checked before the first step and after each (1, 2, 4, ... files);
         true, the rest waits for a later look (a batch does not wait for a backlog's index:
         see positions_until)."""
-        cur.execute("SELECT path, size, mtime, skipped IS NOT NULL FROM landing_files "
+        cur.execute("SELECT path, size, mtime, indexed_to, skipped IS NULL FROM landing_files "
                     "WHERE topic = %s", (self.topic,))
-        seen = {p: (s, m, skipped) for p, s, m, skipped in cur.fetchall()}
+        seen = {p: (s, m, to, followed) for p, s, m, to, followed in cur.fetchall()}
         filesystem, listing = self._listing()
-        todo = [f for f in listing if f[0] not in seen
-                or (not seen[f[0]][2] and seen[f[0]][:2] != (f[1], f[2]))]
+        todo = [f for f in listing if f[0] not in seen or self._again(*seen[f[0]], *f[1:])]
         # Files indexed before are looked at again whatever ``enough`` says: a change must be
         # found before a batch plans over it (a grown file's new lines are few).
         again = [f for f in todo if f[0] in seen]
@@ -471,9 +470,9 @@ class LandingFolder(Source):
         # Under the partitions' locks: what another look indexed meanwhile is seen now.
         known = self._known(cur, [path for path, _, _ in todo])
         work = [(path, size, mtime, known.get(path)) for path, size, mtime in todo
-                if path not in known or (known[path].skipped is None
-                                         and (known[path].size, known[path].mtime)
-                                         != (size, mtime))]
+                if path not in known or self._again(
+                    known[path].size, known[path].mtime, known[path].indexed_to,
+                    known[path].skipped is None, size, mtime)]
         cur.execute("SELECT coalesce(max(file_no), -1) FROM landing_files WHERE topic = %s",
                     (self.topic,))
         file_no = cur.fetchone()[0]
@@ -501,6 +500,18 @@ class LandingFolder(Source):
         log.info("LANDING topic=%s: looked at %d new or changed file(s)%s", self.topic, done,
                  f", {len(work) - done} left for a later look" if done < len(work) else "")
         return done
+
+    def _again(self, size: int, mtime: float, indexed_to: int, followed: bool, now_size: int,
+               now_mtime: float) -> bool:
+        """Whether a look must read an indexed file again: it changed since the last look,
+        or its last line without a newline is now due (``unterminated_s``)."""
+        if not followed:
+            return False
+        if (size, mtime) != (now_size, now_mtime):
+            return True
+        return (self.unterminated_s is not None and self.format != "parquet"
+                and size > indexed_to
+                and datetime.now(UTC).timestamp() - mtime >= self.unterminated_s)
 
     def _known(self, cur, paths: list[str]) -> dict[str, _Known]:
         """The index's state of ``paths`` (those indexed), with each one's last chunk."""
