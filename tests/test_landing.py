@@ -361,7 +361,7 @@ def test_a_rewritten_file_stops_nothing_but_itself_and_repair_moves_on(
     said = capsys.readouterr().out
     assert f"landed file {a} (partition 0) changed: it shrank to" in said
     assert "the bytes of chunk" in said and "nothing done; choose one" in said
-    assert f"--accept-changed {a}: index it again from byte" in said
+    assert f"--accept-changed {a}: index it again as it is now from byte" in said
     assert f"--skip-changed {a}: skip " in said
     assert main([*cli, "repair", "--pipeline", "landed_tweets", f"--{how}-changed", "a.jsonl"]
                 ) == 0
@@ -528,6 +528,43 @@ def test_a_parquet_file_edited_in_place_is_refused_naming_the_row_group(spark, c
         list(source.payloads(conn, [PartitionRange(0, 1500, 1501)]))
     assert source.read(spark, dsn, [PartitionRange(0, 0, 1000)]).count() == 1000
     conn.rollback()
+
+
+def test_a_parquet_file_replaced_before_it_was_read_is_accepted_whole(conn, tmp_path):
+    """A Parquet file replaced under its name before any batch read it: marked changed at the
+    next look; repair --accept-changed indexes the new file whole at new offsets (its old
+    ones void), and its rows are read there."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from onceflow.core.planner import PartitionRange
+    from onceflow.ops.repair import repair
+
+    folder = tmp_path / "pq_replaced"
+    folder.mkdir()
+    source = LandingFolder(topic="pq_replaced", path=str(folder), format="parquet",
+                           settle_s=0.0)
+    pipeline = get_pipeline("tweets", source=source)
+    register(conn, pipeline, create_source=True)
+    path = folder / "t.parquet"
+    pq.write_table(pa.table({"url": ["a", "b", "c"]}), path)
+    settled(path, age_s=20)
+    with conn.cursor() as cur:
+        assert source.positions(cur)[0].head == 3
+    conn.commit()
+    pq.write_table(pa.table({"url": ["x", "y", "z", "w"]}), path, row_group_size=2)
+    settled(path, age_s=10)
+    [found] = repair(conn, pipeline).landed
+    assert found.problem.startswith(f"landed file {path} (partition 0) changed: its size went "
+                                    "from ") and found.done is None
+    [done] = repair(conn, pipeline, accept_changed=["t.parquet"]).landed
+    assert done.done == "accepted as it is now: indexed again, 4 record(s) at new offsets"
+    with conn.cursor() as cur:
+        assert source.positions(cur)[0].head == 7
+    assert list(source.payloads(conn, [PartitionRange(0, 0, 7)])) == [
+        (0, 3 + i, json.dumps({"url": url})) for i, url in enumerate("xyzw")]
+    conn.rollback()
+    assert repair(conn, pipeline).landed == []
 
 
 def test_an_empty_batch_commits_nothing_and_moves_nothing(spark, conn, dsn, landed):

@@ -618,9 +618,11 @@ class LandingFolder(Source):
                             self.topic, path, known.changed)
             cur.execute(
                 """UPDATE landing_files SET size = %s, mtime = %s, indexed_to = %s,
-                          records = records + %s, changed = NULL
+                          records = records + %s, changed = NULL,
+                          checksum = coalesce(%s, checksum)
                    WHERE topic = %s AND file_no = %s""",
-                (size, mtime, found.indexed_to, found.records, self.topic, number))
+                (size, mtime, found.indexed_to, found.records, found.checksum, self.topic,
+                 number))
         base = heads[partition]
         for first, start, end, count, clean_to, crc in found.chunks:
             cur.execute(

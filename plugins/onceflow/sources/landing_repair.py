@@ -85,14 +85,17 @@ class ChangedFile:
         return all(r.committed is not None and r.committed >= chunk.first + chunk.records
                    for r in self.readers)
 
+    @property
+    def to_accept(self) -> list[_Chunk]:
+        """The chunks --accept-changed leaves void: from the first changed one on (a Parquet
+        file's: all, it is indexed again whole)."""
+        return self.chunks if self.parquet else self.changed_chunks
+
     def accept_refusal(self) -> str | None:
         """Why --accept-changed cannot be done (None: it can)."""
-        if not self.changed_chunks:
+        if not self.to_accept:
             return None
-        chunk = self.changed_chunks[0]
-        if self.parquet and self.first > 0:
-            return (f"a Parquet file is indexed again whole, and its row groups before "
-                    f"offset {chunk.first} were read already")
+        chunk = self.to_accept[0]
         planned = self.planned_by(chunk)
         if planned:
             return (f"pipeline(s) {', '.join(planned)} planned or read its offsets "
@@ -108,17 +111,26 @@ class ChangedFile:
     def describe(self) -> str:
         return f"landed file {self.path} (partition {self.partition}) changed: {self.what}"
 
+    @property
+    def restart(self) -> int:
+        """The byte --accept-changed indexes the file again from (0: its start, header
+        included)."""
+        if self.first == 0 or self.parquet:
+            return 0
+        if self.first < len(self.chunks):
+            return self.chunks[self.first].start
+        return self.chunks[-1].end
+
     def choices(self) -> list[str]:
         out = []
         refusal = self.accept_refusal()
-        if self.changed_chunks:
-            chunk = self.changed_chunks[0]
-            start = chunk.start if chunk is not self.chunks[0] else "its start"
-            out.append(f"--accept-changed {self.path}: " + (
-                f"not possible: {refusal}" if refusal else
-                f"index it again from byte {start} as it is now (offsets [{chunk.first}, "
-                f"{self.chunks[-1].first + self.chunks[-1].records}) are left void; its "
-                "lines from there get new offsets)"))
+        gone = self.to_accept
+        void = (f"its {sum(c.records for c in gone)} record(s) from offset {gone[0].first} on "
+                "are left void; " if gone else "")
+        out.append(f"--accept-changed {self.path}: " + (
+            f"not possible: {refusal}" if refusal else
+            f"index it again as it is now from byte {self.restart} ({void}its lines from "
+            "there get new offsets)"))
         skipped = self.to_skip()
         records = sum(c.records for c in skipped)
         out.append(f"--skip-changed {self.path}: skip {records} record(s) of it no pipeline "
@@ -142,6 +154,8 @@ def _check(source: LandingFolder, chunks: list[_Chunk], known_legacy: bool) -> t
     """(index of the first chunk whose bytes are not those indexed, what is wrong with it);
     ``len(chunks)`` when all are as indexed. A chunk indexed before chunk checksums counts as
     changed when its file is marked changed (``known_legacy``)."""
+    if not chunks:
+        return 0, ""
     filesystem, _ = _filesystem(source.path)
     try:
         f = filesystem.open_input_file(chunks[0].path)
@@ -206,15 +220,18 @@ def inspect(cur, source: LandingFolder) -> list[ChangedFile]:
         """SELECT f.file_no, f.partition, f.changed, f.path, f.size, f.mtime,
                   c.first_offset, c.byte_start, c.byte_end, c.records, f.partition, c.crc,
                   c.void, f.checksum
-           FROM landing_files f JOIN landing_chunks c USING (topic, file_no)
-           WHERE f.topic = %s AND f.file_no = ANY(%s) AND c.void IS NULL
+           FROM landing_files f LEFT JOIN landing_chunks c
+                ON c.topic = f.topic AND c.file_no = f.file_no AND c.void IS NULL
+           WHERE f.topic = %s AND f.file_no = ANY(%s)
            ORDER BY f.file_no, c.byte_start""", (source.topic, numbers))
-    files: dict[int, tuple[int, str | None, list[_Chunk]]] = {}
-    for file_no, partition, changed, *chunk in cur.fetchall():
-        files.setdefault(file_no, (partition, changed, []))[2].append(_Chunk(*chunk))
-    readers = _readers(cur, source.topic, {p for p, _, _ in files.values()})
+    files: dict[int, tuple[int, str | None, str, list[_Chunk]]] = {}
+    for file_no, partition, changed, path, *chunk in cur.fetchall():
+        held = files.setdefault(file_no, (partition, changed, path, []))[3]
+        if chunk[2] is not None:  # (a file that holds no record has no chunk)
+            held.append(_Chunk(path, *chunk))
+    readers = _readers(cur, source.topic, {f[0] for f in files.values()})
     found = []
-    for file_no, (partition, changed, chunks) in files.items():
+    for file_no, (partition, changed, path, chunks) in files.items():
         first, what = _check(source, chunks, changed is not None)
         if first == len(chunks) and changed is None:
             continue  # as indexed (a stuck transaction failed for another reason)
@@ -222,7 +239,7 @@ def inspect(cur, source: LandingFolder) -> list[ChangedFile]:
             what = f"{changed} (its indexed chunks are as indexed)"
         elif changed and changed not in what:
             what = f"{changed}; {what}"
-        found.append(ChangedFile(chunks[0].path, file_no, partition, what, chunks, first,
+        found.append(ChangedFile(path, file_no, partition, what, chunks, first,
                                  readers[partition], source.format == "parquet"))
     return found
 
@@ -254,20 +271,19 @@ def accept(cur, source: LandingFolder, change: ChangedFile) -> int:
     if refusal:
         raise ConfigError(f"--accept-changed {change.path}: not possible: {refusal}. Restore "
                           f"the file's bytes, or --skip-changed {change.path}")
-    gone = change.changed_chunks
-    start = 0 if change.first == 0 else gone[0].start if gone else None
+    gone = change.to_accept
+    start = change.restart
     when = datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
     _void(cur, source, change, gone, f"the file changed before these were read; indexed "
                                      f"again from byte {start} by onceflow repair at {when}")
-    if start is not None:
-        cur.execute(
-            """UPDATE landing_files SET indexed_to = %s, records = records - %s,
-                      base_offset = CASE WHEN %s THEN (SELECT next_offset FROM
-                          source_partitions WHERE topic = %s AND partition = %s)
-                          ELSE base_offset END
-               WHERE topic = %s AND file_no = %s""",
-            (start, sum(c.records for c in gone), source.format == "parquet", source.topic,
-             change.partition, source.topic, change.file_no))
+    cur.execute(
+        """UPDATE landing_files SET indexed_to = %s, records = records - %s,
+                  base_offset = CASE WHEN %s THEN (SELECT next_offset FROM
+                      source_partitions WHERE topic = %s AND partition = %s)
+                      ELSE base_offset END
+           WHERE topic = %s AND file_no = %s""",
+        (start, sum(c.records for c in gone), source.format == "parquet", source.topic,
+         change.partition, source.topic, change.file_no))
     # Index it again from there as a look would a grown file (the partitions' locks held).
     cur.execute(
         """SELECT partition, next_offset FROM source_partitions WHERE topic = %s
