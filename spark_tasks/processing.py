@@ -24,7 +24,7 @@ from pyspark.sql import DataFrame, SparkSession
 from onceflow.core import backflow, txlog
 from onceflow.core import stateful as stateful_steps
 from onceflow.core.db import connect, transaction
-from onceflow.core.errors import Fenced
+from onceflow.core.errors import Fenced, SourceChanged
 from onceflow.core.lease import AttemptLease
 from onceflow.core.pipeline import Pipeline
 from onceflow.core.staging import Staged, stage_group
@@ -132,6 +132,19 @@ def read_claimed(spark: SparkSession, conn, pipeline: Pipeline, txid: int, group
             {(p, o): payload for p, o, payload, _ in rows})
 
 
+def _source_changed(error: BaseException) -> str | None:
+    """What a Spark failure says of a landed file that changed under the batch (the line a
+    reader refused it with, onceflow.sources.landing), if that is what failed: a SourceChanged
+    then fails the task at once (retries read the same bytes) and names the file in the
+    transaction's failure, which a Spark error's repr would not."""
+    from onceflow.sources.landing import REPAIR_HINT
+
+    for line in str(error).splitlines():
+        if REPAIR_HINT in line:
+            return line[line.find("landed file"):] if "landed file" in line else line.strip()
+    return None
+
+
 def process_batch(spark: SparkSession, dsn: str, pipeline: Pipeline, ta: TransactionAttempt,
                   group: int = 0, *, stage=stage_group) -> Staged | None:
     """Process group ``group`` of ``ta``'s batch and stage the result.
@@ -181,12 +194,18 @@ def process_batch(spark: SparkSession, dsn: str, pipeline: Pipeline, ta: Transac
                     source = source.unionByName(replayed)
             context = StateContext(pipeline.name, ta.txid, pipeline.state_provider,
                                    pipeline.state_provider_config, dsn) if stateful else None
-            out = run_topology(topology, source, attempt=ta.attempt, acker=pipeline.acker,
-                               tuple_timeout_ms=pipeline.tuple_timeout_ms, state=context,
-                               max_record_bytes=pipeline.source.max_record_bytes,
-                               refusals=refusals, max_key_bytes=pipeline.max_key_bytes,
-                               shapes={spec.source_name: spec.shape()
-                                       for spec in pipeline.typed_states()}).collect()
+            try:
+                out = run_topology(topology, source, attempt=ta.attempt, acker=pipeline.acker,
+                                   tuple_timeout_ms=pipeline.tuple_timeout_ms, state=context,
+                                   max_record_bytes=pipeline.source.max_record_bytes,
+                                   refusals=refusals, max_key_bytes=pipeline.max_key_bytes,
+                                   shapes={spec.source_name: spec.shape()
+                                           for spec in pipeline.typed_states()}).collect()
+            except Exception as error:
+                refusal = _source_changed(error)
+                if refusal is None:
+                    raise
+                raise SourceChanged(refusal) from error
             eden_failed = [(p, o) for p, o, again in out.failed if not again]
             with transaction(conn) as cur:
                 payloads = pipeline.source.payloads_at(cur, eden_failed) if eden_failed else {}

@@ -285,8 +285,8 @@ def deployment(tmp_path_factory, template_db, server_dsn):
     from onceflow.core.db import connection
     from onceflow.core.registration import register
     from onceflow.core.registry import clear_cache, get_pipeline
-    from spark_tasks import localspark
     from onceflow_testing.plugin import fresh_database
+    from spark_tasks import localspark
 
     folder = tmp_path_factory.mktemp("celery-cluster")
     landing = folder / "shared" / "landing"  # what every machine mounts

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -72,7 +73,7 @@ def folders(conn, tmp_path):
         folder.mkdir()
         source = LandingFolder(topic=f"jvm_{kind}", path=str(folder), partitions=2,
                                chunk_bytes=512, settle_s=0.0, json_schema=schema,
-                               max_record_bytes=200)
+                               max_record_bytes=200, unterminated_s=0.0)
         source.ensure(conn, create=True)
         made[kind] = (source, folder)
     return made
@@ -114,6 +115,57 @@ def test_generated_lines_read_alike(spark, conn, dsn, folders, batch):
     name = write(folder, [line.replace(b"\n", b" ") for line in batch])
     jvm, python = both(spark, dsn, conn, source, name)
     assert jvm == python
+
+
+@pytest.mark.parametrize("where", ["head", "middle", "tail"])
+def test_bytes_changed_in_place_are_refused_by_both_readers(spark, conn, dsn, tmp_path,
+                                                            monkeypatch, where):
+    """A landed file edited in place, its size and modification time kept (``touch -r``):
+    within its first 64 KiB, in its middle, within its last 64 KiB. The JVM reader, the
+    Python reader and the Python payloads (verify, the backflow) each refuse the chunk whose
+    bytes changed, naming the file and the chunk; the chunks before it still read."""
+    folder = tmp_path / "edited"
+    folder.mkdir()
+    source = LandingFolder(topic="edited", path=str(folder), chunk_bytes=32 << 10,
+                           settle_s=0.0)
+    source.ensure(conn, create=True)
+    data = b"".join(b'{"i": %d, "s": "%s"}\n' % (i, b"y" * 80) for i in range(4000))
+    path = folder / "e.jsonl"
+    path.write_bytes(data)
+    when = time.time() - 5
+    os.utime(path, (when, when))
+    with conn, conn.cursor() as cur:
+        source.positions(cur)
+    at = data.index(b"y", {"head": 1000, "middle": len(data) // 2,
+                           "tail": len(data) - 1000}[where])
+    before = path.stat()
+    with open(path, "r+b") as f:
+        f.seek(at)
+        f.write(b"z")
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = path.stat()
+    assert (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+    with conn, conn.cursor() as cur:
+        cur.execute("SELECT byte_start, byte_end, first_offset, records FROM landing_chunks "
+                    "WHERE byte_start <= %s AND byte_end > %s", (at, at))
+        start, end, first, records = cur.fetchone()
+    expected = re.escape(
+        f"landed file '{path}' changed after it was indexed: bytes [{start}, {end}) (the "
+        f"chunk of offsets [{first}, {first + records}) of partition 0) are not the bytes "
+        "indexed (CRC-32 ") + "[0-9a-f]{8}, indexed [0-9a-f]{8}" + re.escape(
+        "): refused. `onceflow repair` says what changed and how to go on")
+    ranges = [PartitionRange(0, 0, 4000)]
+    for jvm in ("1", "0"):
+        monkeypatch.setenv("ONCEFLOW_JVM_READER", jvm)
+        df = source.read(spark, dsn, ranges)
+        assert ("onceflow JSON lines" in df._jdf.queryExecution().toString()) == (jvm == "1")
+        with pytest.raises(Exception, match=expected):
+            df.collect()
+        if first:
+            assert source.read(spark, dsn, [PartitionRange(0, 0, first)]).count() == first
+    with pytest.raises(RuntimeError, match=expected):
+        list(source.payloads(conn, ranges))
+    conn.rollback()
 
 
 def test_an_operators_own_jars_are_kept_beside_the_readers(monkeypatch):

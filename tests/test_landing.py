@@ -3,9 +3,12 @@ exactly once; half-written, changed and removed files handled loudly."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
+import zlib
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -103,16 +106,340 @@ def test_a_begin_indexes_what_its_batch_needs_and_leaves_the_rest(conn, tmp_path
     assert [Path(p).name for p, in indexed()] == [f"{i}.jsonl" for i in range(5)]
 
 
-def test_a_changed_file_is_refused_loudly(spark, conn, dsn, landed):
+def clean(count: int, seed: int) -> list[str]:
+    """Tweets the pipeline counts whole: none malformed, poisoned or flaky."""
+    return list(generate(count, seed=seed, malformed_share=0, poison_share=0, flaky_share=0))
+
+
+def settled(*paths: Path, age_s: float = 5.0) -> None:
+    """Make files look untouched for ``age_s`` seconds (older than settle_s)."""
+    for path in paths:
+        when = time.time() - age_s
+        os.utime(path, (when, when))
+
+
+def counted(conn) -> tuple[Counter, int]:
+    """What the pipeline committed: url_counts, and its committed records."""
+    urls = Counter(dict(table(conn, "SELECT key, value FROM url_counts")))
+    records = table(conn, "SELECT coalesce(sum(records), 0) FROM transactions "
+                          "WHERE state = 'committed'")[0][0]
+    return urls, records
+
+
+def outside_count(*paths: Path) -> tuple[Counter, int]:
+    """The oracle, from the files themselves: the URL of every complete line, and how many."""
+    lines = [line for path in paths for line in path.read_bytes().split(b"\n")[:-1]]
+    return Counter(json.loads(line)["url"] for line in lines), len(lines)
+
+
+def drain(spark, dsn, conn, pipeline, prefix: str, most: int = 8) -> list[int]:
+    """Run transactions until one reads nothing new; their record counts."""
+    out = []
+    for n in range(most):
+        batch, result = run_transaction(spark, dsn, conn, pipeline, f"{prefix}-{n}")
+        assert result.status == "committed"
+        out.append(batch.records)
+        if not batch.records:
+            return out
+    raise AssertionError(f"still reading after {most} transactions: {out}")
+
+
+def test_a_file_written_directly_is_read_whole_once_complete(spark, conn, dsn, landed):
+    """A producer writes a file in place (no temporary name) and pauses mid-line: a batch
+    reads its complete lines only; once the rest is written, the next batch reads the rest,
+    from the torn line on. No record is refused, split or lost."""
     pipeline, folder = landed
-    path = land(folder, "a.jsonl", list(generate(100, seed=3)))
-    run_transaction(spark, dsn, conn, pipeline, "run-1")
-    with open(path, "a") as f:
-        f.write(json.dumps({"url": "https://late.example/x"}) + "\n")
-    os.utime(path, (time.time() - 5, time.time() - 5))
-    with pytest.raises(ConfigError, match=r"a.jsonl' changed after it was indexed .* landed "
-                                          r"files must never change"):
-        begin(conn, pipeline, "run-2")
+    data = "".join(line + "\n" for line in clean(700, seed=5)).encode()
+    cut = data.index(b"\n", len(data) // 2) + 40  # inside a line, past the middle
+    path = folder / "direct.jsonl"
+    path.write_bytes(data[:cut])
+    settled(path)  # the producer paused longer than settle_s
+    batch, _ = run_transaction(spark, dsn, conn, pipeline, "run-1")
+    assert batch.records == data[:cut].count(b"\n")
+    assert table(conn, "SELECT indexed_to FROM landing_files") == [(data.rindex(b"\n", 0, cut)
+                                                                     + 1,)]
+    with open(path, "ab") as f:
+        f.write(data[cut:])
+    settled(path)
+    assert [batch.records, *drain(spark, dsn, conn, pipeline, "run-2")] == [
+        data[:cut].count(b"\n"), data[cut:].count(b"\n"), 0]
+    assert counted(conn) == outside_count(path)
+    assert table(conn, "SELECT count(*) FROM rejected_records") == [(0,)]
+    report = recount(conn, pipeline)
+    assert report.ok and report.records == 700, report.mismatches
+
+
+def test_a_file_that_grows_is_read_on_at_later_offsets(spark, conn, dsn, landed):
+    """Appended lines are new records at the next offsets of the file's partition, after
+    files that landed meanwhile; a file touched only (another modification time) is the same
+    file: nothing new, nothing refused."""
+    from onceflow.core.planner import PartitionRange
+
+    pipeline, folder = landed  # two partitions: a and c go to 0, b to 1
+    a = land(folder, "a.jsonl", clean(100, seed=1), age_s=30)
+    b = land(folder, "b.jsonl", clean(100, seed=2), age_s=20)
+    assert drain(spark, dsn, conn, pipeline, "first") == [200, 0]
+    c = land(folder, "c.jsonl", clean(50, seed=3), age_s=10)
+    more = clean(30, seed=4)
+    with open(a, "a") as f:
+        f.write("".join(line + "\n" for line in more))
+    settled(a, age_s=5)  # a grew after c landed
+    settled(b, age_s=7)  # b was touched
+    assert drain(spark, dsn, conn, pipeline, "then") == [80, 0]
+    assert table(conn, """SELECT c.first_offset, c.records FROM landing_chunks c
+                          JOIN landing_files f USING (topic, file_no)
+                          WHERE f.path = %s ORDER BY c.byte_start""", (str(a),))[-1] == (150, 30)
+    assert table(conn, "SELECT path, records, changed FROM landing_files ORDER BY file_no") == [
+        (str(a), 130, None), (str(b), 100, None), (str(c), 50, None)]
+    assert [p for _, _, p in pipeline.source.payloads(conn, [PartitionRange(0, 150, 180)])] \
+        == more
+    assert counted(conn) == outside_count(a, b, c)
+
+
+def test_files_that_grow_while_batches_run_are_counted_whole(spark, conn, dsn, tmp_path):
+    """A producer thread appends to two log files in place (no temporary name), each round
+    ending inside a line, while transactions commit; at the end the committed records are
+    the files' lines, counted here, none refused. (GROWING_LINES, GROWING_BATCH,
+    GROWING_ROUNDS: a larger run; it prints its figures.)"""
+    import threading
+
+    folder = tmp_path / "logs"
+    folder.mkdir()
+    source = LandingFolder(topic="growing", path=str(folder), partitions=2, chunk_bytes=8192,
+                           settle_s=0.0)
+    pipeline = get_pipeline("tweets", source=source,
+                            batch_size=int(os.environ.get("GROWING_BATCH", "600")))
+    register(conn, pipeline, create_source=True)
+    total = int(os.environ.get("GROWING_LINES", "2000"))
+    rounds = int(os.environ.get("GROWING_ROUNDS", "4"))
+    lines = [(line + "\n").encode() for line in clean(total, seed=12)]
+    logs = [folder / "0.log", folder / "1.log"]
+    ahead = threading.Semaphore(1)  # the producer runs at most a round ahead of the batches
+    failed: list[BaseException] = []
+
+    def produce() -> None:
+        try:
+            handles = [open(path, "ab", buffering=0) for path in logs]  # noqa: SIM115
+            held = [b"", b""]  # the rest of a line a round ended inside
+            for r in range(rounds):
+                ahead.acquire(timeout=600)
+                share = lines[r * total // rounds:(r + 1) * total // rounds]
+                for n, f in enumerate(handles):
+                    mine = b"".join(share[n::2])
+                    cut = len(mine) - len(share[n::2][-1]) // 2 if r < rounds - 1 else len(mine)
+                    f.write(held[n] + mine[:cut])
+                    held[n] = mine[cut:]
+            for f in handles:
+                f.close()
+        except BaseException as error:  # noqa: BLE001 (the test thread re-raises it)
+            failed.append(error)
+
+    producer = threading.Thread(target=produce, name="producer")
+    producer.start()
+    during = []
+    while producer.is_alive() or not during:
+        batch, result = run_transaction(spark, dsn, conn, pipeline, f"during-{len(during)}")
+        assert result.status == "committed"
+        during.append(batch.records)
+        ahead.release()
+    producer.join()
+    assert not failed, failed
+    after = drain(spark, dsn, conn, pipeline, "after", most=2 + total // pipeline.batch_size)
+    urls, _ = counted(conn)
+    oracle, count = outside_count(*logs)
+    print(f"GROWING: {count} lines written by the producer (counted in the files), "
+          f"{sum(urls.values())} records committed, {len(during)} transactions while it "
+          f"wrote ({sum(during)} records), {len(after)} after ({sum(after)})")
+    assert count == total and urls == oracle and sum(urls.values()) == total
+    assert sum(1 for n in during if n) >= 2  # batches committed while the files grew
+    assert table(conn, "SELECT count(*) FROM rejected_records") == [(0,)]
+    assert table(conn, "SELECT count(*) FROM landing_files WHERE changed IS NOT NULL") \
+        == [(0,)]
+
+
+def test_a_last_line_without_its_newline_waits_and_status_names_it(conn, tmp_path):
+    """The bytes after a file's last newline are not read while they wait for it; status names
+    the file once it has waited a minute; with ``unterminated_s`` the line is read as a
+    record once its file has been unmodified that long."""
+    import re
+
+    from onceflow.core.planner import PartitionRange
+
+    folder = tmp_path / "tails"
+    folder.mkdir()
+    source = LandingFolder(topic="tails", path=str(folder), settle_s=0.0)
+    register(conn, get_pipeline("tweets", source=source), create_source=True)
+    path = folder / "a.jsonl"
+    path.write_bytes(b'{"n": 1}\n{"n": 2}\n{"n": 3')
+    settled(path, age_s=120)
+    with conn.cursor() as cur:
+        assert source.positions(cur)[0].head == 2
+        [(what, fix)] = source.notices(cur, "tweets")
+    conn.commit()
+    assert re.fullmatch(re.escape(f"landed file {path}: its last 7 bytes have no newline yet "
+                                  "(unmodified for ") + r"12\ds\): they are not read", what)
+    assert fix.startswith("if the file is complete, append a newline to it")
+    later = dataclasses.replace(source, unterminated_s=60.0)
+    with conn.cursor() as cur:
+        assert later.positions(cur)[0].head == 3
+        assert later.notices(cur, "tweets") == []
+    conn.commit()
+    assert [p for *_, p in later.payloads(conn, [PartitionRange(0, 0, 3)])] == [
+        '{"n": 1}', '{"n": 2}', '{"n": 3']
+
+
+def test_a_changed_file_is_held_back_until_it_is_as_indexed_again(conn, landed):
+    """A file that shrank is marked changed and its unread records are not planned; written
+    back as it was (another modification time), it is the indexed file again."""
+    pipeline, folder = landed
+    path = land(folder, "a.jsonl", clean(300, seed=6))
+    data = path.read_bytes()
+    assert begin(conn, pipeline, "run-1").records == 300  # a batch of 500 plans all of it
+    source = pipeline.source
+    path.write_bytes(data[:1000])  # truncated
+    settled(path, age_s=3)
+    with conn.cursor() as cur:
+        source.positions(cur)
+        assert source.held_back(cur, {0: 0}) == {0: 0}
+        assert source.held_back(cur, {0: 300}) == {}  # read already: nothing held back
+    conn.commit()
+    assert table(conn, "SELECT changed FROM landing_files") == [
+        (f"it shrank to 1000 bytes; {len(data)} bytes of it were indexed",)]
+    path.write_bytes(data)
+    settled(path, age_s=2)
+    with conn.cursor() as cur:
+        source.positions(cur)
+        assert source.held_back(cur, {0: 0}) == {}
+    conn.commit()
+    assert table(conn, "SELECT changed, size FROM landing_files") == [(None, len(data))]
+
+
+PIPES = """
+import dataclasses
+from onceflow.sources.landing import LandingFolder
+from tweets_example.pipelines import TWEETS
+
+PIPE = dataclasses.replace(TWEETS, name="landed_tweets", batch_size=300, source=LandingFolder(
+    topic="rewritten", path={folder!r}, chunk_bytes=4096))
+"""
+
+
+@pytest.mark.parametrize("how", ["accept", "skip"])
+def test_a_rewritten_file_stops_nothing_but_itself_and_repair_moves_on(
+        spark, conn, dsn, tmp_path, monkeypatch, capsys, how):
+    """A landed file is rewritten after a batch read part of it: its first 400 lines as they
+    were, 100 new ones after. The next batches read nothing more of its partition (the file
+    behind it waits too), status names it and the command that fixes it, repair says what
+    changed and exits 1 without a choice; --accept-changed reads the file as it is now,
+    --skip-changed skips its unread rest (a recorded gap). The committed counts then match
+    the files' lines, counted here."""
+    from onceflow.core.registry import clear_cache, get_pipeline
+    from onceflow.ops.cli import main
+
+    folder = tmp_path / "rewritten"
+    folder.mkdir()
+    (tmp_path / f"landed_pipes_{how}.py").write_text(PIPES.format(folder=str(folder)))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("ONCEFLOW_PIPELINES", f"landed_pipes_{how}:PIPE")
+    clear_cache()
+    pipeline = get_pipeline("landed_tweets")
+    register(conn, pipeline, create_source=True)
+    old = clean(600, seed=7)
+    a = land(folder, "a.jsonl", old, age_s=30)
+    batch, _ = run_transaction(spark, dsn, conn, pipeline, "run-1")
+    assert batch.records == 300
+    b = land(folder, "b.jsonl", clean(100, seed=8), age_s=20)  # behind a, in its partition
+    a.write_text("".join(line + "\n" for line in old[:400] + clean(100, seed=9)))
+    settled(a, age_s=10)
+    assert drain(spark, dsn, conn, pipeline, "stuck") == [0]
+    capsys.readouterr()
+    cli = ["--pipelines", f"landed_pipes_{how}:PIPE"]
+    assert main([*cli, "status", "--pipeline", "landed_tweets"]) == 0
+    said = " ".join(capsys.readouterr().out.split())  # (its long lines are wrapped)
+    assert f"landed file {a} changed after it was indexed: it shrank to" in said
+    assert "-> onceflow repair --pipeline landed_tweets" in said
+    assert main([*cli, "repair", "--pipeline", "landed_tweets"]) == 1
+    said = capsys.readouterr().out
+    assert f"landed file {a} (partition 0) changed: it shrank to" in said
+    assert "the bytes of chunk" in said and "nothing done; choose one" in said
+    assert f"--accept-changed {a}: index it again as it is now from byte" in said
+    assert f"--skip-changed {a}: skip " in said
+    assert main([*cli, "repair", "--pipeline", "landed_tweets", f"--{how}-changed", "a.jsonl"]
+                ) == 0
+    said = capsys.readouterr().out
+    assert ("did: accepted as it is now" if how == "accept" else "did: skipped: ") in said
+    assert main([*cli, "repair", "--pipeline", "landed_tweets"]) == 0  # done, once
+    assert "nothing to repair" in capsys.readouterr().out
+    drain(spark, dsn, conn, pipeline, "after")
+    urls, _ = counted(conn)  # (a batch's records count the void offsets it planned too)
+    if how == "accept":  # the files as they are now
+        assert urls == outside_count(a, b)[0]
+        assert table(conn, "SELECT count(*) FROM offset_gaps") == [(0,)]
+    else:  # a up to the gap, then b
+        [(start, end)] = table(conn, "SELECT from_offset, to_offset FROM offset_gaps")
+        assert 300 < start <= 400 and end == 600
+        kept = a.read_bytes().split(b"\n")[:start]
+        assert urls == Counter(json.loads(line)["url"] for line in kept) + outside_count(b)[0]
+        assert table(conn, "SELECT skipped IS NOT NULL FROM landing_files ORDER BY file_no") \
+            == [(True,), (False,)]
+    report = recount(conn, pipeline)
+    assert report.ok, report.mismatches
+    assert table(conn, "SELECT count(*) FROM rejected_records") == [(0,)]
+
+
+def test_a_batch_over_bytes_edited_in_place_fails_and_repair_skips_them(spark, conn, dsn,
+                                                                         landed):
+    """A file edited in place after a batch planned it, its size and modification time kept:
+    the batch fails naming the file and the chunk, status says to run repair, repair finds
+    the chunk, cannot accept it (a batch holds it) and skips the file from there (a recorded
+    gap); the failed transaction then commits without those records."""
+    from onceflow.core.begin import mark_failed
+    from onceflow.ops.repair import repair
+    from onceflow.ops.status import pipeline_status, render
+    from spark_tasks.processing import process_batch
+
+    pipeline, folder = landed  # a to partition 0, b to 1; batches of 500
+    a = land(folder, "a.jsonl", clean(300, seed=10), age_s=20)
+    b = land(folder, "b.jsonl", clean(300, seed=11), age_s=10)
+    batch = begin(conn, pipeline, "run-1")
+    assert batch.records == 500
+    data = a.read_bytes()
+    at = data.index(b'"user": "u', len(data) // 3) + 10  # a digit of a user, a third in
+    before = a.stat()
+    a.write_bytes(data[:at] + (b"7" if data[at:at + 1] != b"7" else b"8") + data[at + 1:])
+    os.utime(a, ns=(before.st_atime_ns, before.st_mtime_ns))
+    [(start, end, first, records)] = table(
+        conn, "SELECT byte_start, byte_end, first_offset, records FROM landing_chunks "
+              "WHERE file_no = 0 AND byte_start <= %s AND byte_end > %s", (at, at))
+    with pytest.raises(Exception) as failed:
+        process_batch(spark, dsn, pipeline, batch.attempt, 0)
+    assert (f"landed file '{a}' changed after it was indexed: bytes [{start}, {end}) (the "
+            f"chunk of offsets [{first}, {first + records}) of partition 0) are not the bytes "
+            "indexed") in str(failed.value)
+    mark_failed(conn, pipeline.name, batch.attempt, f"process failed: {failed.value!r}")
+    with conn.cursor() as cur:
+        lines = render(pipeline_status(cur, pipeline.source, pipeline.name))
+    conn.rollback()
+    assert "    -> onceflow repair --pipeline tweets (a landed file changed)" in lines
+    report = repair(conn, pipeline)
+    [found] = report.landed
+    [(number, chunks)] = table(conn, "SELECT count(*) FILTER (WHERE byte_start <= %s), "
+                                     "count(*) FROM landing_chunks WHERE file_no = 0", (start,))
+    assert report.unresolved == 1 and found.problem == (
+        f"landed file {a} (partition 0) changed: the bytes of chunk {number} of {chunks} "
+        f"differ (bytes [{start}, {end}), offsets [{first}, {first + records}))")
+    assert found.choices[0].startswith(f"--accept-changed {a}: not possible: pipeline(s) "
+                                       "tweets planned or read its offsets")
+    with pytest.raises(ConfigError, match="not possible: .* --skip-changed"):
+        repair(conn, pipeline, accept_changed=[str(a)])
+    assert repair(conn, pipeline, skip_changed=[str(a)]).unresolved == 0
+    assert table(conn, "SELECT partition, from_offset, to_offset, policy FROM offset_gaps") \
+        == [(0, first, 300, f"repair --skip-changed {a}")]
+    assert drain(spark, dsn, conn, pipeline, "after") == [500, 100, 0]
+    assert table(conn, "SELECT state FROM transactions WHERE txid = 1") == [("committed",)]
+    kept = [json.loads(line)["url"] for line in a.read_bytes().split(b"\n")[:first]]
+    assert counted(conn)[0] == Counter(kept) + outside_count(b)[0]
+    assert recount(conn, pipeline).ok
 
 
 def test_a_removed_file_fails_the_batch_that_reads_it(spark, conn, dsn, landed):
@@ -165,6 +492,82 @@ def test_a_parquet_file_of_another_schema_is_set_aside_or_stops(spark, conn, dsn
                  ("%bad.parquet",)) == [("missing column(s) ['url']",)]
 
 
+def test_a_parquet_file_edited_in_place_is_refused_naming_the_row_group(spark, conn, dsn,
+                                                                         tmp_path):
+    """A value of a Parquet file's second row group changed in place, its size, footer and
+    modification time kept: the batch's read (checked on the driver before Spark's reader)
+    and the Python payloads refuse that row group, naming it; the first still reads."""
+    import re
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from onceflow.core.errors import SourceChanged
+    from onceflow.core.planner import PartitionRange
+
+    folder = tmp_path / "pq_edit"
+    folder.mkdir()
+    source = LandingFolder(topic="pq_edit", path=str(folder), format="parquet", settle_s=0.0)
+    source.ensure(conn, create=True)
+    path = folder / "t.parquet"
+    pq.write_table(pa.table({"n": list(range(3000))}), path, row_group_size=1000,
+                   compression="NONE", use_dictionary=False, write_statistics=False)
+    settled(path)
+    with conn, conn.cursor() as cur:
+        assert source.positions(cur)[0].head == 3000
+    column = pq.ParquetFile(path).metadata.row_group(1).column(0)
+    at = column.data_page_offset + column.total_compressed_size - 8  # a value's low byte
+    data, before = bytearray(path.read_bytes()), path.stat()
+    data[at] ^= 0x01
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    expected = re.escape(f"landed file '{path}' changed after it was indexed: row group 1 "
+                         "(offsets [1000, 2000) of partition 0) is not the one indexed")
+    with pytest.raises(SourceChanged, match=expected):
+        source.read(spark, dsn, [PartitionRange(0, 0, 3000)])
+    with pytest.raises(RuntimeError, match=expected):
+        list(source.payloads(conn, [PartitionRange(0, 1500, 1501)]))
+    assert source.read(spark, dsn, [PartitionRange(0, 0, 1000)]).count() == 1000
+    conn.rollback()
+
+
+def test_a_parquet_file_replaced_before_it_was_read_is_accepted_whole(conn, tmp_path):
+    """A Parquet file replaced under its name before any batch read it: marked changed at the
+    next look; repair --accept-changed indexes the new file whole at new offsets (its old
+    ones void), and its rows are read there."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from onceflow.core.planner import PartitionRange
+    from onceflow.ops.repair import repair
+
+    folder = tmp_path / "pq_replaced"
+    folder.mkdir()
+    source = LandingFolder(topic="pq_replaced", path=str(folder), format="parquet",
+                           settle_s=0.0)
+    pipeline = get_pipeline("tweets", source=source)
+    register(conn, pipeline, create_source=True)
+    path = folder / "t.parquet"
+    pq.write_table(pa.table({"url": ["a", "b", "c"]}), path)
+    settled(path, age_s=20)
+    with conn.cursor() as cur:
+        assert source.positions(cur)[0].head == 3
+    conn.commit()
+    pq.write_table(pa.table({"url": ["x", "y", "z", "w"]}), path, row_group_size=2)
+    settled(path, age_s=10)
+    [found] = repair(conn, pipeline).landed
+    assert found.problem.startswith(f"landed file {path} (partition 0) changed: its size went "
+                                    "from ") and found.done is None
+    [done] = repair(conn, pipeline, accept_changed=["t.parquet"]).landed
+    assert done.done == "accepted as it is now: indexed again, 4 record(s) at new offsets"
+    with conn.cursor() as cur:
+        assert source.positions(cur)[0].head == 7
+    assert list(source.payloads(conn, [PartitionRange(0, 0, 7)])) == [
+        (0, 3 + i, json.dumps({"url": url})) for i, url in enumerate("xyzw")]
+    conn.rollback()
+    assert repair(conn, pipeline).landed == []
+
+
 def test_an_empty_batch_commits_nothing_and_moves_nothing(spark, conn, dsn, landed):
     pipeline, _ = landed
     batch, result = run_transaction(spark, dsn, conn, pipeline, "run-1")
@@ -187,7 +590,7 @@ def test_lines_are_cut_in_spark_as_python_cuts_them(spark, conn, dsn, landed):
     path = folder / "mixed.jsonl"
     path.write_bytes(data + b'{"n": "last, no newline"}\r')
     os.utime(path, (time.time() - 5, time.time() - 5))
-    source = pipeline.source
+    source = dataclasses.replace(pipeline.source, unterminated_s=0.0)  # the last line too
     with conn, conn.cursor() as cur:
         source.positions(cur)
         assert table(conn, "SELECT count(*) FROM landing_chunks")[0][0] > 3  # cut mid-file
@@ -205,8 +608,6 @@ def test_lines_are_cut_in_spark_as_python_cuts_them(spark, conn, dsn, landed):
 def test_a_batch_of_clean_chunks_is_not_searched_for_refusals(conn, tmp_path):
     """The index marks the chunks whose records the spout cannot refuse; a batch of them only
     is not searched for refusals, unless max_record_bytes shrank since they were indexed."""
-    import dataclasses
-
     from onceflow.core.planner import PartitionRange
 
     folder = tmp_path / "refusals"
@@ -245,40 +646,37 @@ def _clean_to(chunk: bytes, limit: int) -> int | None:
     return limit
 
 
-def _sampled_print(data: bytes) -> str:
-    """What a file's fingerprint must be: SHA-256 of its size and first and last 64 KiB."""
-    import hashlib
-
-    sample = 64 << 10
-    ends = data[:sample] + (data[-sample:] if len(data) > sample else b"")
-    return hashlib.sha256(b"%d\n" % len(data) + ends).hexdigest()
-
-
-def test_a_landed_files_fingerprint_is_its_size_and_ends(tmp_path):
-    """A text file read in many blocks (the last one short) and a Parquet file read by row
-    group get the same fingerprint as a plain hash of their size and ends; a file that
-    differs only in its last byte, or only in its length, gets another."""
+def test_a_landed_chunks_checksum_is_the_crc32_of_its_bytes(tmp_path):
+    """A text file read in many blocks (the last one short): each chunk's checksum is
+    zlib's CRC-32 of its bytes; a Parquet file's row groups: of their column chunks' bytes
+    (where the footer says they lie), and the file's checksum that of its footer."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from onceflow.sources.landing import _filesystem, _fingerprint
+    from onceflow.sources.landing import _filesystem, _scan_parquet, _scan_text
 
-    lines = b"".join(b'{"n": %d, "pad": "%s"}\n' % (i, b"x" * (i % 97)) for i in range(5000))
-    assert len(lines) > 3 * (64 << 10)
-    prints = set()
-    for name, data in (("a", lines), ("b", lines[:-2] + b"!\n"), ("c", lines + lines[-40:])):
-        path = tmp_path / f"{name}.jsonl"
-        path.write_bytes(data)
-        got, records, _ = _fingerprint(_filesystem(str(path))[0], str(path), 7001, "jsonl",
-                                       False)
-        assert got == _sampled_print(data) and records == data.count(b"\n")
-        prints.add(got)
-    assert len(prints) == 3
+    data = b"".join(b'{"n": %d, "pad": "%s"}\n' % (i, b"x" * (i % 97)) for i in range(5000))
+    path = tmp_path / "a.jsonl"
+    path.write_bytes(data)
+    scan = _scan_text(_filesystem(str(path))[0], str(path), 0, len(data), 7001, header=False)
+    assert scan.records == 5000 and scan.indexed_to == len(data) and len(scan.chunks) > 10
+    assert [crc for *_, crc in scan.chunks] == [zlib.crc32(data[start:end])
+                                                for _, start, end, *_ in scan.chunks]
     path = tmp_path / "t.parquet"
-    pq.write_table(pa.table({"n": list(range(50_000))}), path, row_group_size=20_000)
-    got, rows, groups = _fingerprint(_filesystem(str(path))[0], str(path), 1 << 20, "parquet",
-                                     False)
-    assert got == _sampled_print(path.read_bytes()) and rows == 50_000 and len(groups) == 3
+    pq.write_table(pa.table({"n": list(range(50_000)), "s": [str(i) for i in range(50_000)]}),
+                   path, row_group_size=20_000)
+    raw = path.read_bytes()
+    scan = _scan_parquet(_filesystem(str(path))[0], str(path))
+    meta = pq.ParquetFile(path).metadata
+    footer = int.from_bytes(raw[-8:-4], "little") + 8
+    assert scan.records == 50_000 and scan.checksum == f"{zlib.crc32(raw[-footer:]):08x}"
+    for group, (first, number, _, rows, _, crc) in enumerate(scan.chunks):
+        columns = [meta.row_group(group).column(i) for i in range(2)]
+        start = min(c.dictionary_page_offset or c.data_page_offset for c in columns)
+        end = max((c.dictionary_page_offset or c.data_page_offset) + c.total_compressed_size
+                  for c in columns)
+        assert (first, number, rows) == (group * 20_000, group, min(20_000, 50_000 - first))
+        assert crc == zlib.crc32(raw[start:end])
 
 
 @settings(max_examples=400, deadline=None)
@@ -286,37 +684,50 @@ def test_a_landed_files_fingerprint_is_its_size_and_ends(tmp_path):
     st.text("ab\r\u00e9\U0001f600", max_size=12).map(str.encode),
     st.binary(max_size=12).map(lambda b: b.replace(b"\n", b""))), max_size=30),
        last_newline=st.booleans(), header=st.booleans(), chunk_bytes=st.integers(1, 40),
-       limit=st.integers(1, 14))
+       limit=st.integers(1, 14), tail=st.booleans(), cut=st.integers(0, 400))
 @example(lines=[b"ab", b"caf\xc3", b"\xa9!", b"12345678"], last_newline=True, header=False,
-         chunk_bytes=4, limit=8)  # a character cut by a block, then a line at the limit
+         chunk_bytes=4, limit=8, tail=False, cut=7)  # a character cut by a block, then a line
 @example(lines=[b"h", b"a\x00", b"abcdefghi"], last_newline=False, header=True, chunk_bytes=3,
-         limit=8)  # a NUL, then a last line over the limit without a newline
+         limit=8, tail=True, cut=1)  # a NUL, then a last line over the limit without a newline
 @example(lines=[b"abc\r", b"abcdefg"], last_newline=True, header=False, chunk_bytes=40,
-         limit=3)  # a CR counts
+         limit=3, tail=False, cut=0)  # a CR counts
 def test_the_index_cuts_a_file_into_whole_lines(tmp_path_factory, lines, last_newline, header,
-                                                chunk_bytes, limit):
-    """A file's chunks cover it from the first record (after the header) to the end, each
-    cut after a newline (but the last), each counting the records its bytes hold, each
-    marked clean (up to ``limit`` bytes a line, no NUL, UTF-8) exactly when it is."""
-    from onceflow.sources.landing import _filesystem, _fingerprint, _lines
+                                                chunk_bytes, limit, tail, cut):
+    """A file's chunks cover it from the first record (after the header) to its last newline
+    (to its end with ``tail``), each cut after a newline (but a tail), each counting the
+    records its bytes hold, each with the CRC-32 of its bytes, each marked clean (up to
+    ``limit`` bytes a line, no NUL, UTF-8) exactly when it is. A file indexed when only its
+    first ``cut`` bytes were written, then again from where that stopped, is cut the same."""
+    from onceflow.sources.landing import _filesystem, _lines, _scan_text
 
     data = b"\n".join(lines) + (b"\n" if last_newline and lines else b"")
     path = tmp_path_factory.mktemp("index") / "f.jsonl"
     path.write_bytes(data)
-    digest, records, chunks = _fingerprint(_filesystem(str(path))[0], str(path), chunk_bytes,
-                                           "jsonl", header, limit)
-    assert digest == _sampled_print(data)
+    filesystem = _filesystem(str(path))[0]
+    scan = _scan_text(filesystem, str(path), 0, len(data), chunk_bytes, header=header,
+                      limit=limit, tail=tail)
     body = data.split(b"\n", 1)[1] if header and b"\n" in data else b"" if header else data
-    first_byte = len(data) - len(body)
-    assert records == len(_lines(body))
+    first_byte = len(data) - len(body) if not header or b"\n" in data else 0
+    whole = body if tail or body.endswith(b"\n") else body[:body.rfind(b"\n") + 1]
+    assert scan.records == len(_lines(whole))
     expected_first, expected_start = 0, first_byte
-    for first, start, end, count, clean_to in chunks:
+    for first, start, end, count, clean_to, crc in scan.chunks:
         assert (first, start) == (expected_first, expected_start)
-        assert end > start and (end == len(data) or data[end - 1:end] == b"\n")
-        assert count == len(_lines(data[start:end]))
+        assert end > start and (data[end - 1:end] == b"\n" or tail and end == len(data))
+        assert count == len(_lines(data[start:end])) and crc == zlib.crc32(data[start:end])
         assert clean_to == _clean_to(data[start:end], limit), data[start:end]
         expected_first, expected_start = first + count, end
-    assert (expected_first, expected_start) == (records, len(data) if body else first_byte)
+    assert (expected_first, expected_start) == (scan.records, first_byte + len(whole))
+    assert scan.indexed_to == first_byte + len(whole)
+    # written in two parts: the first look indexes up to its last newline, the second on
+    cut = min(cut, len(data))
+    early = _scan_text(filesystem, str(path), 0, cut, chunk_bytes, header=header,
+                       limit=limit)
+    later = _scan_text(filesystem, str(path), early.indexed_to, len(data), chunk_bytes,
+                       header=header and early.indexed_to == 0, limit=limit, tail=tail)
+    both = [(start, end) for _, start, end, *_ in early.chunks + later.chunks]
+    assert early.records + later.records == scan.records
+    assert b"".join(data[s:e] for s, e in both) == data[first_byte:first_byte + len(whole)]
 
 
 @settings(max_examples=300, deadline=None)

@@ -87,6 +87,13 @@ def _plan(cur, pipeline: Pipeline, coordinator: txlog.Coordinator, groups: int, 
         if new_start is not None and r.start < new_start and r.partition not in gapped:
             starts.gaps.append((r.partition, r.start, new_start))
     offsets.record_gaps(cur, pipeline, txid, starts)
+    for partition, held in pipeline.source.held_back(cur, starts.offsets).items():
+        if held < starts.heads.get(partition, held):
+            log.warning("BEGIN pipeline=%s txid=%d: partition %d is read up to offset %d "
+                        "only, not its head %d: the source refuses what follows for now "
+                        "(`onceflow status` says why)", pipeline.name, txid, partition, held,
+                        starts.heads[partition])
+            starts.heads[partition] = held
     return plan_ranges(starts.offsets, starts.heads, size, groups,
                        max_per_partition=pipeline.max_per_partition, keep=starts.keep())
 

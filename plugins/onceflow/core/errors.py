@@ -71,6 +71,12 @@ class StagingIncomplete(OnceflowError):
     and emptied the unlogged staging tables): the attempt is failed and processed again."""
 
 
+class SourceChanged(Permanent):
+    """Records a source holds changed after they were indexed (a landed file rewritten):
+    trying again reads the same changed bytes; `onceflow repair` says what changed and
+    accepts or skips it."""
+
+
 class SourceShortfall(OnceflowError):
     """A planned range could not be read whole (records deleted under a batch)."""
 

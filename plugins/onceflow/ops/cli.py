@@ -380,9 +380,10 @@ def cmd_repair(args) -> int:
 
     pipeline = _pipeline(args)
     with db.connection() as conn:
-        report = repair(conn, pipeline, apply=args.yes)
+        report = repair(conn, pipeline, apply=args.yes, accept_changed=args.accept_changed or (),
+                        skip_changed=args.skip_changed or ())
     print("\n".join(report.lines()))
-    return 0 if report.ok else 1
+    return 0 if report.ok and not report.unresolved else 1
 
 
 def cmd_release(args) -> int:
@@ -541,10 +542,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the dead letters with TEXT in any of their errors")
     p.add_argument("--all", action="store_true", help="every dead letter of the pipeline")
     p = add("repair", cmd_repair, "find what a crash (or a hand in the database) left "
-            "inconsistent: commit records, partition offsets, committed ranges, the "
-            "coordinator row, abandoned attempts, stale staging and claims; say what would fix "
-            "it, --yes fixes what is safe to fix (exit 1 while something is left wrong)")
+            "inconsistent (commit records, partition offsets, committed ranges, the "
+            "coordinator row, abandoned attempts, stale staging and claims), and landed files "
+            "that changed after they were indexed, and say what would fix them; --yes fixes "
+            "what is safe to fix, --accept-changed or --skip-changed each changed file (exit 1 "
+            "while something is left wrong)")
     p.add_argument("--yes", action="store_true", help="do the repairs")
+    p.add_argument("--accept-changed", action="append", metavar="FILE",
+                   help="a changed landed file (as repair lists it): index it again as it is "
+                        "now, when no pipeline planned its changed part (repeatable)")
+    p.add_argument("--skip-changed", action="append", metavar="FILE",
+                   help="a changed landed file: skip its records no pipeline committed, "
+                        "recorded as gaps, and stop following it (repeatable)")
     p = add("release", cmd_release, "free a planned txid whose run is dead, now: its attempt is "
             "fenced and the next run adopts the txid (refused while a task of it reports, "
             "unless --force)")

@@ -22,6 +22,13 @@ Checks, under the coordinator row's lock, in one PostgreSQL transaction:
   differ from the end of each partition's last committed range (written again), committed
   ranges that do not tile their partition (said, not fixed). Where there is no safe fix the
   report says what to do, and the command exits 1.
+
+A landing-folder pipeline's landed files that changed after they were indexed are found
+too (onceflow.sources.landing_repair: what changed, which records it holds, who read them),
+in a transaction of their own that holds every pipeline of the topic. ``--yes`` does not
+touch them: each needs its own choice, ``--accept-changed FILE`` (index it again as it is
+now, when no pipeline planned its changed part) or ``--skip-changed FILE`` (skip its unread
+records, recorded as gaps). Without one, the report says both and the command exits 1.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from dataclasses import dataclass, field
 
 from onceflow.core import backflow, offsets, staging, txlog
 from onceflow.core.db import transaction
+from onceflow.core.errors import ConfigError
 from onceflow.core.pipeline import Pipeline
 from onceflow.ops import bookkeeping
 
@@ -46,10 +54,23 @@ class Finding:
 
 
 @dataclass
+class LandedFinding:
+    problem: str
+    done: str | None  # what was done (None: nothing chosen)
+    choices: list[str] = field(default_factory=list)
+
+
+@dataclass
 class RepairReport:
     pipeline: str
     applied: bool
     findings: list[Finding] = field(default_factory=list)
+    landed: list[LandedFinding] = field(default_factory=list)
+
+    @property
+    def unresolved(self) -> int:
+        """Changed landed files left as they are (no --accept-changed / --skip-changed)."""
+        return sum(1 for f in self.landed if f.done is None)
 
     @property
     def ok(self) -> bool:
@@ -57,13 +78,26 @@ class RepairReport:
         return all(f.fixable for f in self.findings) and (self.applied or not self.findings)
 
     def lines(self) -> list[str]:
-        if not self.findings:
+        if not self.findings and not self.landed:
             return [f"repair {self.pipeline}: nothing to repair"]
-        head = "repaired" if self.applied else "would repair (pass --yes to do it)"
-        out = [f"repair {self.pipeline}: {head}:"]
-        for f in self.findings:
-            verb = ("did" if self.applied else "will") if f.fixable else "no safe fix"
-            out += [f"  - {f.problem}", f"    {verb}: {f.action}"]
+        out = []
+        if self.findings:
+            head = "repaired" if self.applied else "would repair (pass --yes to do it)"
+            out.append(f"repair {self.pipeline}: {head}:")
+            for f in self.findings:
+                verb = ("did" if self.applied else "will") if f.fixable else "no safe fix"
+                out += [f"  - {f.problem}", f"    {verb}: {f.action}"]
+        if self.landed:
+            out.append(f"repair {self.pipeline}: landed files that changed after they were "
+                       "indexed:")
+            for f in self.landed:
+                out.append(f"  - {f.problem}")
+                if f.done is not None:
+                    out.append(f"    did: {f.done}")
+                else:
+                    out.append("    nothing done; choose one (each is one PostgreSQL "
+                               "transaction):")
+                    out += [f"      {choice}" for choice in f.choices]
         return out
 
 
@@ -77,7 +111,16 @@ def _contiguous_committed(cur, pipeline: str) -> int:
     return cur.fetchone()[0]
 
 
-def repair(conn, pipeline: Pipeline, *, apply: bool = False) -> RepairReport:
+def repair(conn, pipeline: Pipeline, *, apply: bool = False, accept_changed=(),
+           skip_changed=()) -> RepairReport:
+    """``accept_changed`` / ``skip_changed``: changed landed files (paths, or names) to accept
+    as they are now or to skip (see onceflow.sources.landing_repair)."""
+    from onceflow.sources.landing import LandingFolder
+
+    if (accept_changed or skip_changed) and not isinstance(pipeline.source, LandingFolder):
+        raise ConfigError(f"--accept-changed / --skip-changed are for a landing folder's "
+                          f"files: pipeline {pipeline.name!r} reads "
+                          f"{pipeline.source.describe()}")
     report = RepairReport(pipeline.name, apply)
     name = pipeline.name
     with transaction(conn) as cur:
@@ -164,6 +207,8 @@ def repair(conn, pipeline: Pipeline, *, apply: bool = False) -> RepairReport:
     for f in report.findings:
         log.warning("REPAIR pipeline=%s %s: %s -> %s", name,
                     "done" if apply else "found", f.problem, f.action)
+    if isinstance(pipeline.source, LandingFolder):
+        _landed(conn, pipeline, report, list(accept_changed), list(skip_changed))
     return report
 
 
@@ -194,3 +239,40 @@ def _check_bookkeeping(cur, name: str, report: RepairReport) -> None:
         offsets.restore(cur, name, book.instance,
                         {p: book.expected[p] for p, (_, want) in wrong.items() if want},
                         [p for p, (_, want) in wrong.items() if want is None])
+
+
+def _landed(conn, pipeline: Pipeline, report: RepairReport, accept: list[str],
+            skip: list[str]) -> None:
+    """The landing folder's changed files (see the module docstring)."""
+    from onceflow.sources import landing_repair
+
+    source = pipeline.source
+    with transaction(conn) as cur:
+        # What retention holds, in its order: every pipeline of the topic, then its partitions.
+        cur.execute("SELECT name FROM pipelines WHERE topic = %s ORDER BY name FOR UPDATE",
+                    (source.topic,))
+        cur.execute("SELECT partition FROM source_partitions WHERE topic = %s "
+                    "ORDER BY partition FOR UPDATE", (source.topic,))
+        found = landing_repair.inspect(cur, source)
+        chosen = {}
+        for names, how in ((accept, "accept"), (skip, "skip")):
+            for wanted in names:
+                change = landing_repair._pick(found, wanted)
+                if chosen.get(change.path, how) != how:
+                    raise ConfigError(f"{change.path}: choose --accept-changed or "
+                                      "--skip-changed, not both")
+                chosen[change.path] = how
+        for change in found:
+            how = chosen.get(change.path)
+            finding = LandedFinding(change.describe(), None, change.choices())
+            if how == "accept":
+                records = landing_repair.accept(cur, source, change)
+                finding.done = (f"accepted as it is now: indexed again, {records} record(s) "
+                                "at new offsets")
+            elif how == "skip":
+                records = landing_repair.skip(cur, source, change)
+                finding.done = (f"skipped: {records} record(s) no pipeline committed, "
+                                "recorded as gaps; the file is not followed any more")
+            report.landed.append(finding)
+        if not chosen:
+            conn.rollback()  # a look at the folder changes nothing in a report

@@ -56,6 +56,7 @@ class PipelineStatus:
     backflow: dict[str, Any] = field(default_factory=dict)
     dead_letters: dict[str, Any] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)  # damaged bookkeeping: onceflow repair
+    source: list[dict[str, str]] = field(default_factory=list)  # what the source holds up
 
     def as_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), default=str, indent=2)
@@ -131,6 +132,8 @@ def _stuck(pipeline: str, rows: list[TxRow], last_committed: int,
     """Every open transaction: what holds it, and what frees it now. A planned one says what
     it is doing, names its holder and the command that frees it (refused while a task of it
     reports)."""
+    from onceflow.sources.landing import REPAIR_HINT
+
     backfill = f"onceflow backfill --pipeline {pipeline}"
     out = []
     first_permanent = None
@@ -150,9 +153,12 @@ def _stuck(pipeline: str, rows: list[TxRow], last_committed: int,
                              f"once txid {first_permanent} is fixed, {backfill} re-runs both "
                              "in txid order"))
         elif row.state in txlog.ADOPTABLE:
+            # A batch refused because a landed file changed fails again until repair.
+            fix = (f"onceflow repair --pipeline {pipeline} (a landed file changed)"
+                   if REPAIR_HINT in (row.reason or "") else
+                   f"the next run adopts it; now: {backfill}")
             out.append(Stuck(row.txid, str(row.state),
-                             f"attempt {row.attempt} {row.state}: {row.reason or '-'}",
-                             f"the next run adopts it; now: {backfill}"))
+                             f"attempt {row.attempt} {row.state}: {row.reason or '-'}", fix))
         elif row.abandoned:
             out.append(Stuck(row.txid, "abandoned", _held(row),
                              f"the next run adopts it; now: {backfill}"))
@@ -192,6 +198,9 @@ def pipeline_status(cur, source, pipeline: str, limit: int = 20, dead_letters: i
         f"once their cause is fixed (a bolt, a declared type): onceflow replay-dead-letters "
         f"--pipeline {pipeline} --error-contains TEXT (or --record P:O)"
         if status.dead_letters["total"] else "-")
+    notices = getattr(source, "notices", None)  # (a landing folder's changed files)
+    if notices is not None:
+        status.source = [{"what": what, "fix": fix} for what, fix in notices(cur, pipeline)]
     return status
 
 
@@ -263,6 +272,14 @@ def render(status: PipelineStatus) -> list[str]:
             out += _wrapped(f"  txid {s.txid} ({s.state}): {s.holds}", "    ")
             if s.fix != "-":
                 out += _wrapped(f"    -> {s.fix}", "       ")
+    if status.source:
+        out.append("source files that need something:")
+        for notice in status.source:  # wrapped, not cut: the path and command matter
+            out += textwrap.wrap(notice["what"], WIDTH, initial_indent="  ",
+                                 subsequent_indent="    ", break_on_hyphens=False)
+            if notice["fix"] != "-":
+                out += textwrap.wrap(notice["fix"], WIDTH, initial_indent="    -> ",
+                                     subsequent_indent="       ", break_on_hyphens=False)
     out.append("partitions:")
     for p in status.partitions:
         committed = p.committed if p.committed is not None else "-"

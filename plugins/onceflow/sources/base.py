@@ -16,6 +16,9 @@ spout, Spark's ``Source``). The planner, the partition offsets, the commit and v
   (the verify oracle and retention use it).
 - ``positions_until(cur, enough)``: positions, looking only as far as a begin needs
   (optional: by default, positions);
+- ``held_back(cur, starts)``: per partition, an offset from which a batch planned from
+  ``starts`` may not read for now (records the source knows it would refuse: a landed file
+  that changed), optional;
 - ``first_at(cur, partition, when)``: where a ``timestamp:`` start policy starts.
 - ``ensure(conn, create=)``: the source exists (``create``: make it, e.g. a topic's partitions).
 - ``may_refuse(cur, ranges)``: whether the spout may refuse a record of the ranges (True
@@ -102,6 +105,14 @@ class Source(ABC):
         looking once ``enough(positions)`` holds (what a begin needs to plan its batch);
         the rest is found by a later look. This default looks at everything."""
         return self.positions(cur)
+
+    def held_back(self, cur, starts: Mapping[int, int]) -> dict[int, int]:
+        """Per partition, an offset at or after its start in ``starts`` from which a batch
+        may not read for now: records the source knows it would refuse (a landed file that
+        changed, until `onceflow repair` accepts or skips it). A batch is planned up to
+        there, so the pipeline waits instead of failing batch after batch. Partitions left
+        out are read up to their heads (this default: all)."""
+        return {}
 
     def first_at(self, cur, partition: int, when: datetime, position: Position) -> int:
         raise ConfigError(f"start_policy='timestamp:...' is not supported by a {self.kind} "

@@ -2,24 +2,36 @@
 
 JSON-lines or CSV files (a record per line, the payload is the line) and Parquet files (a
 record per row, the payload is the row as JSON) in a folder: a local path, or any URI
-pyarrow's file systems read (``s3://``, ``hdfs://``, ``file://``).
+pyarrow's file systems read (``s3://``, ``hdfs://``, ``file://``). docs/landing-folder.md
+is the producer's side of it (how to land a file, appends, rewrites, repair).
 
 **The manifest.** Each begin looks at the folder first: a new file is indexed in arrival order
-(modification time, then name) into ``landing_files`` (path, size, modification time, a
-fingerprint, record count) and ``landing_chunks`` (the file cut at newlines about every
-``chunk_bytes``: where each piece starts, in records and in bytes), and its records get the
-next offsets of its partition (files go to partitions in turn), in the same PostgreSQL
-transaction that advances the heads (``source_partitions``, as for the other logs). So every
-offset below a head is a record of an indexed file, and a batch is a range over the manifest.
+(modification time, then name) into ``landing_files`` (path, size, modification time, how far
+it is indexed, record count) and ``landing_chunks`` (the file cut at newlines about every
+``chunk_bytes``: where each piece starts, in records and in bytes, and the CRC-32 of its
+bytes), and its records get the next offsets of its partition (files go to partitions in
+turn), in the same PostgreSQL transaction that advances the heads (``source_partitions``, as
+for the other logs). So every offset below a head is a record of an indexed chunk, and a batch
+is a range over the manifest.
 
 **Rules, loudly kept.**
 
-- Half-written files are never read: names starting with ``.`` or ``_``, or ending in
-  ``.tmp``, ``.part`` or ``._COPYING_``, are skipped, and so is a file modified less than
-  ``settle_s`` seconds ago. Write a file under a temporary name and rename it into place.
-- A file changed after it was indexed (another size or modification time) is refused: the
-  next begin fails naming it, and so does a read. Landed files never change; a new version
-  lands under a new name.
+- A line is indexed once it is complete (its newline written): the bytes after a file's last
+  newline wait for the next look (``unterminated_s`` indexes a last line without one, once
+  its file has stayed unmodified that long).
+- A file that grew, its indexed bytes unchanged (its last indexed chunk's CRC-32 and its
+  size say so), is a source of more records: its new complete lines are indexed as new
+  chunks, their records at the next offsets of the file's partition. A touched file (another
+  modification time only) is the same file.
+- Names starting with ``.`` or ``_``, or ending in ``.tmp``, ``.part`` or ``._COPYING_``, are
+  skipped, and so is a file modified less than ``settle_s`` seconds ago. Write a file under
+  a temporary name and rename it into place.
+- Every read checks each chunk's bytes against the CRC-32 indexed (Parquet: the footer's and
+  the row group's): a chunk whose bytes changed fails its batch naming the file and the
+  chunk. A file found shorter than indexed, or whose last indexed chunk changed, is marked
+  changed (``landing_files.changed``, shown by ``onceflow status``) and not indexed further;
+  ``onceflow repair`` says what changed and accepts the file as it is now or skips it with
+  a recorded gap (onceflow.sources.landing_repair).
 - A file removed before every batch that reads it committed fails that batch's read
   (SourceShortfall, naming it).
 - JSON lines with a declared ``json_schema``: each line is decoded where it is read
@@ -34,17 +46,17 @@ from __future__ import annotations
 
 import fnmatch
 import functools
-import hashlib
 import json
 import logging
 import posixpath
+import zlib
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
-from onceflow.core.errors import ConfigError, SourceShortfall
+from onceflow.core.errors import ConfigError, SourceChanged, SourceShortfall
 from onceflow.core.planner import PartitionRange
 from onceflow.sources import catalog
 from onceflow.sources.base import MAX_RECORD_BYTES, Position, Source
@@ -55,8 +67,10 @@ log = logging.getLogger(__name__)
 
 FORMATS = ("jsonl", "csv", "parquet")
 HIDDEN_SUFFIXES = (".tmp", ".part", "._COPYING_")
-# The fingerprint of a landed file: SHA-256 of its size and of its first and last SAMPLE bytes.
-SAMPLE = 64 << 10
+# What a refusal of a changed file tells the user to run (status matches it in failures).
+REPAIR_HINT = "`onceflow repair` says what changed and how to go on"
+# A Parquet row group's bytes are checked in pieces of this size (a row group may be large).
+CHECK_BYTES = 8 << 20
 
 
 def _filesystem(path: str):
@@ -121,83 +135,123 @@ class _CleanLines:
         return self.limit
 
 
-def _sampled(size: int, head: bytes, tail: bytes) -> str:
-    """A landed file's fingerprint (``landing_files.checksum``): SHA-256 of its size and its
-    first and last SAMPLE bytes. It names the version of the file that was indexed (a file
-    replaced later shows another one, in all but contrived cases); the whole file is not
-    hashed, because nothing reads it back to compare (a changed file is told by its size and
-    modification time, at every begin and read), and hashing every byte was a third of
-    indexing's CPU: 0.085 of 0.23 CPU s per 120 MB file."""
-    digest = hashlib.sha256(b"%d\n" % size)
-    digest.update(head[:SAMPLE])
-    digest.update(tail[-SAMPLE:] if size > SAMPLE else b"")
-    return digest.hexdigest()
+@dataclass
+class _Scan:
+    """What one pass over a file's bytes found: its records, its chunks ``(first_record,
+    byte_start, byte_end, records, clean_to, crc)`` (first_record counted from the pass's
+    start), how far it indexed (the end of its last complete line) and, for a Parquet file,
+    its footer's CRC-32."""
+
+    records: int
+    chunks: list[tuple[int, int, int, int, int | None, int]] = field(default_factory=list)
+    indexed_to: int = 0
+    checksum: str | None = None
 
 
-def _fingerprint(filesystem, path: str, chunk_bytes: int, fmt: str, header: bool,
-                 limit: int = MAX_RECORD_BYTES):
-    """(fingerprint, records, chunks [(first_record, byte_start, byte_end, records,
-    clean_to)]) of a file, in one pass (see _sampled for the fingerprint). Text files are cut
-    at newlines about every ``chunk_bytes``; a Parquet file by row group (the byte fields then
-    hold the row group's number). ``clean_to``: ``limit`` when every line of the chunk is
-    valid UTF-8, holds no NUL byte and is at most ``limit`` bytes long (its records cannot be
-    refused), else None."""
-    if fmt == "parquet":
-        import pyarrow.parquet as pq
-
-        with filesystem.open_input_file(path) as f:
-            size = f.size()
-            fingerprint = _sampled(size, f.read_at(min(SAMPLE, size), 0),
-                                   f.read_at(min(SAMPLE, size), max(0, size - SAMPLE)))
-            f.seek(0)
-            meta = pq.ParquetFile(f).metadata
-        chunks, first = [], 0
-        for g in range(meta.num_row_groups):
-            rows = meta.row_group(g).num_rows
-            chunks.append((first, g, g + 1, rows, None))
-            first += rows
-        return fingerprint, first, chunks
-    chunks: list[tuple[int, int, int, int, int | None]] = []
+def _scan_text(filesystem, path: str, start: int, size: int, chunk_bytes: int, *,
+               header: bool, limit: int = MAX_RECORD_BYTES, tail: bool = False) -> _Scan:
+    """Index bytes ``[start, size)`` of a text file in one pass: chunks cut at newlines about
+    every ``chunk_bytes``, each with the CRC-32 of its bytes and its ``clean_to`` (``limit``
+    when every line of the chunk is valid UTF-8, holds no NUL byte and is at most ``limit``
+    bytes long, so its records cannot be refused; else None). The bytes after the last
+    newline are not indexed (a line still being written), unless ``tail``: then they are a
+    last record. ``header``: the first line is a CSV header, not a record."""
+    chunks: list[tuple[int, int, int, int, int | None, int]] = []
     records = 0
-    start = 0  # where the chunk being read starts, in bytes
+    at = start  # where the chunk being read starts, in bytes
     carry = 0  # bytes after the last newline read so far: the start of the next chunk
+    crc = 0  # the CRC-32 of those bytes
     skip_header = header
     clean = _CleanLines(limit)
-    opening, ending, length = b"", b"", 0  # the fingerprint's (no block is copied whole)
-    with filesystem.open_input_stream(path) as f:
+    left = size - start
+    with filesystem.open_input_file(path) as f:
+        f.seek(start)
         while True:
-            block = f.read(chunk_bytes)
-            if not block:  # what follows the last newline is a last record
-                if carry and not skip_header:
-                    chunks.append((records, start, start + carry, 1,
-                                   clean.chunk(b"", 0, 0)))
+            block = f.read(min(chunk_bytes, left)) if left > 0 else b""
+            left -= len(block)
+            if not block:  # what follows the last newline waits for one, unless ``tail``
+                if carry and tail and not skip_header:
+                    chunks.append((records, at, at + carry, 1, clean.chunk(b"", 0, 0), crc))
                     records += 1
-                return _sampled(length, opening, ending), records, chunks
-            length += len(block)
-            if len(opening) < SAMPLE:
-                opening += block[:SAMPLE - len(opening)]
-            ending = (ending + block[-SAMPLE:])[-SAMPLE:]
+                    at += carry
+                return _Scan(records, chunks, at)
+            view = memoryview(block)
             last = block.rfind(b"\n")
             if last < 0:
                 carry += len(block)
                 clean.carry(block)
+                crc = zlib.crc32(view, crc)
                 continue
-            size, count = carry + last + 1, block.count(b"\n")
+            length, count = carry + last + 1, block.count(b"\n")
             body_start, head = 0, True
             if skip_header:  # the first line; the bytes carried over hold no newline
                 body_start, head = block.find(b"\n") + 1, False
                 header_end = carry + body_start
-                start, size, count, skip_header = start + header_end, size - header_end, \
+                at, length, count, skip_header = at + header_end, length - header_end, \
                     count - 1, False
-            if size:
-                chunks.append((records, start, start + size, count,
-                               clean.chunk(block, body_start, last + 1, head=head)))
+            if length:
+                chunks.append((records, at, at + length, count,
+                               clean.chunk(block, body_start, last + 1, head=head),
+                               zlib.crc32(view[body_start:last + 1], crc if head else 0)))
                 records += count
-                start += size
+                at += length
             else:
                 clean.chunk(b"", 0, 0, head=False)  # (the header alone: nothing carried)
             carry = len(block) - last - 1
             clean.carry(block[last + 1:])
+            crc = zlib.crc32(view[last + 1:])
+
+
+def _crc_of(f, start: int, end: int) -> tuple[int, int]:
+    """(CRC-32 of bytes ``[start, end)`` of an open file, how many of them it has)."""
+    crc, at = 0, start
+    while at < end:
+        piece = f.read_at(min(CHECK_BYTES, end - at), at)
+        if not piece:
+            break
+        crc = zlib.crc32(piece, crc)
+        at += len(piece)
+    return crc, at - start
+
+
+def _parquet_footer(f) -> tuple[int, int]:
+    """(CRC-32 of a Parquet file's footer: its metadata, their length and the magic; size)."""
+    size = f.size()
+    if size < 12:
+        return 0, size
+    length = int.from_bytes(f.read_at(4, size - 8), "little")
+    return _crc_of(f, max(0, size - 8 - length), size)[0], size
+
+
+def _row_group_bytes(meta, group: int) -> tuple[int, int]:
+    """Where a Parquet row group's column chunks lie in its file, ``[start, end)``."""
+    rg = meta.row_group(group)
+    start, end = None, 0
+    for i in range(rg.num_columns):
+        column = rg.column(i)
+        first = column.dictionary_page_offset if column.has_dictionary_page \
+            else column.data_page_offset
+        start = first if start is None else min(start, first)
+        end = max(end, first + column.total_compressed_size)
+    return start or 0, end
+
+
+def _scan_parquet(filesystem, path: str) -> _Scan:
+    """A Parquet file's chunks are its row groups (the byte fields hold the row group's
+    number), each with the CRC-32 of its column chunks' bytes; the file's footer's CRC-32
+    is its checksum. (One read of the file: Parquet files are written whole, but a rewrite
+    in place under the same size and time would otherwise go unseen.)"""
+    import pyarrow.parquet as pq
+
+    with filesystem.open_input_file(path) as f:
+        footer, size = _parquet_footer(f)
+        meta = pq.ParquetFile(f).metadata
+        chunks, first = [], 0
+        for g in range(meta.num_row_groups):
+            rows = meta.row_group(g).num_rows
+            chunks.append((first, g, g + 1, rows, None, _crc_of(f, *_row_group_bytes(meta, g))[0]))
+            first += rows
+    return _Scan(first, chunks, size, f"{footer:08x}")
 
 
 def _lines(data: bytes) -> list[str]:
@@ -255,6 +309,40 @@ def _line_array(data: bytes):
         return pa.array(_lines(data), pa.string())
 
 
+class _Known(NamedTuple):
+    """An indexed file as the index holds it (see LandingFolder._known)."""
+
+    file_no: int
+    partition: int
+    size: int
+    mtime: float
+    indexed_to: int
+    checksum: str | None
+    changed: str | None
+    skipped: str | None
+    last: tuple[int, int, int | None] | None  # its last chunk's byte_start, byte_end, crc
+    legacy: bool  # a chunk of it was indexed before chunk checksums
+    refused: bool = False  # set aside (a Parquet file of another schema): it holds no record
+
+
+class _Chunk(NamedTuple):
+    """A chunk as the readers get it (LandingFolder._chunks). ``size`` and ``mtime``: its
+    file's, compared only when ``crc`` is None (a chunk indexed before chunk checksums);
+    ``checksum``: a Parquet file's footer CRC-32."""
+
+    path: str
+    size: int | None
+    mtime: float | None
+    first: int
+    start: int
+    end: int
+    records: int
+    partition: int
+    crc: int | None
+    void: str | None
+    checksum: str | None = None
+
+
 @dataclass(frozen=True, kw_only=True)
 class LandingFolder(Source):
     """Files dropped into ``path`` (see the module docstring).
@@ -265,7 +353,10 @@ class LandingFolder(Source):
     records' fields as Spark DDL of simple types, decoded as the lines are read (the records
     then carry these columns and ``_corrupt_record`` instead of ``payload``); ``schema``
     (Parquet): the declared columns as Spark DDL, ``on_mismatch``: skip or stop;
-    ``settle_s``: how long a file must stay untouched before it is indexed.
+    ``settle_s``: how long a file must stay untouched before it is looked at (0 for files
+    appended to all the time, such as logs: their complete lines are indexed as they come);
+    ``unterminated_s``: how long a file must stay untouched before a last line without a
+    newline is indexed as a record (None, the default: never; it waits for its newline).
     """
 
     kind: ClassVar[str] = "landing-folder"
@@ -279,6 +370,7 @@ class LandingFolder(Source):
     json_schema: str | None = None
     on_mismatch: str = "skip"
     settle_s: float = 1.0
+    unterminated_s: float | None = None
 
     def validate(self) -> None:
         super().validate()
@@ -291,6 +383,14 @@ class LandingFolder(Source):
         if self.on_mismatch not in ("skip", "stop"):
             raise ConfigError(f"source.on_mismatch={self.on_mismatch!r} is invalid: choose "
                               "skip or stop")
+        for name in ("settle_s", "unterminated_s"):
+            value = getattr(self, name)
+            if value is None and name == "unterminated_s":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+                raise ConfigError(f"source.{name}={value!r} is invalid: give a number of "
+                                  "seconds >= 0" + (", or None" if name == "unterminated_s"
+                                                    else ""))
         for name in ("partitions", "chunk_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
@@ -345,84 +445,195 @@ class LandingFolder(Source):
         return f"missing column(s) {missing}" if missing else None
 
     def index(self, cur, enough=None) -> int:
-        """Index the files landed since the last look (in the caller's transaction, which
-        holds the partitions' locks until it ends), in arrival order. Returns how many.
+        """Index what landed since the last look (in the caller's transaction, which holds
+        the partitions' locks until it ends), in arrival order: new files, and the new
+        complete lines of files that grew. A file whose indexed bytes changed is marked
+        (``changed``), not indexed further. Returns how many files were looked at.
         ``enough()``: checked before the first step and after each (1, 2, 4, ... files);
         true, the rest waits for a later look (a batch does not wait for a backlog's index:
         see positions_until)."""
-        cur.execute(
-            """SELECT path, size, mtime FROM landing_files WHERE topic = %s""", (self.topic,))
-        known = {p: (s, m) for p, s, m in cur.fetchall()}
+        cur.execute("SELECT path, size, mtime, indexed_to, skipped IS NULL FROM landing_files "
+                    "WHERE topic = %s", (self.topic,))
+        seen = {p: (s, m, to, followed) for p, s, m, to, followed in cur.fetchall()}
         filesystem, listing = self._listing()
-        for path, size, mtime in listing:
-            if path in known and known[path] != (size, mtime):
-                raise ConfigError(
-                    f"landed file {path!r} changed after it was indexed (size {known[path][0]}"
-                    f" -> {size}, modified {datetime.fromtimestamp(mtime, UTC):%F %T}): landed "
-                    "files must never change. Restore it, or land the new version under a new "
-                    "name")
-        new = [f for f in listing if f[0] not in known]
-        if not new or (enough is not None and enough()):
+        todo = [f for f in listing if f[0] not in seen or self._again(*seen[f[0]], *f[1:])]
+        # Files indexed before are looked at again whatever ``enough`` says: a change must be
+        # found before a batch plans over it (a grown file's new lines are few).
+        again = [f for f in todo if f[0] in seen]
+        if not todo or (not again and enough is not None and enough()):
             return 0
         cur.execute(
             """SELECT partition, next_offset FROM source_partitions WHERE topic = %s
                ORDER BY partition FOR UPDATE""", (self.topic,))
         heads = dict(cur.fetchall())
+        # Under the partitions' locks: what another look indexed meanwhile is seen now.
+        known = self._known(cur, [path for path, _, _ in todo])
+        work = [(path, size, mtime, known.get(path)) for path, size, mtime in todo
+                if path not in known or self._again(
+                    known[path].size, known[path].mtime, known[path].indexed_to,
+                    known[path].skipped is None, size, mtime)]
         cur.execute("SELECT coalesce(max(file_no), -1) FROM landing_files WHERE topic = %s",
                     (self.topic,))
         file_no = cur.fetchone()[0]
-        done, step = 0, 1 if enough is not None else len(new)
-        while done < len(new):
-            files = new[done:done + step]
-            file_no = self._index_files(cur, filesystem, files, file_no, heads)
-            done += len(files)
-            step *= 2
-            if enough is not None and done < len(new) and enough():
+        # In arrival order: at once up to the last file indexed before, then in steps.
+        last = max((i for i, w in enumerate(work) if w[3] is not None), default=-1)
+        steps, new = [work[:last + 1]], work[last + 1:]
+        step = 1 if enough is not None else len(new)
+        while new:
+            steps.append(new[:step])
+            new, step = new[step:], step * 2
+        done = 0
+        for i, items in enumerate(steps):
+            if i and enough is not None and enough():
                 break
-        log.info("LANDING topic=%s: indexed %d new file(s)%s", self.topic, done,
-                 f", {len(new) - done} left for a later look" if done < len(new) else "")
+            if not items:
+                continue
+            # The files are read side by side: a remote file system's latency overlaps (the
+            # newline count holds the GIL, so on a local disk this is about one core's work).
+            with ThreadPoolExecutor(min(4, len(items)),
+                                    thread_name_prefix="onceflow-index") as pool:
+                found = list(pool.map(lambda item: self._look(filesystem, *item), items))
+            for item, outcome in zip(items, found, strict=True):
+                file_no = self._record(cur, item, outcome, file_no, heads)
+            done += len(items)
+        log.info("LANDING topic=%s: looked at %d new or changed file(s)%s", self.topic, done,
+                 f", {len(work) - done} left for a later look" if done < len(work) else "")
         return done
 
-    def _index_files(self, cur, filesystem, new: list, file_no: int, heads: dict) -> int:
-        """Index ``new`` files (path, size, mtime) after ``file_no``, their records after
-        ``heads`` (updated); returns the last file number."""
-        refusals = []
-        for path, _, _ in new:
+    def _again(self, size: int, mtime: float, indexed_to: int, followed: bool, now_size: int,
+               now_mtime: float) -> bool:
+        """Whether a look must read an indexed file again: it changed since the last look,
+        or its last line without a newline is now due (``unterminated_s``)."""
+        if not followed:
+            return False
+        if (size, mtime) != (now_size, now_mtime):
+            return True
+        return (self.unterminated_s is not None and self.format != "parquet"
+                and size > indexed_to
+                and datetime.now(UTC).timestamp() - mtime >= self.unterminated_s)
+
+    def _known(self, cur, paths: list[str]) -> dict[str, _Known]:
+        """The index's state of ``paths`` (those indexed), with each one's last chunk."""
+        cur.execute(
+            """SELECT f.path, f.file_no, f.partition, f.size, f.mtime, f.indexed_to,
+                      f.checksum, f.changed, f.skipped, l.byte_start, l.byte_end, l.crc,
+                      EXISTS (SELECT 1 FROM landing_chunks o WHERE o.topic = f.topic
+                              AND o.file_no = f.file_no AND o.crc IS NULL AND o.void IS NULL),
+                      f.refused IS NOT NULL
+               FROM landing_files f
+               LEFT JOIN LATERAL (
+                   SELECT c.byte_start, c.byte_end, c.crc FROM landing_chunks c
+                   WHERE c.topic = f.topic AND c.file_no = f.file_no AND c.void IS NULL
+                   ORDER BY c.byte_start DESC LIMIT 1) l ON true
+               WHERE f.topic = %s AND f.path = ANY(%s)""", (self.topic, paths))
+        return {row[0]: _Known(*row[1:9], None if row[9] is None else tuple(row[9:12]),
+                               *row[12:]) for row in cur.fetchall()}
+
+    def _scan(self, filesystem, path: str, start: int, size: int, mtime: float) -> _Scan:
+        tail = self.unterminated_s is not None and \
+            datetime.now(UTC).timestamp() - mtime >= self.unterminated_s
+        return _scan_text(filesystem, path, start, size, self.chunk_bytes,
+                          header=self.csv_header and start == 0, limit=self.max_record_bytes,
+                          tail=tail)
+
+    def _look(self, filesystem, path: str, size: int, mtime: float, known: _Known | None
+              ) -> tuple[str, _Scan | str, str | None]:
+        """What a look finds of one file (reading it, no database work): ("new", scan,
+        why a Parquet file is set aside), ("grown", scan of its new bytes, None) or
+        ("changed", what changed, None)."""
+        if known is None:
+            if self.format != "parquet":
+                return "new", self._scan(filesystem, path, 0, size, mtime), None
             refused = self._check_schema(filesystem, path)
             if refused and self.on_mismatch == "stop":
                 raise ConfigError(f"landed file {path!r} does not match source.schema "
                                   f"({refused}); fix or remove it, or set on_mismatch='skip'")
-            refusals.append(refused)
-        # The files are read side by side: a remote file system's latency overlaps (the
-        # newline count holds the GIL, so on a local disk this is about one core's work).
-        with ThreadPoolExecutor(min(4, len(new)), thread_name_prefix="onceflow-index") as pool:
-            prints = list(pool.map(lambda f: _fingerprint(
-                filesystem, f[0], self.chunk_bytes, self.format, self.csv_header,
-                self.max_record_bytes), new))
-        for (path, size, mtime), refused, (checksum, records, chunks) in zip(
-                new, refusals, prints, strict=True):
+            return "new", _Scan(0, indexed_to=size) if refused \
+                else _scan_parquet(filesystem, path), refused
+        if known.refused:  # nothing of it is read: whatever it holds now
+            return "grown", _Scan(0, indexed_to=known.indexed_to), None
+        if known.legacy:
+            return "changed", (f"its size or modification time changed (size "
+                               f"{known.size} -> {size}), and it was indexed before chunk "
+                               "checksums, so an append cannot be told from a rewrite"), None
+        if self.format == "parquet":  # written whole: only a touch leaves it the same file
+            with filesystem.open_input_file(path) as f:
+                footer, now = _parquet_footer(f)
+            if now == known.indexed_to and f"{footer:08x}" == known.checksum:
+                return "grown", _Scan(0, indexed_to=known.indexed_to), None
+            return "changed", (f"its size went from {known.indexed_to} to {now} bytes"
+                               if now != known.indexed_to else "its footer (metadata) "
+                               "is not the one indexed"), None
+        if size < known.indexed_to:
+            return "changed", (f"it shrank to {size} bytes; {known.indexed_to} bytes of it "
+                               "were indexed"), None
+        if known.last is not None:
+            start, end, crc = known.last
+            with filesystem.open_input_file(path) as f:
+                data = f.read_at(end - start, start)
+            if zlib.crc32(data) != crc or len(data) != end - start:
+                return "changed", (f"bytes [{start}, {end}) (its last indexed chunk) are not "
+                                   "the bytes indexed"), None
+            if size > end and not data.endswith(b"\n"):
+                return "changed", (f"its last line (bytes [{start}, {end})) was indexed "
+                                   "without a newline (unterminated_s) and then went on"), None
+        return "grown", self._scan(filesystem, path, known.indexed_to, size, mtime), None
+
+    def _record(self, cur, item: tuple, outcome: tuple, file_no: int, heads: dict) -> int:
+        """Store what a look found of one file (see _look); returns the last file number."""
+        path, size, mtime, known = item
+        kind, found, refused = outcome
+        if kind == "changed":
+            if found != known.changed:
+                log.warning("LANDING topic=%s: %s changed after it was indexed: %s; its "
+                            "unread records are refused until `onceflow repair` accepts or "
+                            "skips it", self.topic, path, found)
+            # A file indexed before chunk checksums keeps the size and time it was indexed
+            # at: its reads compare them.
+            cur.execute(
+                """UPDATE landing_files SET changed = %s,
+                          size = CASE WHEN %s THEN size ELSE %s END,
+                          mtime = CASE WHEN %s THEN mtime ELSE %s END
+                   WHERE topic = %s AND file_no = %s""",
+                (found, known.legacy, size, known.legacy, mtime, self.topic, known.file_no))
+            return file_no
+        if kind == "new":
             file_no += 1
             partition = file_no % len(heads)
             if refused:
-                records, chunks = 0, []
                 log.warning("LANDING topic=%s: %s set aside: %s", self.topic, path, refused)
-            base = heads[partition]
             cur.execute(
                 """INSERT INTO landing_files (topic, file_no, partition, path, size, mtime,
-                                              checksum, records, base_offset, refused)
-                   VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)""",
-                (self.topic, file_no, partition, path, size, mtime, checksum, records, base,
-                 refused))
-            for first, start, end, count, clean_to in chunks:
-                cur.execute(
-                    """INSERT INTO landing_chunks (topic, file_no, first_offset, byte_start,
-                                                   byte_end, records, clean_to)
-                       VALUES (%s, %s, %s, %s, %s, %s, %s)""",
-                    (self.topic, file_no, base + first, start, end, count, clean_to))
-            heads[partition] = base + records
+                                              checksum, records, base_offset, refused,
+                                              indexed_to)
+                   VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)""",
+                (self.topic, file_no, partition, path, size, mtime, found.checksum,
+                 found.records, heads[partition], refused, found.indexed_to))
+            number = file_no
+        else:
+            number, partition = known.file_no, known.partition
+            if known.changed:
+                log.warning("LANDING topic=%s: %s is as indexed again (%s no more)",
+                            self.topic, path, known.changed)
+            cur.execute(
+                """UPDATE landing_files SET size = %s, mtime = %s, indexed_to = %s,
+                          records = records + %s, changed = NULL,
+                          checksum = coalesce(%s, checksum)
+                   WHERE topic = %s AND file_no = %s""",
+                (size, mtime, found.indexed_to, found.records, found.checksum, self.topic,
+                 number))
+        base = heads[partition]
+        for first, start, end, count, clean_to, crc in found.chunks:
+            cur.execute(
+                """INSERT INTO landing_chunks (topic, file_no, first_offset, byte_start,
+                                               byte_end, records, clean_to, crc)
+                   VALUES (%s, %s, %s, %s, %s, %s, %s, %s)""",
+                (self.topic, number, base + first, start, end, count, clean_to, crc))
+        if found.records:
+            heads[partition] = base + found.records
             cur.execute("UPDATE source_partitions SET next_offset = %s "
-                        "WHERE topic = %s AND partition = %s", (heads[partition], self.topic,
-                                                                partition))
+                        "WHERE topic = %s AND partition = %s",
+                        (heads[partition], self.topic, partition))
         return file_no
 
     # -- the Source interface --------------------------------------------------------------
@@ -442,28 +653,44 @@ class LandingFolder(Source):
         self.index(cur, enough=lambda: enough(catalog.positions(cur, self.topic)))
         return catalog.positions(cur, self.topic)
 
-    def _chunks(self, cur, ranges: Iterable[PartitionRange]) -> list[tuple]:
-        """(path, size, mtime, first_offset, byte_start, byte_end, records, partition) of
-        every chunk overlapping ``ranges``; SourceShortfall when the manifest does not cover
-        a range whole."""
+    def held_back(self, cur, starts) -> dict[int, int]:
+        """Per partition, the first offset at or after its start of a chunk of a changed
+        file (not void): a begin plans no batch past it until `onceflow repair` accepts or
+        skips the file (see held_back in Source)."""
+        if not starts:
+            return {}
+        cur.execute(
+            """SELECT f.partition, min(c.first_offset)
+               FROM landing_files f JOIN landing_chunks c USING (topic, file_no)
+               JOIN unnest(%s::int[], %s::bigint[]) AS s (part, start)
+                 ON f.partition = s.part AND c.first_offset + c.records > s.start
+               WHERE f.topic = %s AND f.changed IS NOT NULL AND f.skipped IS NULL
+                 AND c.void IS NULL
+               GROUP BY f.partition""",
+            (list(starts), list(starts.values()), self.topic))
+        return dict(cur.fetchall())
+
+    def _chunks(self, cur, ranges: Iterable[PartitionRange]) -> list[_Chunk]:
+        """Every chunk overlapping ``ranges`` (void ones too: they hold their offsets, with no
+        record); SourceShortfall when the manifest does not cover a range whole."""
         out = []
         for r in ranges:
             if r.size <= 0:
                 continue
             cur.execute(
                 """SELECT f.path, f.size, f.mtime, c.first_offset, c.byte_start, c.byte_end,
-                          c.records, f.partition
+                          c.records, f.partition, c.crc, c.void, f.checksum
                    FROM landing_chunks c JOIN landing_files f USING (topic, file_no)
                    WHERE c.topic = %s AND f.partition = %s
                      AND c.first_offset < %s AND c.first_offset + c.records > %s
                    ORDER BY c.first_offset""",
                 (self.topic, r.partition, r.end, r.start))
-            rows = cur.fetchall()
+            rows = [_Chunk(*row) for row in cur.fetchall()]
             covered = r.start
             for row in rows:
-                if row[3] > covered:
+                if row.first > covered:
                     break
-                covered = max(covered, row[3] + row[6])
+                covered = max(covered, row.first + row.records)
             if covered < r.end:
                 raise SourceShortfall(
                     f"landing folder {self.topic!r} partition {r.partition}: no indexed file "
@@ -473,7 +700,7 @@ class LandingFolder(Source):
 
     def may_refuse(self, cur, ranges: Iterable[PartitionRange]) -> bool:
         """True when a chunk of ``ranges`` was not found clean up to today's
-        max_record_bytes when its file was indexed (see _fingerprint; Parquet: always)."""
+        max_record_bytes when its file was indexed (see _scan_text; Parquet: always)."""
         ranges = [r for r in ranges if r.size > 0]
         if self.format == "parquet":
             return True
@@ -485,7 +712,7 @@ class LandingFolder(Source):
                JOIN unnest(%s::int[], %s::bigint[], %s::bigint[]) AS r (part, lo, hi)
                  ON f.partition = r.part AND c.first_offset < r.hi
                     AND c.first_offset + c.records > r.lo
-               WHERE c.topic = %s""",
+               WHERE c.topic = %s AND c.void IS NULL""",
             (self.max_record_bytes, [r.partition for r in ranges], [r.start for r in ranges],
              [r.end for r in ranges], self.topic))
         return cur.fetchone()[0]
@@ -496,10 +723,10 @@ class LandingFolder(Source):
         ranges = [r for r in ranges if r.size > 0]
         with connection(dsn, application_name="onceflow-landing") as conn, \
                 transaction(conn) as cur:
-            chunks = self._chunks(cur, ranges)
+            chunks = [c for c in self._chunks(cur, ranges) if c.void is None]
             if self.format == "parquet":
                 cur.execute("SELECT path, base_offset FROM landing_files WHERE topic = %s "
-                            "AND path = ANY(%s)", (self.topic, [c[0] for c in chunks]))
+                            "AND path = ANY(%s)", (self.topic, [c.path for c in chunks]))
                 bases = dict(cur.fetchall())
         if self.format == "parquet":
             return self._read_parquet(spark, ranges, chunks, bases)
@@ -512,8 +739,7 @@ class LandingFolder(Source):
 
         if jvm_reader(spark) and "://" not in self.path:
             # the JVM reads the chunks (spark_tasks/jvm): the same rows, one task per chunk
-            spec = {"chunks": [[path, size, mtime, first, start, end, partition] for path, size,
-                               mtime, first, start, end, _, partition in chunks],
+            spec = {"chunks": [_jvm_chunk(c) for c in chunks],
                     "wanted": wanted,
                     "columns": list(map(list, self.records.columns)) if self.records else None,
                     "max_record_bytes": self.max_record_bytes}
@@ -527,38 +753,43 @@ class LandingFolder(Source):
             _chunk_reader(self.format, self.csv_header, self.path, chunks, wanted,
                           self.records, self.max_record_bytes), ddl)
 
-    def _read_parquet(self, spark, ranges: list[PartitionRange], chunks: list[tuple],
+    def _read_parquet(self, spark, ranges: list[PartitionRange], chunks: list[_Chunk],
                       bases: dict[str, int]):
         """Parquet files through Spark's own reader (in the JVM): a row's offset is its
         file's base offset plus its row index in the file, its payload the row as JSON.
-        Each file is checked unchanged first (size, modification time)."""
+        Each file's footer and the row groups the ranges hold are checked against their
+        CRC-32s here first (Spark's reader reads them after the check)."""
         from functools import reduce
 
-        from pyarrow import fs
         from pyspark.sql import functions as F
 
         from onceflow.core.tables import SPARK_JSON
 
         filesystem, _ = _filesystem(self.path)
-        files = {}
-        for path, size, mtime, _, _, _, _, partition in chunks:
-            files[path] = (size, mtime, partition)
+        files: dict[str, list[_Chunk]] = {}
+        for chunk in chunks:
+            files.setdefault(chunk.path, []).append(chunk)
         parts = []
-        for path, (size, mtime, partition) in files.items():
-            info = filesystem.get_file_info(path)
-            if info.type != fs.FileType.File:
-                require_folder(posixpath.dirname(path), filesystem)
-                raise SourceShortfall(f"landed file {path!r} was removed before every batch "
-                                      "reading it committed")
-            if info.size != size or (info.mtime and abs(info.mtime.timestamp() - mtime) > 1e-3):
-                raise ConfigError(f"landed file {path!r} changed after it was indexed: "
-                                  "refused (a landed file never changes; land a new one)")
+        for path, groups in files.items():
+            partition = groups[0].partition
+            try:
+                _check_parquet(filesystem, groups)
+            except RuntimeError as error:
+                raise (SourceShortfall if "SourceShortfall" in str(error) else SourceChanged)(
+                    str(error)) from None
             reader = spark.read.schema(self.schema) if self.schema else spark.read
             df = reader.parquet(_spark_path(self.path, path))
             offset = F.lit(bases[path]) + F.col("_metadata.row_index")
+            # the planned ranges, within the row groups that hold records (not void ones)
+            held = []
+            for c in sorted(groups, key=lambda c: c.first):
+                if held and held[-1][1] == c.first:
+                    held[-1][1] = c.first + c.records
+                else:
+                    held.append([c.first, c.first + c.records])
             keep = reduce(lambda a, b: a | b, [
-                (offset >= r.start) & (offset < r.end) for r in ranges
-                if r.partition == partition])
+                (offset >= max(r.start, lo)) & (offset < min(r.end, hi)) for r in ranges
+                for lo, hi in held if r.partition == partition and r.start < hi and lo < r.end])
             parts.append(df.select(
                 F.lit(partition).cast("int").alias("partition"), offset.alias("offset"),
                 F.to_json(F.struct("*"), SPARK_JSON).alias("payload")).where(keep))
@@ -570,15 +801,41 @@ class LandingFolder(Source):
                  ) -> Iterator[tuple[int, int, str]]:
         ranges = [r for r in ranges if r.size > 0]
         with conn.cursor() as cur:
-            chunks = self._chunks(cur, ranges)
+            chunks = [c for c in self._chunks(cur, ranges) if c.void is None]
         filesystem, _ = _filesystem(self.path)
-        for path, size, mtime, first, start, end, _, partition in chunks:
-            for i, payload in enumerate(_read_chunk(filesystem, self.format, path, size, mtime,
-                                                    start, end).to_pylist()):
-                offset = first + i
-                if any(r.partition == partition and r.start <= offset < r.end
+        for chunk in chunks:
+            for i, payload in enumerate(_read_chunk(filesystem, self.format, chunk)
+                                        .to_pylist()):
+                offset = chunk.first + i
+                if any(r.partition == chunk.partition and r.start <= offset < r.end
                        for r in ranges):
-                    yield partition, offset, payload
+                    yield chunk.partition, offset, payload
+
+    def notices(self, cur, pipeline: str) -> list[tuple[str, str]]:
+        """(what, the command that fixes it) for each landed file that holds the pipeline up
+        or waits: changed ones, skipped ones, and lines waiting a minute or more for their
+        newline (onceflow status shows them). The index as the caller's look left it."""
+        cur.execute(
+            """SELECT path, changed, skipped, size - indexed_to, mtime FROM landing_files
+               WHERE topic = %s AND (changed IS NOT NULL OR skipped IS NOT NULL
+                                     OR (size > indexed_to AND %s))
+               ORDER BY file_no""", (self.topic, self.format != "parquet"))
+        now = datetime.now(UTC).timestamp()
+        out = []
+        for path, changed, skipped, waiting, mtime in cur.fetchall():
+            if changed is not None:
+                out.append((f"landed file {path} changed after it was indexed: {changed}; "
+                            "its unread records are refused",
+                            f"onceflow repair --pipeline {pipeline} (says which records it "
+                            f"holds), then --accept-changed or --skip-changed {path}"))
+            elif skipped is not None:
+                out.append((f"landed file {path} is skipped: {skipped}", "-"))
+            elif now - mtime >= max(60.0, self.settle_s):
+                out.append((f"landed file {path}: its last {waiting} bytes have no newline "
+                            f"yet (unmodified for {now - mtime:.0f}s): they are not read",
+                            "if the file is complete, append a newline to it (or set "
+                            "source.unterminated_s)"))
+        return out
 
     def describe(self) -> str:
         return f"landing folder {self.path!r} ({self.format}, topic {self.topic!r})"
@@ -590,44 +847,105 @@ def _spark_path(root: str, path: str) -> str:
     return path if not scheme or path.startswith(scheme) else scheme + path
 
 
-def _read_chunk(filesystem, fmt: str, path: str, size: int, mtime: float, start: int,
-                end: int):
-    """The payloads of one chunk (an Arrow string array), after checking the file is the
-    one indexed."""
+def _jvm_chunk(chunk: _Chunk) -> list:
+    """A chunk as the JVM reader's spec holds it (onceflow.spark.ReadSpec)."""
+    return [chunk.path, chunk.crc, chunk.size, chunk.mtime, chunk.first, chunk.start,
+            chunk.end, chunk.partition, chunk.records]
+
+
+def _where(chunk: _Chunk) -> str:
+    return (f"bytes [{chunk.start}, {chunk.end}) (the chunk of offsets [{chunk.first}, "
+            f"{chunk.first + chunk.records}) of partition {chunk.partition})")
+
+
+def _changed(chunk: _Chunk, what: str) -> RuntimeError:
+    return RuntimeError(f"landed file {chunk.path!r} changed after it was indexed: {what}: "
+                        f"refused. {REPAIR_HINT}")
+
+
+def _removed(path: str, filesystem) -> RuntimeError:
+    require_folder(posixpath.dirname(path), filesystem)  # a folder not mounted here says so
+    return RuntimeError(f"SourceShortfall: landed file {path!r} was removed before every "
+                        "batch reading it committed")
+
+
+def _read_chunk(filesystem, fmt: str, chunk: _Chunk):
+    """The payloads of one chunk (an Arrow string array), its bytes checked."""
     import pyarrow as pa
 
     if fmt == "parquet":
         import pyarrow.parquet as pq
 
-        _check_unchanged(filesystem, path, size, mtime)
-        with filesystem.open_input_file(path) as f:
-            table = pq.ParquetFile(f).read_row_group(start)  # start: the row group
+        _check_parquet(filesystem, [chunk])
+        with filesystem.open_input_file(chunk.path) as f:
+            table = pq.ParquetFile(f).read_row_group(chunk.start)  # start: the row group
         return pa.array([json.dumps(row, default=str, ensure_ascii=False)
                          for row in table.to_pylist()], pa.string())
-    return _line_array(_chunk_bytes(filesystem, path, size, mtime, start, end))
+    return _line_array(_chunk_bytes(filesystem, chunk))
 
 
-def _chunk_bytes(filesystem, path: str, size: int, mtime: float, start: int, end: int) -> bytes:
-    """Bytes ``[start, end)`` of a landed text file, after checking it is the one indexed."""
-    _check_unchanged(filesystem, path, size, mtime)
-    with filesystem.open_input_file(path) as f:
-        f.seek(start)
-        return f.read(end - start)
+def _chunk_bytes(filesystem, chunk: _Chunk) -> bytes:
+    """Bytes ``[start, end)`` of a landed text file, checked against the chunk's CRC-32 (on
+    the bytes returned: no window between the check and the use)."""
+    if chunk.crc is None:
+        _check_unchanged(filesystem, chunk)
+    try:
+        with filesystem.open_input_file(chunk.path) as f:
+            data = f.read_at(chunk.end - chunk.start, chunk.start)
+    except FileNotFoundError:
+        raise _removed(chunk.path, filesystem) from None
+    if len(data) != chunk.end - chunk.start:
+        raise _changed(chunk, f"it ends at byte {chunk.start + len(data)}, before "
+                              f"{_where(chunk)}")
+    if chunk.crc is not None:
+        crc = zlib.crc32(data)
+        if crc != chunk.crc:
+            raise _changed(chunk, f"{_where(chunk)} are not the bytes indexed (CRC-32 "
+                                  f"{crc:08x}, indexed {chunk.crc:08x})")
+    return data
 
 
-def _check_unchanged(filesystem, path: str, size: int, mtime: float) -> None:
+def _check_parquet(filesystem, chunks: list[_Chunk]) -> None:
+    """A Parquet file's footer and the row groups of ``chunks`` (all of one file) are the
+    bytes indexed."""
+    import pyarrow.parquet as pq
+
+    first = chunks[0]
+    if first.crc is None:
+        _check_unchanged(filesystem, first)
+        return
+    try:
+        with filesystem.open_input_file(first.path) as f:
+            footer, size = _parquet_footer(f)
+            if f"{footer:08x}" != first.checksum:
+                raise _changed(first, f"its footer (metadata, at the end of its {size} "
+                                      f"bytes) is not the one indexed")
+            meta = pq.ParquetFile(f).metadata
+            for chunk in chunks:
+                crc, _ = _crc_of(f, *_row_group_bytes(meta, chunk.start))
+                if crc != chunk.crc:
+                    raise _changed(chunk, f"row group {chunk.start} (offsets [{chunk.first}, "
+                                          f"{chunk.first + chunk.records}) of partition "
+                                          f"{chunk.partition}) is not the one indexed (CRC-32 "
+                                          f"{crc:08x}, indexed {chunk.crc:08x})")
+    except FileNotFoundError:
+        raise _removed(first.path, filesystem) from None
+
+
+def _check_unchanged(filesystem, chunk: _Chunk) -> None:
+    """A chunk indexed before chunk checksums: its file's size and modification time."""
     from pyarrow import fs
 
-    info = filesystem.get_file_info(path)
+    info = filesystem.get_file_info(chunk.path)
     if info.type != fs.FileType.File:
-        require_folder(posixpath.dirname(path), filesystem)
-        raise RuntimeError(f"SourceShortfall: landed file {path!r} was removed before every "
-                           "batch reading it committed")
-    if info.size != size or (info.mtime and abs(info.mtime.timestamp() - mtime) > 1e-3):
-        raise RuntimeError(f"landed file {path!r} changed after it was indexed: refused")
+        raise _removed(chunk.path, filesystem)
+    if info.size != chunk.size or (info.mtime and
+                                   abs(info.mtime.timestamp() - chunk.mtime) > 1e-3):
+        raise _changed(chunk, f"its size or modification time is not the one indexed (size "
+                              f"{chunk.size} -> {info.size}; indexed before chunk checksums)")
 
 
-def _chunk_reader(fmt: str, header: bool, root: str, chunks: list[tuple],
+def _chunk_reader(fmt: str, header: bool, root: str, chunks: list[_Chunk],
                   wanted: list[tuple[int, int, int]], records: JsonRecords | None = None,
                   max_bytes: int | None = None):
     """The mapInArrow function reading ``chunks`` (rows of LandingFolder._chunks) by index
@@ -641,13 +959,12 @@ def _chunk_reader(fmt: str, header: bool, root: str, chunks: list[tuple],
         filesystem, _ = _filesystem(root)
         for batch in batches:
             for index in batch.column("id").to_pylist():
-                path, size, mtime, first, byte_start, byte_end, _, partition = chunks[index]
+                chunk = chunks[index]
+                first, partition = chunk.first, chunk.partition
                 if records is None:
-                    columns = {"payload": _read_chunk(filesystem, fmt, path, size, mtime,
-                                                      byte_start, byte_end)}
+                    columns = {"payload": _read_chunk(filesystem, fmt, chunk)}
                 else:
-                    lines = _line_bytes(_chunk_bytes(filesystem, path, size, mtime,
-                                                     byte_start, byte_end))
+                    lines = _line_bytes(_chunk_bytes(filesystem, chunk))
                     columns, problems = records.decode(lines, max_bytes)
                     columns[PROBLEM] = problems
                 count = len(next(iter(columns.values())))

@@ -1,5 +1,6 @@
 package onceflow.spark;
 
+import java.io.FileNotFoundException;
 import java.io.IOException;
 import java.io.RandomAccessFile;
 import java.nio.file.Files;
@@ -8,6 +9,7 @@ import java.nio.file.Path;
 import java.nio.file.Paths;
 import java.nio.file.attribute.BasicFileAttributes;
 import java.util.concurrent.TimeUnit;
+import java.util.zip.CRC32;
 
 import org.apache.spark.sql.catalyst.InternalRow;
 import org.apache.spark.sql.catalyst.expressions.GenericInternalRow;
@@ -34,26 +36,44 @@ final class ChunkReader implements PartitionReader<InternalRow> {
     this.offset = chunk.first;
   }
 
-  private static byte[] read(ReadSpec.Chunk chunk) {
-    Path path = Paths.get(chunk.path);
+  private static final String REPAIR_HINT =
+      "`onceflow repair` says what changed and how to go on";
+
+  private static IllegalStateException removed(ReadSpec.Chunk chunk) {
+    requireFolder(Paths.get(chunk.path).getParent());  // a folder not mounted here says so
+    return new IllegalStateException("SourceShortfall: landed file '" + chunk.path
+        + "' was removed before every batch reading it committed");
+  }
+
+  private static IllegalStateException changed(ReadSpec.Chunk chunk, String what) {
+    return new IllegalStateException("landed file '" + chunk.path
+        + "' changed after it was indexed: " + what + ": refused. " + REPAIR_HINT);
+  }
+
+  /** A chunk indexed before chunk checksums: its file's size and modification time. */
+  private static void checkUnchanged(ReadSpec.Chunk chunk) {
     BasicFileAttributes info;
     try {
-      info = Files.readAttributes(path, BasicFileAttributes.class);
+      info = Files.readAttributes(Paths.get(chunk.path), BasicFileAttributes.class);
     } catch (NoSuchFileException e) {
-      requireFolder(path.getParent());
-      throw new IllegalStateException("SourceShortfall: landed file '" + chunk.path
-          + "' was removed before every batch reading it committed");
+      throw removed(chunk);
     } catch (IOException e) {
       throw new IllegalStateException("landed file '" + chunk.path + "' cannot be read: " + e);
     }
-    double mtime = info.lastModifiedTime().to(TimeUnit.NANOSECONDS) / 1e9;
     if (!info.isRegularFile()) {
-      throw new IllegalStateException("SourceShortfall: landed file '" + chunk.path
-          + "' was removed before every batch reading it committed");
+      throw removed(chunk);
     }
+    double mtime = info.lastModifiedTime().to(TimeUnit.NANOSECONDS) / 1e9;
     if (info.size() != chunk.size || Math.abs(mtime - chunk.mtime) > 1e-3) {
-      throw new IllegalStateException("landed file '" + chunk.path
-          + "' changed after it was indexed: refused");
+      throw changed(chunk, "its size or modification time is not the one indexed (size "
+          + chunk.size + " -> " + info.size() + "; indexed before chunk checksums)");
+    }
+  }
+
+  /** The chunk's bytes, checked against its CRC-32 (the bytes used are the bytes checked). */
+  private static byte[] read(ReadSpec.Chunk chunk) {
+    if (chunk.crc < 0) {
+      checkUnchanged(chunk);
     }
     long size = chunk.byteEnd - chunk.byteStart;
     if (size > Integer.MAX_VALUE - 8) {
@@ -61,13 +81,34 @@ final class ChunkReader implements PartitionReader<InternalRow> {
           + " bytes is over what one read task holds (2 GiB): index the folder with a smaller "
           + "chunk_bytes");
     }
-    int length = (int) size;
-    byte[] bytes = new byte[length];
+    byte[] bytes = new byte[(int) size];
+    int got = 0;
     try (RandomAccessFile file = new RandomAccessFile(chunk.path, "r")) {
       file.seek(chunk.byteStart);
-      file.readFully(bytes);
+      while (got < bytes.length) {
+        int n = file.read(bytes, got, bytes.length - got);
+        if (n < 0) {
+          break;
+        }
+        got += n;
+      }
+    } catch (FileNotFoundException e) {
+      throw removed(chunk);
     } catch (IOException e) {
       throw new IllegalStateException("landed file '" + chunk.path + "' cannot be read: " + e);
+    }
+    if (got != bytes.length) {
+      throw changed(chunk, "it ends at byte " + (chunk.byteStart + got) + ", before "
+          + chunk.where());
+    }
+    if (chunk.crc >= 0) {
+      CRC32 crc = new CRC32();
+      crc.update(bytes, 0, bytes.length);
+      if (crc.getValue() != chunk.crc) {
+        throw changed(chunk, chunk.where() + " are not the bytes indexed (CRC-32 "
+            + String.format("%08x", crc.getValue()) + ", indexed "
+            + String.format("%08x", chunk.crc) + ")");
+      }
     }
     return bytes;
   }

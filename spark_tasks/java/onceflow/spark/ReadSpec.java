@@ -53,15 +53,17 @@ final class ReadSpec {
       wanted.add(new long[] {w.get(0).asLong(), w.get(1).asLong(), w.get(2).asLong()});
     }
     for (JsonNode c : root.get("chunks")) {
-      int partition = c.get(6).asInt();
+      // [path, crc, size, mtime, first, byte_start, byte_end, partition, records]
+      int partition = c.get(7).asInt();
       List<long[]> mine = new ArrayList<>();
       for (long[] w : wanted) {
         if (w[0] == partition) {
           mine.add(new long[] {w[1], w[2]});
         }
       }
-      spec.chunks.add(new Chunk(c.get(0).asText(), c.get(1).asLong(), c.get(2).asDouble(),
-          c.get(3).asLong(), c.get(4).asLong(), c.get(5).asLong(), partition,
+      spec.chunks.add(new Chunk(c.get(0).asText(), c.get(1).isNull() ? -1 : c.get(1).asLong(),
+          c.get(2).isNull() ? -1 : c.get(2).asLong(), c.get(3).isNull() ? 0 : c.get(3).asDouble(),
+          c.get(4).asLong(), c.get(5).asLong(), c.get(6).asLong(), partition, c.get(8).asLong(),
           mine.toArray(new long[0][])));
     }
     return spec;
@@ -98,29 +100,43 @@ final class ReadSpec {
     return DataTypes.createStructType(fields);
   }
 
-  /** One chunk of a file: bytes [byteStart, byteEnd), its first line at offset first. */
+  /**
+   * One chunk of a file: bytes [byteStart, byteEnd) whose CRC-32 is crc (-1: indexed before
+   * chunk checksums, then the file's size and mtime are checked), holding the records at
+   * offsets [first, first + records).
+   */
   static final class Chunk implements InputPartition {
     private static final long serialVersionUID = 1L;
     final String path;
+    final long crc;
     final long size;
     final double mtime;
     final long first;
     final long byteStart;
     final long byteEnd;
     final int partition;
+    final long records;
     /** [start, end) offset ranges of this chunk's partition to keep. */
     final long[][] wanted;
 
-    Chunk(String path, long size, double mtime, long first, long byteStart, long byteEnd,
-          int partition, long[][] wanted) {
+    Chunk(String path, long crc, long size, double mtime, long first, long byteStart,
+          long byteEnd, int partition, long records, long[][] wanted) {
       this.path = path;
+      this.crc = crc;
       this.size = size;
       this.mtime = mtime;
       this.first = first;
       this.byteStart = byteStart;
       this.byteEnd = byteEnd;
       this.partition = partition;
+      this.records = records;
       this.wanted = wanted;
+    }
+
+    /** Where the chunk lies, as the refusals name it. */
+    String where() {
+      return "bytes [" + byteStart + ", " + byteEnd + ") (the chunk of offsets [" + first + ", "
+          + (first + records) + ") of partition " + partition + ")";
     }
 
     boolean wants(long offset) {
