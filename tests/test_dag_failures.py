@@ -223,7 +223,6 @@ def test_a_txid_whose_run_died_is_adopted_by_the_next_run(dsn, conn, airflow_db,
                           ORDER BY attempt""") == [(1, "abandoned"), (2, "committed")]
     assert verify(conn, pipeline).ok
     exact(conn, pipeline, payloads, read_all=False)
-    assert table(conn, 'SELECT sum("offset") FROM partition_offsets') == [(300,)]
 
 
 @pytest.mark.timeout(300)
