@@ -37,18 +37,9 @@ from onceflow.core.errors import ConfigError, Unreachable
 DEFAULT_PORT = int(os.environ.get("ONCEFLOW_SPARK_CONNECT_PORT", "15002"))
 SERVER_CLASS = "org.apache.spark.sql.connect.service.SparkConnectServer"
 # The server JVM's options (ONCEFLOW_SPARK_SERVER_JAVA_OPTIONS replaces them). A long-lived
-# server runs a few planner paths per batch: with HotSpot's default thresholds its JIT kept
-# compiling them for dozens of batches (in its fifth round of ten 1M-event batches the
-# compiler threads still used 11.1 of its 46.7 CPU s, 15,500 distinct methods compiled in a
-# round). Ten times the thresholds leave such lukewarm code interpreted while the batches'
-# hot loops still compile: measured in the same fifth round, the compiler
-# thread (C2) 2.3 CPU s against 9.6, executor threads unchanged (31.1), the round 25.6 s against
-# 29.2; the first rounds about as fast as before (54.8 and 27.7 s against 54.2 and 24.7).
-# The parallel collector instead of G1 (Java 17's default): a batch's work is throughput, the
-# pauses of a 2 GB heap are short, and G1's write barriers and concurrent marking cost the
-# executor threads time. Measured on a warm server, rounds of ten 1M-event batches with
-# three in flight, alternating: executor threads 13.6-14.1 CPU s against 15.2-15.6, the round
-# 12.5 s against 13.1-13.4.
+# server runs many planner paths only a few times per batch; raised JIT thresholds leave them
+# interpreted while the batches' hot loops still compile. The parallel collector suits a
+# batch's throughput work better than G1's barriers. The figures are in bench/RESULTS.md.
 SERVER_JAVA_OPTIONS = "-XX:CompileThresholdScaling=10 -XX:+UseParallelGC"
 
 

@@ -54,9 +54,8 @@ def get_spark(app_name: str = "onceflow", master: str | None = None) -> SparkSes
         # broadcast hash join builds its relation in at least one memory page (64 MB with a 2g
         # driver) even for a few failed roots, and the finished batches' broadcasts are freed
         # only after a GC lets Spark's ContextCleaner drop them: smaller pages and a regular
-        # GC keep them from filling the heap (measured: 617 -> 167 MB of long arrays after
-        # 15 first-seen batches; a suite run had died of "Not enough memory to build and
-        # broadcast the table").
+        # GC keep them from filling the heap ("Not enough memory to build and broadcast the
+        # table" otherwise).
         builder = (builder.config("spark.buffer.pageSize", "4m")
                    .config("spark.cleaner.periodicGC.interval", "1min")
                    .config("spark.ui.enabled", "false"))

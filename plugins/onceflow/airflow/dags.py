@@ -40,16 +40,10 @@ from onceflow.core.errors import ConfigError
 from onceflow.core.pipeline import DAG_SHAPES, Pipeline, check
 
 # Runs a transaction DAG lets start past its pipeline's max_pending, by DAG shape: each waits
-# in its begin for a place and plans the moment a transaction commits. A one-task DAG lets
-# two: the scheduler takes 0.3-3 s from a run's end to the next run's task (its one-second
-# idle loop, busy cores), often more than the time between two commits, so with one such run
-# the place a commit freed went unused until the scheduler started the next (measured on two
-# cores, ten 1M-event runs through Airflow on a warm Spark Connect server, three alternating
-# pairs: 25.2, 23.2 and 25.2 s with one, 20.4, 21.7 and 20.4 s with two; three gave no more).
-# A three-task DAG lets one: its transactions wait for the scheduler between their tasks
-# anyway, and a second waiting begin only held one more worker slot (26.1 and 24.6 s with
-# one, 26.2 and 32.9 with two). Each waiting run holds a worker slot and a PostgreSQL
-# connection.
+# in its begin for a place and plans the moment a transaction commits. A one-task DAG lets two,
+# because the scheduler's hop to the next run often outlasts the time between two commits; a
+# three-task DAG waits for the scheduler between its tasks anyway, so a second waiting run
+# would only hold a worker slot and a PostgreSQL connection (bench/RESULTS.md has the runs).
 STANDBY_RUNS = {"single": 2, "phases": 1}
 # The entry point group of the DAGs installed packages ship (shipped_dags).
 SHIPPED_DAGS = "onceflow.dags"
