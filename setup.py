@@ -4,7 +4,7 @@
 against the pyspark of the build environment and puts the jar in the package
 (spark_tasks/jars/onceflow-spark.jar): in the wheel, or in the source tree for an editable
 install. The jar's manifest records the Spark version it was compiled against and a digest of
-its sources; spark_tasks/jvm.py checks both when it is used and never compiles anything.
+its sources; onceflow/sources/jvm.py checks both when it is used and never compiles anything.
 
 pyspark is a build requirement (pyproject.toml, pinned to the version constraints.txt locks):
 an isolated build (``pip wheel .``, ``python -m build``) installs it in the build environment.
@@ -32,12 +32,14 @@ from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).resolve().parent
 SOURCES = ROOT / "spark_tasks" / "java"
+# the jar in the source tree, and in the built package (spark_tasks/ is onceflow.spark)
 JAR = Path("spark_tasks", "jars", "onceflow-spark.jar")
+BUILT_JAR = Path("onceflow", "spark", "jars", "onceflow-spark.jar")
 JAVA_RELEASE = "17"
 
 
 def sources_digest() -> str:
-    """The digest of the reader's sources (spark_tasks.jvm.sources_digest computes the same)."""
+    """The digest of the reader's sources (onceflow.sources.jvm.sources_digest, the same)."""
     digest = hashlib.sha256()
     for path in sorted(SOURCES.rglob("*.java")):
         digest.update(path.relative_to(SOURCES).as_posix().encode())
@@ -122,22 +124,23 @@ def build_jar(out: Path, reuse: bool = False) -> None:
 
 class BuildPy(build_py):
     """build_py, then the jar: into the build folder, or (editable) into the source tree,
-    where the editable install's spark_tasks is."""
+    where the editable install maps onceflow.spark."""
 
     def run(self) -> None:
         super().run()
         if self.editable_mode:
             build_jar(ROOT / JAR, reuse=True)
         else:
-            build_jar(Path(self.build_lib) / JAR)
+            build_jar(Path(self.build_lib) / BUILT_JAR)
 
     def get_outputs(self, include_bytecode: bool = True) -> list[str]:
         outputs = super().get_outputs(include_bytecode)
-        jar = str(Path(self.build_lib) / JAR)
+        jar = str(Path(self.build_lib) / BUILT_JAR)
         return outputs if jar in outputs else [*outputs, jar]
 
     def get_output_mapping(self) -> dict[str, str]:
-        return {**super().get_output_mapping(), str(Path(self.build_lib) / JAR): str(ROOT / JAR)}
+        built = str(Path(self.build_lib) / BUILT_JAR)
+        return {**super().get_output_mapping(), built: str(ROOT / JAR)}
 
 
 setup(cmdclass={"build_py": BuildPy})

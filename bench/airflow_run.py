@@ -1,5 +1,5 @@
 """onceflow through a real Airflow (bench/compare.py's ``airflow`` systems): an API server, a
-scheduler, a DAG processor and a triggerer (onceflow's PreloadingLocalExecutor, a PostgreSQL
+scheduler, a DAG processor and a triggerer (Airflow's stock LocalExecutor, a PostgreSQL
 metadata database of their own), the project's DAG file, processing on the warm Spark (Spark
 Connect). A pipeline's runs are triggered at once; the clock runs from the trigger to the
 last run's end. Several pipelines (the DAG shapes) run one after the other on one Airflow.
@@ -27,15 +27,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _sqlalchemy(dsn: str) -> str:
-    from psycopg2.extensions import parse_dsn
-
-    p = parse_dsn(dsn)
-    auth = p.get("user", "postgres") + (f":{p['password']}" if p.get("password") else "")
-    return f"postgresql+psycopg2://{auth}@{p.get('host', '127.0.0.1')}:" \
-           f"{p.get('port', 5432)}/{p['dbname']}"
-
-
 def _query(dsn: str, query: str, params=()):
     import psycopg2
 
@@ -46,6 +37,21 @@ def _query(dsn: str, query: str, params=()):
             return cur.fetchall()
     finally:
         conn.close()
+
+
+def begin_split(dsn: str, pipeline: str) -> dict[str, float]:
+    """Medians over the committed attempts of where their begins' time went (seconds
+    waiting for locks, indexing new source data, planning: onceflow.core.timings)."""
+    rows = _query(dsn, """SELECT a.begin_lock_s, a.begin_index_s, a.begin_plan_s
+                          FROM transactions t JOIN transaction_attempts a
+                            ON a.pipeline = t.pipeline AND a.txid = t.txid
+                           AND a.attempt = t.attempt
+                          WHERE t.pipeline = %s AND t.state = 'committed'
+                            AND a.begin_plan_s IS NOT NULL""", (pipeline,))
+    if not rows:
+        return {}
+    return {name: statistics.median(float(row[i]) for row in rows)
+            for i, name in enumerate(("lock_wait", "index", "plan"))}
 
 
 WARM_UP = "onceflow_bench_warm_up"
@@ -175,35 +181,24 @@ def _idle_workers(scheduler_pid: int) -> int:
     return idle
 
 
-def _healthy(api_port: int) -> bool:
-    """Whether the API server says the scheduler, the triggerer and the DAG processor are
-    up (each has a recent heartbeat)."""
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{api_port}/api/v2/monitor/health",
-                                    timeout=2) as r:
-            health = json.load(r)
-    except (OSError, ValueError):
-        return False
-    return all((health.get(c) or {}).get("status") == "healthy"
-               for c in ("metadatabase", "scheduler", "triggerer", "dag_processor"))
-
-
 def _write_timeline(path: Path, meta: str, dsn: str, dag_id: str, pipeline: str,
                     started: float) -> None:
     """Every task instance's queued, start and end time and every transaction's planned and
-    committed time, in seconds from the first trigger, as JSON (where the Airflow path's
-    time goes)."""
+    committed time and its begin's split (lock wait, index, plan seconds), in seconds from
+    the first trigger, as JSON (where the Airflow path's time goes)."""
     zero = time.time() - (time.monotonic() - started)
     tasks = _query(meta, """SELECT run_id, task_id, map_index, try_number, state,
                                    extract(epoch FROM queued_dttm), extract(epoch FROM start_date),
                                    extract(epoch FROM end_date)
                             FROM task_instance WHERE dag_id = %s ORDER BY start_date""",
                    (dag_id,))
-    txs = _query(dsn, """SELECT txid, extract(epoch FROM planned_at),
-                                extract(epoch FROM committed_at) FROM transactions
-                         WHERE pipeline = %s ORDER BY txid""", (pipeline,))
+    txs = _query(dsn, """SELECT t.txid, extract(epoch FROM t.planned_at),
+                                extract(epoch FROM t.committed_at), a.begin_lock_s,
+                                a.begin_index_s, a.begin_plan_s
+                         FROM transactions t LEFT JOIN transaction_attempts a
+                           ON a.pipeline = t.pipeline AND a.txid = t.txid
+                          AND a.attempt = t.attempt
+                         WHERE t.pipeline = %s ORDER BY t.txid""", (pipeline,))
 
     def rel(t):
         return None if t is None else round(float(t) - zero, 3)
@@ -212,8 +207,9 @@ def _write_timeline(path: Path, meta: str, dsn: str, dag_id: str, pipeline: str,
         "tasks": [{"run": r, "task": t, "map_index": m, "try": n, "state": st,
                    "queued": rel(q), "start": rel(s), "end": rel(e)}
                   for r, t, m, n, st, q, s, e in tasks],
-        "transactions": [{"txid": x, "planned": rel(p), "committed": rel(c)}
-                         for x, p, c in txs]}, indent=1))
+        "transactions": [{"txid": x, "planned": rel(p), "committed": rel(c),
+                          "begin": {"lock_wait": lock, "index": index, "plan": plan}}
+                         for x, p, c, lock, index, plan in txs]}, indent=1))
     print(f"timeline written to {path}", flush=True)
 
 
@@ -226,7 +222,7 @@ def run_airflow(dsn: str, server: str, spark_url: str, folder: Path, pipelines: 
     from onceflow.core.db import connection
     from onceflow.core.registration import register
     from onceflow.core.registry import get_pipeline
-    from onceflow.dev.localenv import airflow_connection_json
+    from onceflow.dev.localenv import airflow_healthy, served_airflow_env
     from onceflow.dev.localpg import recreate_database
 
     with connection(dsn) as conn:  # what `onceflow init` does on a user's machine
@@ -242,29 +238,15 @@ def run_airflow(dsn: str, server: str, spark_url: str, folder: Path, pipelines: 
     host, _, port = spark_url.removeprefix("sc://").partition(":")
     env = {
         **os.environ,
+        # Airflow's stock executor (LocalExecutor), as users run it
+        **served_airflow_env(
+            meta_dsn=meta, api_port=api_port, dsn=dsn,
+            spark=json.dumps({"conn_type": "spark_connect", "host": host, "port": int(port)}),
+            log_level=os.environ.get("ONCEFLOW_BENCH_AIRFLOW_LOG", "WARNING")),
         "AIRFLOW_HOME": str(home),
         "AIRFLOW__CORE__DAGS_FOLDER": str(dags),
-        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-        # Airflow's stock executor, as users run it
-        "AIRFLOW__CORE__EXECUTOR": "LocalExecutor",
-        "AIRFLOW__CORE__PARALLELISM": "6",
-        "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
-        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": _sqlalchemy(meta),
-        "AIRFLOW__API__HOST": "127.0.0.1",
-        "AIRFLOW__API__PORT": str(api_port),
-        "AIRFLOW__CORE__EXECUTION_API_SERVER_URL":
-            f"http://127.0.0.1:{api_port}/execution/",
-        "AIRFLOW__SCHEDULER__SCHEDULER_HEARTBEAT_SEC": "1",
         "AIRFLOW__SCHEDULER__TASK_QUEUED_TIMEOUT": "600",
-        "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
-        "AIRFLOW__TRIGGERER__JOB_HEARTBEAT_SEC": "1",
-        "AIRFLOW__LOGGING__LOGGING_LEVEL": os.environ.get("ONCEFLOW_BENCH_AIRFLOW_LOG", "WARNING"),
-        "AIRFLOW_CONN_ONCEFLOW_PG": airflow_connection_json(dsn),
-        "AIRFLOW_CONN_SPARK_DEFAULT": json.dumps({"conn_type": "spark_connect", "host": host,
-                                                  "port": int(port)}),
-        "ONCEFLOW_PG_DSN": dsn,
         "ONCEFLOW_RETRY_DELAY_SECONDS": "5",
-        "PYSPARK_PYTHON": sys.executable,
     }
     from onceflow.airflow import airflow_cli
 
@@ -290,7 +272,7 @@ def run_airflow(dsn: str, server: str, spark_url: str, folder: Path, pipelines: 
             time.sleep(1)
         # Airflow is up before the clock starts, as it is for a user who triggers runs: the
         # components report healthy and have had a few seconds to settle after start-up.
-        while not _healthy(api_port):
+        while not airflow_healthy(api_port):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"Airflow's components never reported healthy ({logs})")
             time.sleep(1)
@@ -346,7 +328,8 @@ def run_airflow(dsn: str, server: str, spark_url: str, folder: Path, pipelines: 
             results[pipeline] = {
                 "seconds": seconds, "runs": dict(done),
                 "task_s": {t: statistics.median(v) for t, v in sorted(per_task.items())},
-                "cpu_s": cpu, "cpu_total_s": machine}
+                "begin_s": begin_split(dsn, pipeline), "cpu_s": cpu, "cpu_total_s": machine,
+                "load": Path("/proc/loadavg").read_text().split()[0]}
         return results
     finally:
         if trigger is not None:

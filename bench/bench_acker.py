@@ -64,8 +64,8 @@ def make_data(events: int, seed: int) -> Path:
 def run_mode(spark, path: Path, pipeline, events: int, batch: int, acker: bool) -> float:
     from pyspark.sql import functions as F
 
-    from spark_tasks.processing import collect_output
-    from spark_tasks.runner import run_topology
+    from onceflow.spark.processing import collect_output
+    from onceflow.spark.runner import run_topology
     from tweets_example.topology import topology
 
     per_partition = batch // PARTITIONS
@@ -90,8 +90,8 @@ def run_mode(spark, path: Path, pipeline, events: int, batch: int, acker: bool) 
 def state_per_root(spark, path: Path, pipeline, batch: int) -> None:
     from pyspark.sql import functions as F
 
-    from spark_tasks.acker import verdicts
-    from spark_tasks.runner import wire
+    from onceflow.spark.acker import verdicts
+    from onceflow.spark.runner import wire
     from tweets_example.topology import topology
 
     src = spark.read.parquet(str(path)).where(F.col("offset") < batch // PARTITIONS) \
@@ -130,7 +130,7 @@ def main() -> None:
     args = parser.parse_args()
 
     path = make_data(args.events, args.seed)
-    from spark_tasks.session import get_spark
+    from onceflow.spark.session import get_spark
 
     started = time.monotonic()
     spark = get_spark("onceflow-bench-acker")

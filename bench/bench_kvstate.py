@@ -20,32 +20,17 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 import uuid
 
 import redis
-from bench_transactions import fresh_database
+from benchkit import migrated_database, timed
 
-from onceflow.core import db
 from onceflow.core.txlog import TransactionAttempt
 from onceflow.dev.localenv import project_dir
 from onceflow.dev.localpg import ensure_postgres
 from onceflow.kvstate import KeyValueState, open_provider
 
 PIPELINE, BOLT, NS = "bench", "counter", "s0"
-
-
-def migrated_database(server_dsn: str, name: str) -> str:
-    dsn = fresh_database(server_dsn, name)
-    with db.connection(dsn) as conn:
-        db.migrate(conn)
-    return dsn
-
-
-def timed(fn):
-    started = time.perf_counter()
-    result = fn()
-    return time.perf_counter() - started, result
 
 
 def bench(provider, args) -> dict[str, str]:

@@ -78,8 +78,8 @@ def main() -> None:
 
     from pyspark.sql import functions as F
 
-    from spark_tasks.jvm import READER
-    from spark_tasks.session import get_spark
+    from onceflow.sources.jvm import READER
+    from onceflow.spark.session import get_spark
 
     spark = get_spark("onceflow-bench-landing-reader")
     spark.sparkContext.setLogLevel("ERROR")

@@ -47,8 +47,8 @@ def main() -> None:
     produce(conn, pipeline.topic, generate(args.events, seed=1))
     print(f"PostgreSQL: {how}; produced {args.events} events in {time.monotonic() - t:.1f}s")
 
-    from spark_tasks.processing import process_batch
-    from spark_tasks.session import get_spark
+    from onceflow.spark.processing import process_batch
+    from onceflow.spark.session import get_spark
 
     t = time.monotonic()
     spark = get_spark("onceflow-bench")

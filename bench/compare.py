@@ -4,17 +4,18 @@
 
 Generates the events once (seeded; reused while --events and --seed stay the same) as JSON
 lines files (one per batch) in a landing folder, computes the ground truth in Python, then
-runs, on that folder, each system asked for (--systems):
+runs each system asked for (--systems) on each source asked for (--sources):
 
 - ``raw``: one Spark batch job, COPY out (bench/peers.py; no guarantees: the practical limit);
-- ``streaming``: Spark Structured Streaming, text file source parsed by from_json (as a
-  bolt parses a payload), foreachBatch upsert fenced by batchId (bench/peers.py), one file
-  per micro-batch; the baseline of the "vs SS" column;
+- ``streaming``: Spark Structured Streaming, foreachBatch upsert fenced by batchId
+  (bench/peers.py), one file per micro-batch; on the JSON lines it reads text and parses it
+  with from_json (as a bolt parses a payload); on CSV or Parquet files, Spark's CSV or
+  Parquet source; the baseline of the "vs SS" columns;
 - ``streaming-json``: the same with Spark's JSON source, as most users read JSON files (its
   parser takes each line's bytes; from_json decodes each payload first); the baseline of the
   "vs SS-json" column, the like of onceflow's W, whose landing folder decodes the events
   (``json_schema``);
-- ``library``: onceflow without Airflow (spark_tasks.loop.run_batches): --in-flight batches
+- ``library``: onceflow without Airflow (onceflow.spark.loop.run_batches): --in-flight batches
   processed at once (default: max_pending, as many as the Airflow path runs), committed in
   txid order, one local Spark session in this process;
 - ``connect``: the same through a Spark Connect server (the warm Spark of the Airflow path);
@@ -24,20 +25,42 @@ runs, on that folder, each system asked for (--systems):
 - ``airflow-phases``: the same on the same Airflow with a task per phase (begin >> process
   >> commit), the default shape.
 
-Each system but Airflow's runs ``--rounds`` times (default 2), the rounds interleaved, and
-its fastest round counts: the first round of a system warms the JVM's code paths it runs
-(the JIT), as a long-running deployment's are; the Airflow systems run once. The local
-systems share one JVM, so each warms it for the next (Structured Streaming's second round is
-that JVM's sixth run); the Spark Connect server of ``connect`` and ``airflow`` is a JVM of its
-own, which first runs the workload ``--server-warm-up`` times (default 3, untimed, checked):
-its JIT compiled 10,500 methods in its first run, 3,700 in the second, still 1,000 in the
-seventh, which took 13.2 s against the second's 17.0 (a long-running server compiled them
-long ago). Every round's result is checked against the ground truth. Then the table: wall
-seconds, events/s, each against Structured Streaming, CPU seconds (the machine's busy CPU
-during the system's run: on two cores that run CPU-bound, the figure that moves least with
-the machine's speed), the per-batch fixed cost of the warm Spark, the acker on and off (the
-tweets example's topology, with its per-record Python bolt), and the load average (the
-machine must be quiet for the figures to mean anything).
+**Sources** (``--sources``, default all; bench/workload.py declares W once per source, each
+with its own topic and tables): ``segments`` (file segments, written by the producer API,
+FileSegments.append: the files `onceflow import` writes too; their payloads decoded as they
+are read, ``json_schema``, as the JSON lines folder's lines are), ``landing-json`` (the JSON
+lines folder), ``landing-csv`` and ``landing-parquet`` (the same events as rows,
+``peers.event_rows``, in CSV and Parquet files of a landing folder each), ``table`` (the
+rows in a PostgreSQL table, keyed by an identity column) and ``pglog`` (the JSON payloads
+in the PostgreSQL log). ``connect`` and ``airflow`` run once per source (all sources'
+pipelines on one Airflow, one after the other); ``raw``, ``streaming-json``, ``library``
+and ``airflow-phases`` read the JSON lines only and run with ``landing-json``. Structured
+Streaming reads the equivalent files: JSON lines for ``landing-json``, CSV and Parquet for
+the landing folders of those; for ``table``, ``pglog`` and ``segments`` it reads the same
+events from the JSON lines files (the output says so). Each database-held source (table,
+log, segments) is filled in a fresh database before its system's clock starts. Every
+result is checked against the ground truth. The local session's systems share one JVM and
+the Spark Connect server's runs one server, in the order of the tables: the first run of
+each warms its JVM for the next (``--rounds 2`` measures warm figures on both sides).
+
+Each system runs once by default (``--rounds``): measured as users run it, with no untimed
+round of the same workload before the clock. The Spark Connect server of ``connect`` and
+``airflow`` gets only onceflow's own generic warm-up (what `onceflow spark start` does);
+``--server-warm-up N`` adds N untimed rounds of the workload, for comparison only.
+Structured Streaming's JVM and session start (the local session's, which a user's
+spark-submit of the query pays every time) is timed apart and is not in its wall seconds:
+"vs SS" compares without it, "vs SS+JVM" with it. Then a table per source: wall seconds,
+events/s, each against Structured Streaming (without and with its JVM start, and against its
+JSON source), CPU seconds (the machine's busy CPU during the system's run: on two cores
+that run CPU-bound, the figure that moves least with the machine's speed), the 1-minute load
+average at the run's end; then the per-batch fixed cost of the warm Spark, the acker on and
+off (the tweets example's topology, with its per-record Python bolt), and the load average
+before and after (the machine must be quiet for the figures to mean anything).
+
+    .venv/bin/python bench/compare.py --events 5000000 --batches 5 \\
+        --systems streaming,connect,airflow --acker-events 0            # every source
+    .venv/bin/python bench/compare.py --events 200000 --batches 2 \\
+        --sources landing-csv,table --acker-events 0                    # two sources
 """
 
 from __future__ import annotations
@@ -59,12 +82,9 @@ from onceflow.dev import use_examples  # noqa: E402
 use_examples()  # the checkout's examples (code, pipelines), as `bash run.sh demo` has them
 
 import peers  # noqa: E402
+from benchkit import loadavg  # noqa: E402
 
 from onceflow.dev.localpg import recreate_database  # noqa: E402
-
-
-def loadavg() -> str:
-    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
 
 class CpuClock:
@@ -84,36 +104,124 @@ class CpuClock:
         return self._now() - self.start
 
 
-def prepare(folder: Path, events: int, batches: int, seed: int) -> tuple[list[Path], dict]:
-    """The landing folder's files and the ground truth (reused when already made)."""
+JSON_SOURCES = ("segments", "landing-json", "table", "pglog")  # SS reads the JSON lines
+HELD = ("segments", "table", "pglog")  # kept in the database: filled before the clock
+SOURCE_NAMES = ("segments", "landing-json", "landing-csv", "landing-parquet", "table", "pglog")
+# Per source: what it is, and what Structured Streaming reads for it
+ABOUT = {
+    "segments": "file segments (Parquet, produced into the log's index; payloads decoded as "
+                "read, json_schema)",
+    "landing-json": "JSON lines files in a landing folder",
+    "landing-csv": "CSV files (the events as rows) in a landing folder",
+    "landing-parquet": "Parquet files (the events as rows) in a landing folder",
+    "table": "a PostgreSQL table (the events as rows, an identity key)",
+    "pglog": "the PostgreSQL log (the JSON payloads)",
+}
+SS_READS = {"landing-csv": "the same CSV files", "landing-parquet": "the same Parquet files",
+            "landing-json": "the same JSON lines files"}
+# the form of the events each source needs on disk (beyond the JSON lines)
+FORMS = {"landing-csv": "csv", "table": "csv", "landing-parquet": "parquet"}
+
+
+def prepare(folder: Path, events: int, batches: int, seed: int,
+            forms: set[str] = frozenset()) -> tuple[list[Path], dict]:
+    """The landing folder's files and the ground truth (reused when already made), and the
+    events as rows in the ``forms`` asked for (csv, parquet: a file per JSON lines file,
+    in folders beside it), made when missing."""
     from tweets_example.data import generate
 
     landing, stamp = folder / "landing", folder / "data.json"
     want = {"events": events, "batches": batches, "seed": seed}
     if stamp.exists() and json.loads(stamp.read_text()).get("spec") == want:
-        truth = json.loads(stamp.read_text())["truth"]
-        return sorted(landing.glob("part-*.json")), truth
-    shutil.rmtree(folder, ignore_errors=True)
-    print(f"generating {events} events in {batches} files ...", flush=True)
-    payloads = list(generate(events, seed=seed, malformed_share=0.02, poison_share=0.0,
-                             flaky_share=0.0))
-    files = peers.write_json_lines(landing, payloads, batches)
-    past = time.time() - 60
+        made = json.loads(stamp.read_text())
+        files = sorted(landing.glob("part-*.json"))
+    else:
+        shutil.rmtree(folder, ignore_errors=True)
+        print(f"generating {events} events in {batches} files ...", flush=True)
+        payloads = list(generate(events, seed=seed, malformed_share=0.02, poison_share=0.0,
+                                 flaky_share=0.0))
+        files = peers.write_json_lines(landing, payloads, batches)
+        past = time.time() - 60
+        for f in files:
+            os.utime(f, (past, past))
+        print("computing the ground truth ...", flush=True)
+        urls, domains = peers.ground_truth(payloads)
+        made = {"spec": want, "truth": {"urls": dict(urls), "domains": dict(domains)},
+                "forms": []}
+        stamp.write_text(json.dumps(made))
+    for form in sorted(set(forms) - set(made.get("forms", []))):
+        print(f"writing the events as rows, {form} ...", flush=True)
+        target = rows_folder(folder, form)
+        shutil.rmtree(target, ignore_errors=True)
+        past = time.time() - 60
+        for f in files:
+            out = peers.write_rows(target, peers.event_rows(read_payloads([f])),
+                                   f"{f.stem}.{form}", form)
+            os.utime(out, (past, past))
+        made["forms"] = sorted({*made.get("forms", []), form})
+        stamp.write_text(json.dumps(made))
+    return files, made["truth"]
+
+
+def rows_folder(folder: Path, form: str) -> Path:
+    """Where the events as rows of ``form`` are (bench/workload.py's folders of the sources
+    that read them)."""
+    return folder / {"csv": "landing-csv", "parquet": "landing-parquet"}[form]
+
+
+def read_payloads(files: list[Path]):
+    """The events of the JSON lines ``files``, in order."""
     for f in files:
-        os.utime(f, (past, past))
-    print("computing the ground truth ...", flush=True)
-    urls, domains = peers.ground_truth(payloads)
-    truth = {"urls": dict(urls), "domains": dict(domains)}
-    stamp.write_text(json.dumps({"spec": want, "truth": truth}))
-    return files, truth
+        with open(f, encoding="utf-8", newline="") as lines:
+            for line in lines:
+                yield line.removesuffix("\n")
+
+
+def fill(dsn: str, sources: list[str], files: list[Path], folder: Path) -> float:
+    """Make the database-held sources of ``sources`` in the fresh database ``dsn``, untimed
+    by the systems: the table created and filled (COPY of the CSV rows), the PostgreSQL log
+    and the file segments produced, each pipeline registered. Returns the seconds it took."""
+    from psycopg2 import sql
+    from workload import SOURCES, TABLE, TABLE_KEY
+
+    from onceflow.core.db import connection, transaction
+    from onceflow.core.registration import register
+
+    started = time.perf_counter()
+    with connection(dsn) as conn:
+        for source in sources:
+            pipeline = SOURCES[source]
+            if source == "table":
+                schema, name = TABLE.split(".")
+                table = sql.Identifier(schema, name)
+                with transaction(conn) as cur:
+                    cur.execute(sql.SQL(
+                        "CREATE TABLE {} ({} bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, "
+                        "id bigint, {} text, text text, url text)").format(
+                        table, sql.Identifier(TABLE_KEY), sql.Identifier("user")))
+                    columns = sql.SQL(", ").join(map(sql.Identifier, peers.ROW_FIELDS))
+                    for f in sorted(rows_folder(folder, "csv").glob("part-*.csv")):
+                        with open(f, encoding="utf-8") as rows:
+                            cur.copy_expert(sql.SQL(
+                                "COPY {} ({}) FROM STDIN (FORMAT csv, HEADER true)").format(
+                                table, columns).as_string(cur), rows)
+            register(conn, pipeline, create_source=True)
+            if source == "pglog":
+                pipeline.source.append(conn, read_payloads(files), chunk_size=200_000)
+            elif source == "segments":
+                shutil.rmtree(pipeline.source.root() / pipeline.topic, ignore_errors=True)
+                pipeline.source.append(conn, read_payloads(files), chunk_size=1_000_000)
+    return time.perf_counter() - started
 
 
 def onceflow_loop(spark, dsn: str, pipeline, batches: int, in_flight: int = 1) -> dict:
     """begin, process, commit until the folder is read: the library path
-    (spark_tasks.loop.run_batches, ``in_flight`` batches processed at once)."""
+    (onceflow.spark.loop.run_batches, ``in_flight`` batches processed at once)."""
+    from airflow_run import begin_split
+
     from onceflow.core.db import connection
     from onceflow.core.registration import register
-    from spark_tasks.loop import run_batches
+    from onceflow.spark.loop import run_batches
 
     with connection(dsn) as conn:
         register(conn, pipeline, create_source=True)
@@ -121,10 +229,14 @@ def onceflow_loop(spark, dsn: str, pipeline, batches: int, in_flight: int = 1) -
                        run_prefix="bench")
     return {"seconds": done.seconds, "batches": len(done.process_s), "in_flight": in_flight,
             "process_s": statistics.median(done.process_s) if done.process_s else 0.0,
-            "commit_s": statistics.median(done.commit_s) if done.commit_s else 0.0}
+            "load": loadavg().split()[0],
+            "commit_s": statistics.median(done.commit_s) if done.commit_s else 0.0,
+            "begin_s": begin_split(dsn, pipeline.name)}
 
 
 def counts_ok(dsn: str, url_table: str, domain_table: str, truth: dict) -> bool:
+    """Whether the tables hold exactly the ground truth's counts (a key counted 0 times is
+    absent)."""
     def positive(counts):
         return {k: v for k, v in counts.items() if v}
 
@@ -140,8 +252,8 @@ def fixed_cost(url: str, dsn: str, pipeline) -> float:
     from onceflow.core.commit import commit
     from onceflow.core.db import connect
     from onceflow.core.registration import register
-    from spark_tasks.processing import process_batch
-    from spark_tasks.session import SHARED_SESSION_KEY, connect_session
+    from onceflow.spark.processing import process_batch
+    from onceflow.spark.session import SHARED_SESSION_KEY, connect_session
 
     conn = connect(dsn)
     register(conn, pipeline, create_source=True)
@@ -178,24 +290,24 @@ def main(argv: list[str] | None = None) -> int:
                         help="the Spark Connect server of the connect and airflow systems "
                              "(sc://host:port, running and warm); default: a local one this "
                              "run starts, warms up and stops")
-    parser.add_argument("--server-warm-up", type=int, default=3, metavar="N",
+    parser.add_argument("--server-warm-up", type=int, default=0, metavar="N",
                         help="rounds of the workload the Spark Connect server runs, untimed "
                              "and checked, before the connect and airflow systems (default "
-                             "3): its JIT compiles Spark's code paths over several runs, as "
-                             "the local systems' shared JVM does by running one after the "
-                             "other; 0: none")
+                             "0: only onceflow's generic warm-up, as users run it)")
     parser.add_argument("--timeline", type=Path, default=None,
                         help="airflow: write each task's queued, start and end time and "
-                             "each transaction's planned and committed time to this JSON "
-                             "file")
-    parser.add_argument("--rounds", type=int, default=2,
+                             "each transaction's planned and committed time and its begin's "
+                             "split (lock wait, index, plan) to this JSON file")
+    parser.add_argument("--rounds", type=int, default=1,
                         help="times each system runs but Airflow's, interleaved; the fastest "
-                             "counts, each is checked (default 2: the first warms the JVM's "
-                             "code paths, as a long-running deployment's are)")
+                             "counts, each is checked (default 1: as users run it)")
     parser.add_argument("--in-flight", type=int, default=None,
                         help="library paths: batches processed at once, committed in order "
                              "(default: the pipeline's max_pending, the runs in flight of "
                              "the Airflow path; 1: one after the other)")
+    parser.add_argument("--sources", default="all",
+                        help="comma-separated sources the connect and airflow systems read, "
+                             f"each once: {', '.join(SOURCE_NAMES)}; or all (the default)")
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds}: give 1 or more")
@@ -204,6 +316,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.acker_rounds < 1:
         parser.error(f"--acker-rounds {args.acker_rounds}: give 1 or more")
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    asked = [s.strip() for s in args.sources.split(",") if s.strip()]
+    unknown = sorted(set(asked) - {*SOURCE_NAMES, "all"})
+    if unknown or not asked:
+        parser.error(f"--sources {args.sources!r}: "
+                     + (f"unknown {', '.join(unknown)}" if unknown else "names no source")
+                     + f"; give a comma list of {', '.join(SOURCE_NAMES)}, or all")
+    sources = list(SOURCE_NAMES) if "all" in asked else \
+        [s for s in SOURCE_NAMES if s in asked]
+    json_lines = "landing-json" in sources  # the systems that read the JSON lines only
 
     from onceflow.dev.localpg import ensure_postgres
 
@@ -212,45 +333,68 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["ONCEFLOW_PIPELINES"] = "workload:PIPELINES"
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE),
                                                              os.environ.get("PYTHONPATH")]))
-    files, truth = prepare(args.folder, args.events, args.batches, args.seed)
+    files, truth = prepare(args.folder, args.events, args.batches, args.seed,
+                           {FORMS[s] for s in sources if s in FORMS})
     from onceflow.core.registry import get_pipeline
 
     batch = -(-args.events // args.batches)
     w = get_pipeline("bench_w", batch_size=batch)
     if args.in_flight is None:
         args.in_flight = w.max_pending
-    results: dict[str, dict] = {}
+    from workload import EVENT_DDL, SOURCES
+
+    # per (source, system name): its result; a JSON-lines Structured Streaming run is
+    # reported under "json" and shown with every source it is the baseline of
+    results: dict[tuple[str, str], dict] = {}
     print(f"load average before: {loadavg()}", flush=True)
-    spark = None
-    if {"raw", "streaming", "streaming-json", "library"} & set(systems):
+    spark, jvm_s = None, None
+    ss_forms = []  # the Structured Streaming runs: (results key, reader, folder)
+    if "streaming" in systems:
+        if set(sources) & set(JSON_SOURCES):
+            ss_forms.append((("json", SS_NAME), "text", args.folder / "landing"))
+        for source, reader, label in (("landing-csv", "csv", "CSV"),
+                                      ("landing-parquet", "parquet", "Parquet")):
+            if source in sources:
+                ss_forms.append(((source, f"{SS_NAME}, {label} source"), reader,
+                                 rows_folder(args.folder, reader)))
+    if "streaming-json" in systems and set(sources) & set(JSON_SOURCES):
+        ss_forms.append((("json", SS_JSON_NAME), "json", args.folder / "landing"))
+    if ss_forms or json_lines and {"raw", "library"} & set(systems):
+        started = time.perf_counter()
         spark = peers.local_session("onceflow-bench")
         spark.range(1).count()  # the JVM and session are up before any clock starts
+        jvm_s = time.perf_counter() - started
+        print(f"Structured Streaming's JVM and session start: {jvm_s:.1f}s (timed apart)",
+              flush=True)
 
     def raw() -> dict:
         dsn = recreate_database(server, "onceflow_bench_raw")
         r = peers.raw_spark(spark, files, dsn, "raw_")
-        return {**r, "ok": peers.check(dsn, "raw_", truth["urls"], truth["domains"])}
+        return {**r, "ok": peers.check(dsn, "raw_", truth["urls"], truth["domains"]),
+                "load": loadavg().split()[0]}
 
-    def streaming(reader: str) -> dict:
+    def streaming(reader: str, folder: Path) -> dict:
         dsn = recreate_database(server, f"onceflow_bench_ss_{reader}")
         checkpoint = args.folder / f"checkpoint-{reader}"
         shutil.rmtree(checkpoint, ignore_errors=True)
-        r = peers.structured_streaming(spark, args.folder / "landing", dsn, "ss_", checkpoint,
+        r = peers.structured_streaming(spark, folder, dsn, "ss_", checkpoint,
                                        files_per_trigger=max(1, len(files) // args.batches),
-                                       reader=reader)
-        return {**r, "ok": peers.check(dsn, "ss_", truth["urls"], truth["domains"])}
+                                       reader=reader, schema=EVENT_DDL)
+        return {**r, "ok": peers.check(dsn, "ss_", truth["urls"], truth["domains"]),
+                "load": loadavg().split()[0]}
 
     def library() -> dict:
         dsn = recreate_database(server, "onceflow_bench_lib")
         r = onceflow_loop(spark, dsn, w, args.batches, args.in_flight)
-        return {**r, "ok": counts_ok(dsn, "w_url_counts", "w_domain_counts", truth)}
+        return {**r, "ok": counts_ok(dsn, *state_tables(w), truth)}
 
-    local = {"raw": ("raw Spark batch", raw),
-             "streaming": ("Structured Streaming", lambda: streaming("text")),
-             "streaming-json": ("Structured Streaming, JSON source",
-                                lambda: streaming("json")),
-             "library": ("onceflow library (local session)", library)}
-    rounds(results, [local[s] for s in local if s in systems], args.rounds, CpuClock)
+    local = [(key, lambda reader=reader, folder=folder: streaming(reader, folder))
+             for key, reader, folder in ss_forms]
+    if json_lines and "raw" in systems:
+        local.insert(0, (("landing-json", "raw Spark batch"), raw))
+    if json_lines and "library" in systems:
+        local.append((("landing-json", "onceflow library (local session)"), library))
+    rounds(results, local, args.rounds, CpuClock)
     if spark is not None:
         spark.stop()
         spark = None
@@ -258,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
     url, ours = args.spark_connect, False
     if not url and ({"connect", "airflow", "airflow-phases"} & set(systems)
                     or args.acker_events):
-        from spark_tasks import localspark
+        from onceflow.spark import localspark
 
         ours = not localspark.status(folder=args.folder / "spark-connect").running
         url = localspark.start(folder=args.folder / "spark-connect").url
@@ -270,52 +414,74 @@ def main(argv: list[str] | None = None) -> int:
         if args.server_warm_up and {"connect", "airflow", "airflow-phases"} & set(systems):
             warm_ok = warm_server(url, server, w, args, truth)
         if "connect" in systems:
-            from spark_tasks.session import connect_session
+            from onceflow.spark.session import connect_session
 
             name = "onceflow library (Spark Connect)"
             with connect_session(url, "onceflow-bench") as remote:
                 remote.range(1).count()
 
-                def connect() -> dict:
+                def connect(source: str) -> dict:
+                    pipeline = get_pipeline(SOURCES[source].name, batch_size=batch)
                     dsn = recreate_database(server, "onceflow_bench_connect")
-                    r = onceflow_loop(remote, dsn, w, args.batches, args.in_flight)
-                    return {**r, "ok": counts_ok(dsn, "w_url_counts", "w_domain_counts",
-                                                 truth)}
+                    filled = fill(dsn, [source], files, args.folder)
+                    cpu = CpuClock()  # the filling is not the system's
+                    r = onceflow_loop(remote, dsn, pipeline, args.batches, args.in_flight)
+                    if source in HELD:
+                        r["filled_s"] = filled
+                    return {**r, "cpu_total_s": cpu.seconds(),
+                            "ok": counts_ok(dsn, *state_tables(pipeline), truth)}
 
-                rounds(results, [(name, connect)], args.rounds, CpuClock)
-            results[name]["fixed_s"] = fixed_cost(
-                url, recreate_database(server, "onceflow_bench_fixed"), get_pipeline(
-                    "bench_w", batch_size=1))
-        shapes = {"airflow": ("bench_w", "onceflow through Airflow, one task", "w_"),
-                  "airflow-phases": ("bench_w_phases", "onceflow through Airflow, 3 tasks", "wp_")}
-        wanted = [s for s in shapes if s in systems]
+                rounds(results, [((source, name), lambda source=source: connect(source))
+                                 for source in sources], args.rounds, CpuClock)
+            if json_lines:
+                results["landing-json", name]["fixed_s"] = fixed_cost(
+                    url, recreate_database(server, "onceflow_bench_fixed"), get_pipeline(
+                        "bench_w", batch_size=1))
+        wanted = []  # (results key, pipeline)
+        if "airflow" in systems:
+            wanted += [((source, "onceflow through Airflow, one task"), SOURCES[source])
+                       for source in sources]
+        if "airflow-phases" in systems and json_lines:
+            wanted.append((("landing-json", "onceflow through Airflow, 3 tasks"),
+                           get_pipeline("bench_w_phases")))
         if wanted:
             from airflow_run import run_airflow
 
             dsn = recreate_database(server, "onceflow_bench_airflow")
-            ran = run_airflow(dsn, server, url, args.folder, [shapes[s][0] for s in wanted], batch,
-                              args.batches, args.timeline)
-            for system in wanted:
-                pipeline, name, prefix = shapes[system]
-                r = ran[pipeline]
-                r["ok"] = counts_ok(dsn, f"{prefix}url_counts", f"{prefix}domain_counts", truth)
-                results[name] = r
+            filled = fill(dsn, [s for s in sources if s in HELD], files, args.folder)
+            print(f"Airflow's sources filled in {filled:.1f}s", flush=True)
+            ran = run_airflow(dsn, server, url, args.folder, [p.name for _, p in wanted],
+                              batch, args.batches, args.timeline)
+            for key, pipeline in wanted:
+                r = ran[pipeline.name]
+                r["ok"] = counts_ok(dsn, *state_tables(pipeline), truth)
+                results[key] = r
         acker = {}
         if args.acker_events:
             acker = acker_cost(server, url, args)
     finally:
         if ours:  # the server this run started goes with it, whatever happened
             localspark.stop(folder=args.folder / "spark-connect")
-    report(results, acker, args)
+    report(results, acker, jvm_s, sources, args)
     if not warm_ok:
         print("a warm-up round of the Spark Connect server gave a wrong result (above)")
     return 0 if warm_ok and all(r.get("ok") for r in results.values()) else 1
 
 
+SS_NAME = "Structured Streaming"
+SS_JSON_NAME = "Structured Streaming, JSON source"
+
+
+def state_tables(pipeline) -> tuple[str, str]:
+    """The pipeline's url and domain count tables."""
+    by_source = {spec.source: spec.name for spec in pipeline.states}
+    return by_source["url_counts"], by_source["domain_counts"]
+
+
 def warm_server(url: str, server: str, pipeline, args, truth: dict) -> bool:
     """The workload ``--server-warm-up`` times on the Spark Connect server, before any of
     its clocks starts; whether every round's result was right."""
-    from spark_tasks.session import connect_session
+    from onceflow.spark.session import connect_session
 
     ok = True
     with connect_session(url, "onceflow-bench-warm-up") as remote:
@@ -330,17 +496,17 @@ def warm_server(url: str, server: str, pipeline, args, truth: dict) -> bool:
 
 
 def rounds(results: dict, systems: list, count: int, clock) -> None:
-    """Run each of ``systems`` ((name, run() -> result dict)) ``count`` times, the rounds
-    interleaved (every system once, then again), and keep per system its fastest round,
-    with its CPU seconds (``clock()``: a CpuClock started); a system is OK only if every
-    round's result was."""
+    """Run each of ``systems`` ((key, run() -> result dict)) ``count`` times, the rounds
+    interleaved (every system once, then again), and keep per key its fastest round,
+    with its CPU seconds (``clock()``: a CpuClock started; unless the run measured its own,
+    leaving out its set-up); a system is OK only if every round's result was."""
     for n in range(count):
         for name, run in systems:
             if count > 1:
                 print(f"round {n + 1} of {count}: {name}", flush=True)
             cpu = clock()
             r = run()
-            r["cpu_total_s"] = cpu.seconds()
+            r.setdefault("cpu_total_s", cpu.seconds())
             best = results.get(name)
             ok = r["ok"] and (best is None or best["ok"])
             if best is None or r["seconds"] < best["seconds"]:
@@ -352,7 +518,7 @@ def acker_cost(server: str, url: str, args) -> dict:
     """The tweets topology (a per-record Python bolt) on the first files, acker on and off,
     through the warm Spark; the best of --acker-rounds rounds each."""
     from onceflow.core.registry import get_pipeline
-    from spark_tasks.session import connect_session
+    from onceflow.spark.session import connect_session
 
     share = max(1, args.batches * args.acker_events // args.events)
     out = {}
@@ -366,33 +532,63 @@ def acker_cost(server: str, url: str, args) -> dict:
     return {"events": args.acker_events, "off_s": min(out[False]), "on_s": min(out[True])}
 
 
-def report(results: dict, acker: dict, args) -> None:
-    ss = results.get("Structured Streaming", {}).get("seconds")
-    ss_json = results.get("Structured Streaming, JSON source", {}).get("seconds")
+def report(results: dict, acker: dict, jvm_s: float | None, sources: list[str],
+           args) -> None:
+    """The table per source (see the module docstring), then the details."""
     print(f"\n{args.events} events, {args.batches} batches; load average {loadavg()}")
-    print("vs SS: against Structured Streaming reading text and parsing with from_json; "
+    if jvm_s is not None:
+        print(f"Structured Streaming's JVM and session start: {jvm_s:.1f}s, not in its wall "
+              "seconds (a spark-submit of the query pays it each time)")
+    print("vs SS: against Structured Streaming on the source's files (JSON lines: text parsed "
+          "with from_json); vs SS+JVM: the same with its JVM and session start added; "
           "vs SS-json: against its JSON source")
     print("CPU s: the machine's busy CPU seconds during the system's run (every process: "
-          "Spark, Airflow, PostgreSQL)")
-    print(f"{'system':<36} {'wall s':>8} {'events/s':>10} {'vs SS':>7} {'vs SS-json':>10} "
-          f"{'CPU s':>7}  check")
-    for name, r in results.items():
-        rate = args.events / r["seconds"]
-        ratio = f"{ss / r['seconds']:.2f}x" if ss else "-"
-        ratio_json = f"{ss_json / r['seconds']:.2f}x" if ss_json else "-"
-        cpu = r.get("cpu_total_s")
-        cpu_text = f"{cpu:.1f}" if cpu is not None else "-"
-        print(f"{name:<36} {r['seconds']:>8.1f} {rate:>10,.0f} {ratio:>7} {ratio_json:>10} "
-              f"{cpu_text:>7}  {'OK' if r.get('ok') else 'WRONG'}")
-    for name, r in results.items():
+          "Spark, Airflow, PostgreSQL); load: the 1-minute load average at the run's end")
+    header = (f"{'system':<36} {'wall s':>8} {'events/s':>10} {'vs SS':>7} {'vs SS+JVM':>9} "
+              f"{'vs SS-json':>10} {'CPU s':>7} {'load':>5}  check")
+    for source in sources:
+        rows = {name: r for (where, name), r in results.items() if where == source}
+        json_ss = {name: r for (where, name), r in results.items() if where == "json"}
+        if source in JSON_SOURCES:
+            rows = {**json_ss, **rows}
+        if not rows:
+            continue
+        reads = SS_READS.get(source, "the same events from the JSON lines files")
+        print(f"\nsource {source}: {ABOUT[source]}; Structured Streaming reads {reads}")
+        print(header)
+        ss = next((r["seconds"] for name, r in rows.items()
+                   if name.startswith(SS_NAME) and name != SS_JSON_NAME), None)
+        ss_json = rows.get(SS_JSON_NAME, {}).get("seconds")
+        for name, r in rows.items():
+            own = name.startswith(SS_NAME)  # its own JVM start is not in its seconds either
+            seconds = r["seconds"]
+            rate = args.events / seconds
+            ratio = f"{ss / seconds:.2f}x" if ss else "-"
+            with_jvm = "-"
+            if ss and jvm_s is not None:
+                with_jvm = f"{(ss + jvm_s) / (seconds + (jvm_s if own else 0)):.2f}x"
+            ratio_json = f"{ss_json / seconds:.2f}x" if ss_json else "-"
+            cpu = r.get("cpu_total_s")
+            cpu_text = f"{cpu:.1f}" if cpu is not None else "-"
+            print(f"{name:<36} {seconds:>8.1f} {rate:>10,.0f} {ratio:>7} {with_jvm:>9} "
+                  f"{ratio_json:>10} {cpu_text:>7} {r.get('load', '-'):>5}  "
+                  f"{'OK' if r.get('ok') else 'WRONG'}")
+    print()
+    for (source, name), r in results.items():
+        name = f"{name} [{source}]"
         if "process_s" in r:
             print(f"  {name}: {r['in_flight']} in flight; per batch: process "
                   f"{r['process_s']:.2f}s, commit "
                   f"{r['commit_s']:.2f}s" + (f", fixed cost of a warm task {r['fixed_s']:.2f}s"
                                              if "fixed_s" in r else ""))
+        if "filled_s" in r:
+            print(f"  {name}: source filled in {r['filled_s']:.1f}s (before the clock)")
         if "task_s" in r:
             print(f"  {name}: task medians " + ", ".join(
                 f"{k} {v:.2f}s" for k, v in r["task_s"].items()))
+        if r.get("begin_s"):
+            print(f"  {name}: begin medians: " + ", ".join(
+                f"{k.replace('_', ' ')} {v:.3f}s" for k, v in r["begin_s"].items()))
         if "cpu_s" in r:  # the task processes are the scheduler's (LocalExecutor) children
             parts = ", ".join(f"{k} {v:.1f}" for k, v in r["cpu_s"].items())
             print(f"  {name}: CPU seconds during the runs (process trees, lower bounds): "
@@ -401,6 +597,7 @@ def report(results: dict, acker: dict, args) -> None:
         cost = acker["on_s"] / acker["off_s"] - 1
         print(f"acker (tweets topology, Python bolt, {acker['events']} events): off "
               f"{acker['off_s']:.1f}s, on {acker['on_s']:.1f}s: costs {cost:.1%}")
+    print(f"load average after: {loadavg()}")
 
 
 if __name__ == "__main__":

@@ -30,9 +30,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-
-def loadavg() -> str:
-    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+from benchkit import loadavg
 
 
 def free_port() -> int:
@@ -179,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         args.events = int(1.5 * args.transactions * args.batch_size)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
-    from spark_tasks.session import get_spark
+    from onceflow.spark.session import get_spark
 
     spark = get_spark("onceflow-fault-run", master="local[2]")
     spark.sparkContext.setLogLevel("ERROR")

@@ -17,9 +17,13 @@ its http(s) host is not empty: the rule of ``tweets_example.topology.parse``, wh
   third faster: it hands Jackson each line's bytes, where ``from_json`` decodes every payload
   through a ``java.io.InputStreamReader`` first.
 
-Helpers: ``write_json_lines`` (the input files), ``ground_truth`` (the expected counts),
-``read_table`` and ``check``. Table names are ``prefix`` + the name above; every identifier
-goes through ``psycopg2.sql``.
+Structured Streaming also reads the events as rows (``reader="csv"`` or ``"parquet"``, the
+rows' ``schema`` given), CSV or Parquet files made by ``write_rows``: the like of onceflow's
+landing folders of those formats.
+
+Helpers: ``write_json_lines`` (the input files), ``event_rows`` and ``write_rows`` (the same
+events as rows), ``ground_truth`` (the expected counts), ``read_table`` and ``check``.
+Table names are ``prefix`` + the name above; every identifier goes through ``psycopg2.sql``.
 """
 
 from __future__ import annotations
@@ -35,11 +39,12 @@ import psycopg2
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.csv as pacsv
+import pyarrow.parquet as pq
 from psycopg2 import sql
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
-from tweets_example.data import URL_HOST, classify
+from tweets_example.data import URL_HOST, classify, parse_event
 
 # The same JSON reading as tweets_example/topology.py. Setting options also keeps Spark's
 # optimizer from pruning the schema (with none set, a from_json read for one field is cut down
@@ -56,9 +61,9 @@ _LINE_SEP = "\n"
 # --- session --------------------------------------------------------------------------------
 
 def local_session(app_name: str = "onceflow-peers", master: str = "local[2]") -> SparkSession:
-    """The project's local session (spark_tasks.session.get_spark: 2g driver, 4 shuffle
+    """The project's local session (onceflow.spark.session.get_spark: 2g driver, 4 shuffle
     partitions, no UI, no console progress), the same for every system compared."""
-    from spark_tasks.session import get_spark
+    from onceflow.spark.session import get_spark
 
     return get_spark(app_name, master=master)
 
@@ -93,6 +98,43 @@ def write_json_lines(folder: Path, payloads: Iterable[str], files: int, *,
     return paths
 
 
+ROW_FIELDS = ("id", "user", "text", "url")
+
+
+def event_rows(payloads: Iterable[str]) -> pa.Table:
+    """The events as rows (``ROW_FIELDS``; id a 64-bit integer, the others strings): each
+    JSON event's fields, a malformed event's all null (a row form cannot hold a broken
+    document; without a url it counts nowhere, as the rejected JSON event does)."""
+    columns: dict[str, list] = {name: [] for name in ROW_FIELDS}
+    for payload in payloads:
+        doc = parse_event(payload) or {}
+        for name in ROW_FIELDS:
+            value = doc.get(name)
+            if name == "id":
+                value = value if type(value) is int else None
+            elif value is not None and not isinstance(value, str):
+                value = None  # not text: no url (the JSON event's url is refused too)
+            columns[name].append(value)
+    return pa.table({name: pa.array(values, pa.int64() if name == "id" else pa.string())
+                     for name, values in columns.items()})
+
+
+def write_rows(folder: Path, rows: pa.Table, name: str, fmt: str) -> Path:
+    """``rows`` as one file ``name`` in ``folder`` (created if missing): CSV with a header
+    line, or Parquet; written under a hidden temp name, then renamed into place."""
+    if fmt not in ("csv", "parquet"):
+        raise ValueError(f"fmt={fmt!r}: give csv or parquet")
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    final, temp = folder / name, folder / f".{name}.tmp"
+    if fmt == "csv":
+        pacsv.write_csv(rows, temp)
+    else:
+        pq.write_table(rows, temp)
+    os.replace(temp, final)
+    return final
+
+
 def ground_truth(payloads: Iterable[str]) -> tuple[Counter, Counter]:
     """The expected (url counts, domain counts) of ``payloads``, in pure Python."""
     urls: Counter = Counter()
@@ -121,6 +163,12 @@ def json_source(reader):
     """``reader`` (spark.read or spark.readStream) set up as Spark's JSON source with the
     same schema and options as ``lines_to_counts``'s from_json."""
     return reader.schema(_SCHEMA).options(**_JSON_OPTIONS, lineSep=_LINE_SEP)
+
+
+def rows_to_counts(rows: DataFrame) -> DataFrame:
+    """Events as rows (a ``url`` column; malformed ones have none) -> (kind, key, value)."""
+    return docs_to_counts(rows.select(
+        "url", F.lit(None).cast("string").alias("_corrupt_record")))
 
 
 def docs_to_counts(docs: DataFrame) -> DataFrame:
@@ -294,23 +342,32 @@ class FencedSink:
 
 def structured_streaming(spark: SparkSession, folder: Path, dsn: str, prefix: str,
                          checkpoint: Path, files_per_trigger: int = 1,
-                         reader: str = "text") -> dict:
+                         reader: str = "text", schema: str | None = None) -> dict:
     """Consume every file in ``folder`` not yet in ``checkpoint`` with Structured Streaming
     (``maxFilesPerTrigger``, ``trigger(availableNow=True)``; ``reader``: the text source
-    with from_json, or the JSON source) into the count tables through a ``FencedSink``,
+    with from_json, the JSON source, or the CSV (a header line) or Parquet source of rows
+    of ``schema``, a url among them) into the count tables through a ``FencedSink``,
     then stop. The tables are created if missing and never replaced: counts accumulate over
     runs, the fence keeps a replayed batch from counting twice. Returns timing figures and
     the micro-batches applied and skipped."""
-    if reader not in ("text", "json"):
-        raise ValueError(f"reader={reader!r}: give text or json")
+    counts = {"text": lines_to_counts, "json": docs_to_counts, "csv": rows_to_counts,
+              "parquet": rows_to_counts}
+    if reader not in counts:
+        raise ValueError(f"reader={reader!r}: give one of {', '.join(counts)}")
+    if reader in ("csv", "parquet") and not schema:
+        raise ValueError(f"reader={reader!r} needs the rows' schema (a DDL string)")
     create_stream_tables(dsn, prefix)
-    sink = FencedSink(dsn, prefix, lines_to_counts if reader == "text" else docs_to_counts)
+    sink = FencedSink(dsn, prefix, counts[reader])
     t0 = time.perf_counter()
     stream = spark.readStream.option("maxFilesPerTrigger", files_per_trigger)
     if reader == "text":
         source = stream.option("lineSep", _LINE_SEP).text(str(folder))
-    else:
+    elif reader == "json":
         source = json_source(stream).json(str(folder))
+    elif reader == "csv":
+        source = stream.schema(schema).option("header", True).csv(str(folder))
+    else:
+        source = stream.schema(schema).parquet(str(folder))
     query = (source.writeStream.foreachBatch(sink)
              .option("checkpointLocation", str(checkpoint))
              .trigger(availableNow=True).start())

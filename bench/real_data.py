@@ -27,11 +27,10 @@ import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+from benchkit import loadavg
+
 HERE = Path(__file__).resolve().parent
 
-
-def loadavg() -> str:
-    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
 
 def say(line: str) -> None:
@@ -197,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--rows and --keys must be at least 1")
     parts = args.only or ["table", "landing", "commit"]
     from onceflow.dev.localenv import project_dir
-    from spark_tasks.session import get_spark
+    from onceflow.spark.session import get_spark
 
     dsn = fresh_database("onceflow_bench_real")
     say(f"real-data bench: {args.rows} rows, {args.keys} keys, parts {', '.join(parts)}")

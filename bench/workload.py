@@ -10,6 +10,17 @@ bench/peers.py (tweets_example.topology.parse).
   pipeline with a task per phase (begin >> process >> commit), its own topic and tables.
 - ``W_IDNA``: the tweets example's topology (a Python bolt normalizes each domain with IDNA,
   per record): what the acker's cost is measured on.
+- ``SOURCES``: W once per kind of source onceflow ships (bench/compare.py ``--sources``),
+  each with its own topic and tables, the same counts: ``landing-json`` is ``W``;
+  ``landing-csv`` and ``landing-parquet`` read the events as rows (``EVENT_DDL``) from CSV
+  and Parquet files in landing folders beside ``W``'s (Parquet ``typed``: the rows' columns,
+  as a Structured Streaming user reads them); ``table`` reads them as rows of a
+  PostgreSQL table (``TABLE``, keyed by an identity column); ``pglog`` reads the JSON
+  payloads from the PostgreSQL log (parsed by from_json), ``segments`` from file segments
+  (under ``SEGMENTS``), which decode them as they are read (``json_schema``, as ``W``'s
+  landing folder does).
+  A row form holds a malformed event as a row without a url: counted nowhere, as the JSON
+  form's rejected event is.
 
 Reached by reference (``workload:PIPELINES`` with bench/ on PYTHONPATH), like a user's
 pipeline; the folder comes from ONCEFLOW_BENCH_FOLDER.
@@ -19,9 +30,19 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from pathlib import Path
 
-from onceflow import ANCHORS, SPOUT, Pipeline, StateSpec, Topology
-from onceflow.sources.landing import LandingFolder
+from onceflow import (
+    ANCHORS,
+    SPOUT,
+    FileSegments,
+    LandingFolder,
+    Pipeline,
+    PostgresLog,
+    StateSpec,
+    TableSource,
+    Topology,
+)
 
 # The events' fields the workload reads: the tweets example's (a wrongly typed flaky makes an
 # event malformed, as in the peers' from_json schema)
@@ -29,14 +50,27 @@ TWEET = "url string, flaky int"
 FOLDER = os.environ.get("ONCEFLOW_BENCH_FOLDER", "/var/tmp/onceflow-bench/landing")
 # Transactions in flight at once (the Airflow DAG's max_active_runs).
 MAX_PENDING = int(os.environ.get("ONCEFLOW_BENCH_MAX_PENDING", "3"))
+# The other sources' places, beside the JSON lines folder (bench/compare.py fills them)
+CSV_FOLDER = str(Path(FOLDER).parent / "landing-csv")
+PARQUET_FOLDER = str(Path(FOLDER).parent / "landing-parquet")
+SEGMENTS = str(Path(FOLDER).parent / "segments")
+TABLE = "public.bench_events"
+TABLE_KEY = "seq"  # an identity column: the table source's offsets
+# An event as a row (CSV, Parquet, the table): the JSON event's fields, a malformed event's
+# all null
+EVENT_DDL = "id long, user string, text string, url string"
 
 
 def _parse(records):
-    from pyspark.sql import functions as F
-
     from tweets_example.topology import classify_typed
 
-    parsed = classify_typed(records)
+    return _emit(classify_typed(records))
+
+
+def _emit(parsed):
+    """Classified events (url, domain, error) -> the urls, domains and rejects tuples."""
+    from pyspark.sql import functions as F
+
     null = F.lit(None).cast("string")
     out = F.when(F.col("error").isNull(), F.array(
         F.struct(F.lit("urls").alias("_stream"), F.col("url").alias("key"),
@@ -48,10 +82,38 @@ def _parse(records):
     return parsed.select(*ANCHORS, F.explode(out).alias("t")).select(*ANCHORS, "t.*")
 
 
-def topology(pipeline=None) -> Topology:
+def _parse_payload(records):
+    """Events as JSON payloads (the PostgreSQL log, file segments): parsed by from_json."""
+    from tweets_example.topology import parse
+
+    return _emit(parse(records))
+
+
+def _rows(url):
+    """Events as rows, ``url`` their url column: classified as decoded JSON events."""
+    def parse(records):
+        from pyspark.sql import functions as F
+
+        from tweets_example.topology import classify_typed
+
+        return _emit(classify_typed(records.select(
+            *ANCHORS, url(F).alias("url"), F.lit(None).cast("int").alias("flaky"),
+            F.lit(None).cast("string").alias("_corrupt_record"))))
+
+    return parse
+
+
+# CSV lines (the landing folder's payload is the line), and rows as JSON objects (a Parquet
+# row, a table's row_to_json)
+_parse_csv = _rows(lambda F: F.from_csv("payload", EVENT_DDL).getField("url"))
+_parse_row_json = _rows(lambda F: F.from_json("payload", "url string").getField("url"))
+_parse_typed_row = _rows(lambda F: F.col("url"))  # a typed Parquet row: its columns
+
+
+def topology(pipeline=None, parse=_parse) -> Topology:
     return (
         Topology("w")
-        .bolt("parse", input=SPOUT, fn=_parse, outputs={
+        .bolt("parse", input=SPOUT, fn=parse, outputs={
             "urls": "key string", "domains": "key string", "rejects": "error string"})
         .count("urls", "url_counts")
         .count("domains", "domain_counts")
@@ -59,9 +121,26 @@ def topology(pipeline=None) -> Topology:
     )
 
 
-def _source(topic: str, json_schema: str | None = None) -> LandingFolder:
-    return LandingFolder(topic=topic, path=FOLDER, partitions=2, chunk_bytes=16 << 20,
-                         settle_s=0.0, json_schema=json_schema)
+def topology_payload(pipeline=None) -> Topology:
+    return topology(pipeline, _parse_payload)
+
+
+def topology_csv(pipeline=None) -> Topology:
+    return topology(pipeline, _parse_csv)
+
+
+def topology_row_json(pipeline=None) -> Topology:
+    return topology(pipeline, _parse_row_json)
+
+
+def topology_typed_row(pipeline=None) -> Topology:
+    return topology(pipeline, _parse_typed_row)
+
+
+def _source(topic: str, json_schema: str | None = None, **kw) -> LandingFolder:
+    return LandingFolder(**{"topic": topic, "path": FOLDER, "partitions": 2,
+                            "chunk_bytes": 16 << 20, "settle_s": 0.0,
+                            "json_schema": json_schema, **kw})
 
 
 W = Pipeline(
@@ -87,4 +166,31 @@ W_IDNA = Pipeline(
     batch_size=1_000_000, max_pending=MAX_PENDING, retries=1, attempt_lease_s=1800,
 )
 
-PIPELINES = (W, W_PHASES, W_IDNA)
+
+def _variant(name: str, source, topology: str, prefix: str, what: str) -> Pipeline:
+    return dataclasses.replace(
+        W, name=name, source=source, topology=topology, description=f"Benchmark W {what}.",
+        states=(StateSpec(f"{prefix}url_counts", source="url_counts"),
+                StateSpec(f"{prefix}domain_counts", source="domain_counts")))
+
+
+# source name (bench/compare.py --sources) -> W reading it
+SOURCES = {
+    "segments": _variant("bench_w_segments", FileSegments(
+        topic="bench_w_segments", path=SEGMENTS, partitions=2, json_schema=TWEET),
+        "workload:topology", "ws_", "from file segments"),
+    "landing-json": W,
+    "landing-csv": _variant("bench_w_csv", _source(
+        "bench_w_csv", path=CSV_FOLDER, format="csv", csv_header=True),
+        "workload:topology_csv", "wc_", "from CSV files"),
+    "landing-parquet": _variant("bench_w_parquet", _source(
+        "bench_w_parquet", path=PARQUET_FOLDER, format="parquet", schema=EVENT_DDL,
+        typed=True), "workload:topology_typed_row", "wq_", "from Parquet files"),
+    "table": _variant("bench_w_table", TableSource(
+        topic="bench_w_table", table=TABLE, key=TABLE_KEY), "workload:topology_row_json",
+        "wt_", "from a PostgreSQL table"),
+    "pglog": _variant("bench_w_pglog", PostgresLog(topic="bench_w_pglog", partitions=2),
+                      "workload:topology_payload", "wl_", "from the PostgreSQL log"),
+}
+
+PIPELINES = (W, W_PHASES, W_IDNA, *(p for p in SOURCES.values() if p is not W))

@@ -74,6 +74,7 @@ def verdicts(messages: DataFrame, *, errors: bool = True, require_init: bool = T
     runs it as a hash aggregation; the reasons, rare, are aggregated apart and joined on.
     ``require_init=False``: a root needs no init message (the topology runner combines the
     spout's init with the first bolt's ack when it computes both from one row)."""
+    # imported here: pyspark loads only where Spark is used
     from pyspark.sql import functions as F
 
     state = messages.groupBy("root").agg(

@@ -3,7 +3,7 @@
 A root id keeps the origin of its record readable without a join back to the source:
 ``replayed << 62 | partition << 40 | offset`` (offsets below 2^40, partitions below 2^22).
 Tuple ids are hashes of (root, bolt, stream, parent, position, attempt): xxhash64 in the JVM
-(spark_tasks.runner), BLAKE2b in Python bolts (``blake64``); both keep the XOR property.
+(onceflow.spark.runner), BLAKE2b in Python bolts (``blake64``); both keep the XOR property.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ MAX_OFFSET, MAX_PARTITION = (1 << OFFSET_BITS) - 1, (1 << PARTITION_BITS) - 1
 
 def root_id(partition, offset, replayed):
     """The root id of a source record as a column expression."""
+    # imported here: pyspark loads only where Spark is used
     from pyspark.sql import functions as F
 
     return (F.shiftleft(F.col(replayed).cast("long"), 62)
@@ -25,6 +26,7 @@ def root_id(partition, offset, replayed):
 
 def origin(root: str = "_root") -> tuple:
     """(partition, offset) column expressions of a root id."""
+    # imported here: pyspark loads only where Spark is used
     from pyspark.sql import functions as F
 
     partition = F.shiftright(F.col(root), OFFSET_BITS).bitwiseAND(F.lit(MAX_PARTITION))

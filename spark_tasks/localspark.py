@@ -1,15 +1,15 @@
 """A local Spark Connect server: the warm Spark that processing tasks use in local mode.
 
-A JVM and a SparkSession cost 5-6 s to start, a spark-submit of a batch about 12 s; a Spark
-Connect client costs half a second. So in local mode onceflow starts one long-lived Connect
-server (``onceflow spark start``, idempotent; ``status``, ``stop``) and the processing tasks
-are its clients, through an Airflow connection of type ``spark_connect``
+A JVM and a SparkSession take seconds to start, a spark-submit of each batch more; a Spark
+Connect client is a fraction of that (docs/deployment.md). So in local mode onceflow starts one
+long-lived Connect server (``onceflow spark start``, idempotent; ``status``, ``stop``) and the
+processing tasks are its clients, through an Airflow connection of type ``spark_connect``
 (``spark-connect://127.0.0.1:15002``). A cluster user points that connection at their own
 Connect server, or keeps a ``spark`` connection to submit to a master.
 
 The server runs this interpreter as its Python workers, so every package installed here
 (onceflow, the user's pipelines) is importable there; a pipeline reached only by reference is
-shipped by value with the functions Spark sends (spark_tasks.session.ship_code). Its pid,
+shipped by value with the functions Spark sends (onceflow.spark.session.ship_code). Its pid,
 log and the settings it was started with live in ``$ONCEFLOW_HOME/.run/spark-connect/``.
 
 A server onceflow started is its to keep running: when it died (killed, crashed, out of
@@ -22,24 +22,35 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
+from urllib.parse import urlparse
 
+from onceflow.core import settings
 from onceflow.core.errors import ConfigError, Unreachable
+from onceflow.sources.json_records import PROBLEM, JsonRecords
+from onceflow.sources.jvm import jvm_conf, jvm_reader
+from onceflow.sources.landing import file_chunk, jvm_lines
+from onceflow.sources.segments import jvm_segments, write_segment
+from onceflow.spark.conf import processing_conf
 
-DEFAULT_PORT = int(os.environ.get("ONCEFLOW_SPARK_CONNECT_PORT", "15002"))
+log = logging.getLogger(__name__)
+
+DEFAULT_PORT = settings.get("spark_connect_port")
 SERVER_CLASS = "org.apache.spark.sql.connect.service.SparkConnectServer"
-# The server JVM's options (ONCEFLOW_SPARK_SERVER_JAVA_OPTIONS replaces them). A long-lived
-# server runs many planner paths only a few times per batch; raised JIT thresholds leave them
-# interpreted while the batches' hot loops still compile. The parallel collector suits a
-# batch's throughput work better than G1's barriers. The figures are in bench/RESULTS.md.
+# The server JVM's options. A long-lived server runs many planner paths only a few times per
+# batch; raised JIT thresholds leave them interpreted while the batches' hot loops still
+# compile. The parallel collector suits a batch's throughput work better than G1's barriers.
 SERVER_JAVA_OPTIONS = "-XX:CompileThresholdScaling=10 -XX:+UseParallelGC"
 
 
@@ -64,7 +75,7 @@ def _dir(folder: Path | None = None) -> Path:
     if folder is not None:
         return Path(folder)
     # ONCEFLOW_HOME (run.sh: the checkout), else the current directory
-    return Path(os.environ.get("ONCEFLOW_HOME") or Path.cwd()) / ".run" / "spark-connect"
+    return Path(settings.get("home") or Path.cwd()) / ".run" / "spark-connect"
 
 
 def _answers(port: int, timeout: float = 0.5) -> bool:
@@ -134,7 +145,6 @@ def revive(url: str, *, wait_s: float = 90) -> ServerStatus | None:
     Same port, folder and settings as it was started with. Returns its status when it was
     started again; None when there is nothing to do (not local, not onceflow's, stopped on
     purpose, or running: a process that is alive but does not answer is left alone)."""
-    from urllib.parse import urlparse
 
     where = urlparse(url.replace("sc://", "http://", 1))
     if where.hostname not in ("127.0.0.1", "localhost") or where.port is None:
@@ -154,8 +164,8 @@ def revive(url: str, *, wait_s: float = 90) -> ServerStatus | None:
 @dataclass
 class Launch:
     """A server being started (``launch``): ``ready()`` waits until it answers. The JVM takes
-    10-12 s to start here, time in which its caller can do work of its own (the demo builds
-    its Airflow meanwhile)."""
+    seconds to start, time in which its caller can do work of its own (the demo builds its
+    Airflow meanwhile)."""
 
     port: int
     folder: Path
@@ -175,7 +185,7 @@ class Launch:
                 if self.warm:
                     with open(log, "ab") as out:
                         subprocess.Popen(
-                            [sys.executable, "-m", "spark_tasks.localspark", "warm-up",
+                            [sys.executable, "-m", "onceflow.spark.localspark", "warm-up",
                              f"sc://127.0.0.1:{self.port}"], stdout=out,
                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                             start_new_session=True, env=_own_env())
@@ -206,9 +216,8 @@ def launch(port: int = DEFAULT_PORT, *, master: str | None = None,
     if _answers(port):
         raise ConfigError(f"port {port} is taken by another program: set "
                           "ONCEFLOW_SPARK_CONNECT_PORT to a free port")
-    from spark_tasks.conf import processing_conf
-    from spark_tasks.jvm import jvm_conf
-    from spark_tasks.session import require_java
+    # imported here: pyspark loads with it: only where Spark is used
+    from onceflow.spark.session import require_java
 
     require_java()
     folder.mkdir(parents=True, exist_ok=True)
@@ -218,19 +227,18 @@ def launch(port: int = DEFAULT_PORT, *, master: str | None = None,
         "spark.connect.grpc.binding.port": str(port),
         **processing_conf(),
         "spark.ui.enabled": "false",
-        "spark.driver.memory": driver_memory or os.environ.get("ONCEFLOW_DRIVER_MEMORY", "2g"),
+        "spark.driver.memory": driver_memory or settings.get("driver_memory"),
         # a long-lived driver: small memory pages and a regular GC free finished batches'
-        # broadcasts (see spark_tasks.session), and forgotten client sessions expire
+        # broadcasts (see onceflow.spark.session), and forgotten client sessions expire
         "spark.buffer.pageSize": "4m",
         "spark.cleaner.periodicGC.interval": "1min",
         "spark.connect.session.manager.defaultSessionTimeout": "15min",
-        "spark.driver.extraJavaOptions": os.environ.get("ONCEFLOW_SPARK_SERVER_JAVA_OPTIONS",
-                                                        SERVER_JAVA_OPTIONS),
-        **jvm_conf(),  # onceflow's JVM reader (spark_tasks.jvm), when it serves this Spark
+        "spark.driver.extraJavaOptions": SERVER_JAVA_OPTIONS,
+        **jvm_conf(),  # onceflow's JVM reader (onceflow.sources.jvm), when it serves this Spark
     }
     cmd = [str(submit) if submit.exists() else "spark-submit", "--class", SERVER_CLASS,
            "--name", "onceflow-spark-connect",
-           "--master", master or os.environ.get("ONCEFLOW_SPARK_MASTER", "local[2]"),
+           "--master", master or settings.get("spark_master"),
            *[arg for k, v in conf.items() for arg in ("--conf", f"{k}={v}")]]
     env = {**_own_env(), "PYSPARK_PYTHON": os.environ.get("PYSPARK_PYTHON", sys.executable),
            "SPARK_LOG_DIR": str(folder)}
@@ -267,22 +275,22 @@ WARM_UP_LIMIT_S = 300  # a background warm-up ends by then, done or not
 
 def warm_up(url: str) -> float:
     """Make a new server's first batch cost what the later ones do: start the Python workers
-    of the session processing tasks share (spark_tasks.session.SHARED_SESSION_KEY) with
+    of the session processing tasks share (onceflow.spark.session.SHARED_SESSION_KEY) with
     pyarrow and the JSON-lines decoder imported, and run the shapes a batch runs (an Arrow
-    read of decoded records and of payloads, JSON parsing, an aggregation collected as
-    Arrow) so the JVM has loaded and compiled them. Measured here: a first 1M-event batch
-    took 16.9 s on a cold server and 9.6 s after this (the later ones 4-5 s). Returns the
-    seconds it took."""
+    read of decoded records and of payloads, JSON parsing, onceflow's JVM readers, an
+    aggregation collected as Arrow) so the JVM has loaded and compiled them before a batch
+    needs them (docs/design.md). Returns the seconds it took."""
+    # imported here: pyspark loads only where Spark is used
     from pyspark.sql import functions as F
 
-    from spark_tasks.session import SHARED_SESSION_KEY, connect_session
+    # imported here: pyspark loads with it: only where Spark is used
+    from onceflow.spark.session import SHARED_SESSION_KEY, connect_session
 
     started = time.monotonic()
 
     def decoded(batches):
+        # imported here: pyarrow is heavy: it loads only where files are read or written
         import pyarrow as pa
-
-        from onceflow.sources.json_records import PROBLEM, JsonRecords
 
         records = JsonRecords("url string, n long")
         for batch in batches:
@@ -301,24 +309,59 @@ def warm_up(url: str) -> float:
             F.col("id").alias("n"))).alias("payload"), "url")
         doc = F.from_json("payload", "url string, n long, _corrupt_record string",
                           {"mode": "PERMISSIVE", "columnNameOfCorruptRecord": "_corrupt_record"})
-        for url_column in (F.col("url"), F.col("j.url")):  # decoded, then parsed by a bolt
-            parsed = events.select(doc.alias("j"), "url").select(
+
+        def aggregate(frame, url_column) -> None:
+            parsed = frame.select(
                 F.lower(F.regexp_extract(url_column, r"^https?://([^/]+)", 1)).alias("host"),
                 F.xxhash64(url_column).alias("id"))
             parsed.groupBy("host").agg(F.count(F.lit(1)).alias("n"),
                                        F.bit_xor("id").alias("x")).toArrow()
+
+        for url_column in (F.col("url"), F.col("j.url")):  # decoded, then parsed by a bolt
+            aggregate(events.select(doc.alias("j"), "url"), url_column)
+        if jvm_reader(spark):
+            try:
+                for frame in _jvm_reads(spark):
+                    aggregate(frame, F.col("url"))
+            except Exception as error:  # executors on other machines cannot see the files
+                log.warning("warm-up: onceflow's JVM readers skipped (%s)", str(error)[:300])
+            else:
+                log.info("warm-up: onceflow's JVM readers read %d records each",
+                         2 * WARM_UP_RECORDS)
     return time.monotonic() - started
 
 
-if __name__ == "__main__":  # start(warm=True) runs: python -m spark_tasks.localspark warm-up URL
+WARM_UP_RECORDS = 100_000  # per JVM reader: enough calls for the JIT to compile its loops
+
+
+def _jvm_reads(spark):
+    """onceflow's JVM readers (a landing folder's JSON lines, file segments) over a file of
+    generated records each, decoded as a declared json_schema is: their classes are loaded
+    and compiled before a batch needs them. The files live in a folder of their own while
+    the frames are read."""
+    records = JsonRecords("url string, n long")
+    n = WARM_UP_RECORDS
+    lines = [f'{{"url": "http://host{i % 97}/p{i % 1013}", "n": {i}}}' for i in range(n)]
+    with tempfile.TemporaryDirectory(prefix="onceflow-warm-up-") as folder:
+        landed = Path(folder) / "events.jsonl"
+        landed.write_text("\n".join(lines) + "\n")
+        segment = Path(folder) / "segment.parquet"
+        write_segment(segment, 0, 0, lines, datetime.now(UTC))
+        for _ in range(2):
+            yield jvm_lines(spark, [file_chunk(str(landed), n)], [(0, 0, n)], records, 65536)
+            yield jvm_segments(spark, [(str(segment), 0)], [(0, 0, n)], records, 65536)
+
+
+if __name__ == "__main__":  # start(warm=True) runs: python -m onceflow.spark.localspark warm-up URL
     if len(sys.argv) == 3 and sys.argv[1] == "warm-up":
         # A server stopped meanwhile must not leave this process waiting on it for ever:
         # SIGALRM's default action ends it, wherever it waits (a gRPC call in C included).
         signal.alarm(WARM_UP_LIMIT_S)
+        logging.basicConfig(level=logging.INFO, format="onceflow: %(message)s")
         try:
             print(f"onceflow: Spark Connect server warmed up in {warm_up(sys.argv[2]):.1f}s",
                   flush=True)
         except Exception as error:  # a warm-up is a courtesy: the server works without it
             print(f"onceflow: warm-up of {sys.argv[2]} failed: {error}", flush=True)
     else:
-        sys.exit("usage: python -m spark_tasks.localspark warm-up sc://HOST:PORT")
+        sys.exit("usage: python -m onceflow.spark.localspark warm-up sc://HOST:PORT")

@@ -30,7 +30,8 @@ from onceflow.core.db import connection
 from onceflow.core.errors import OnceflowError, is_permanent
 from onceflow.core.pipeline import Pipeline, check
 from onceflow.core.txlog import Batch
-from spark_tasks.processing import process_batch
+from onceflow.kvstate import open_state_provider
+from onceflow.spark.processing import process_batch
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +98,8 @@ def run_batches(spark, dsn: str, pipeline: Pipeline, *, in_flight: int = 1,
             if not broken and error is None:
                 t0 = time.perf_counter()
                 try:
-                    done = commit(conn, pipeline, batch.attempt)
+                    done = commit(conn, pipeline, batch.attempt,
+                                  open_state=open_state_provider)
                 except Exception as commit_error:  # noqa: BLE001 (raised at the end)
                     error = commit_error
                 else:

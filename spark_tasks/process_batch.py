@@ -16,11 +16,12 @@ import logging
 import os
 import sys
 
+from onceflow.core import settings
 from onceflow.core.errors import Permanent
 from onceflow.core.registry import get_pipeline
 from onceflow.core.txlog import TransactionAttempt
-from spark_tasks.processing import process_batch
-from spark_tasks.session import get_spark
+from onceflow.spark.processing import process_batch
+from onceflow.spark.session import get_spark
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -35,8 +36,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--txid", type=int, required=True, help="transaction id planned by begin")
     parser.add_argument("--attempt", type=int, required=True, help="the attempt being processed")
     parser.add_argument("--group", type=int, default=0, help="processing group (default 0)")
-    parser.add_argument("--dsn-env", default="ONCEFLOW_PG_DSN",
-                        help="environment variable holding the PostgreSQL DSN")
+    parser.add_argument("--dsn-env", default=settings.env_name("pg_dsn"),
+                        help="environment variable holding the PostgreSQL DSN "
+                             "(default %(default)s)")
     return parser.parse_args(argv)
 
 
@@ -44,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    dsn = os.environ.get(args.dsn_env)
+    dsn = (settings.get("pg_dsn") if args.dsn_env == settings.env_name("pg_dsn")
+           else os.environ.get(args.dsn_env))
     if not dsn:
         print(f"error: environment variable {args.dsn_env} is not set: export the PostgreSQL DSN "
               "there (the Airflow operator does this from its connection)", file=sys.stderr)

@@ -28,12 +28,13 @@ from onceflow.core.errors import Fenced, SourceChanged
 from onceflow.core.lease import AttemptLease
 from onceflow.core.pipeline import Pipeline
 from onceflow.core.staging import Staged, stage_group
+from onceflow.core.topology import StateContext
 from onceflow.core.txlog import TransactionAttempt, TxState
-from onceflow.kvstate import DELETED
-from spark_tasks.records import batch_records, replayed_records
-from spark_tasks.runner import DELTA, REJECT, run_topology
-from spark_tasks.session import ship_code
-from spark_tasks.topology import StateContext
+from onceflow.kvstate import DELETED, open_checked_provider
+from onceflow.sources.landing import REPAIR_HINT
+from onceflow.spark.records import batch_records, replayed_records
+from onceflow.spark.runner import DELTA, REJECT, run_topology
+from onceflow.spark.session import ship_code
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +138,6 @@ def _source_changed(error: BaseException) -> str | None:
     reader refused it with, onceflow.sources.landing), if that is what failed: a SourceChanged
     then fails the task at once (retries read the same bytes) and names the file in the
     transaction's failure, which a Spark error's repr would not."""
-    from onceflow.sources.landing import REPAIR_HINT
 
     for line in str(error).splitlines():
         if REPAIR_HINT in line:
@@ -179,7 +179,7 @@ def process_batch(spark: SparkSession, dsn: str, pipeline: Pipeline, ta: Transac
         stateful = topology.stateful()
         provider = None
         if stateful:
-            provider = stateful_steps.open_checked_provider(pipeline, dsn)
+            provider = open_checked_provider(pipeline, dsn)
             cleanup.callback(provider.close)
             stateful_steps.wait_for_turn(conn, pipeline.name, ta.txid)
             stateful_steps.recover(conn, provider, pipeline, stateful)

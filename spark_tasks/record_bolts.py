@@ -1,7 +1,7 @@
 """The runtime of per-record Python bolts: a mapInArrow function per bolt that calls the bolt's
 function (or a StatefulBolt's ``execute``) once per tuple, under its time budget.
 
-- ``pass_through_runner``: over the whole frame (spark_tasks.chain): the rows of the bolt's
+- ``pass_through_runner``: over the whole frame (onceflow.spark.chain): the rows of the bolt's
   input stream are replaced by its outputs (and a failure note when it raises or runs out of
   time), every other row passes through as it is, in Arrow, untouched by Python;
 - ``record_runner``: over a stateful bolt's own input: its tuples, failures and state
@@ -14,15 +14,17 @@ two clock reads, not two system calls.
 
 from __future__ import annotations
 
+import json
 import signal
 import threading
 import time
 from collections.abc import Iterator
 
+from onceflow.core.topology import Bolt, StateContext, TopologyError, columns
+from onceflow.kvstate import KeyValueState, open_provider
 from onceflow.kvstate.base import DELETED as _DELETED
-from spark_tasks.acker import ACK, FAIL
-from spark_tasks.ids import blake64
-from spark_tasks.topology import Bolt, StateContext, TopologyError, columns
+from onceflow.spark.acker import ACK, FAIL
+from onceflow.spark.ids import blake64
 
 STATE_FIELDS = ("_skey", "_sval", "_seq")
 
@@ -81,6 +83,7 @@ _ARROW = {"string": "string", "int": "int32", "bigint": "int64", "smallint": "in
 
 def arrow_schema(cols: dict[str, str]):
     """The Arrow schema of Spark columns (name -> type), made where no Spark session is."""
+    # imported here: pyarrow is heavy: it loads only where files are read or written
     import pyarrow as pa
 
     fields = []
@@ -123,6 +126,7 @@ def pass_through_runner(bolt: Bolt, stream: str, attempt: int, timeout_ms: int,
     wanted = ["_root", "_tid", "_replays", *in_cols]
 
     def run(batches: Iterator) -> Iterator:
+        # imported here: pyarrow is heavy: it loads only where files are read or written
         import pyarrow as pa
         import pyarrow.compute as pc
 
@@ -192,8 +196,7 @@ def record_runner(bolt: Bolt, attempt: int, timeout_ms: int, out_types: dict[str
     schema = arrow_schema({**RECORD_META, **out_types})
 
     def run(batches: Iterator) -> Iterator:
-        import json
-
+        # imported here: pyarrow is heavy: it loads only where files are read or written
         import pyarrow as pa
 
         def add(cols, kind, stream, root, tid, replays, value, error, values=None, state=None):
@@ -282,9 +285,8 @@ class _Tracked:
 
 def _open_state(bolt: Bolt, ctx: StateContext | None, batches):
     """The shard of a stateful bolt this task holds: (tracked state, namespace, provider)."""
+    # imported here: pyspark loads only where Spark is used
     from pyspark import TaskContext
-
-    from onceflow.kvstate import KeyValueState, open_provider
 
     if ctx is None:
         raise TopologyError(f"stateful bolt {bolt.name!r} needs its state: run the topology "

@@ -16,9 +16,9 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from onceflow.core.planner import PartitionRange
-from onceflow.sources.base import Source
+from onceflow.core.source import Source
+from onceflow.core.topology import columns
 from onceflow.sources.json_records import PROBLEM
-from spark_tasks.topology import columns
 
 
 def spout_columns(source: Source) -> list[str]:

@@ -27,7 +27,7 @@ name has one type in the whole topology).
 Why this is still Storm's acker: every tuple is emitted and acked by onceflow's own code in
 the same pass, so the two XOR halves of each tuple id are formed together and cancel (Storm
 folds a bolt's ack into one message in the same way); the verdict keeps the other half, the
-failures, and the passes apply them per record. The reference acker (spark_tasks.acker)
+failures, and the passes apply them per record. The reference acker (onceflow.spark.acker)
 states the rule it implements.
 
 Stateful bolts read and write key-value state, so they run on records that completed
@@ -49,9 +49,7 @@ from pyspark.sql import DataFrame, Observation
 from pyspark.sql import functions as F
 
 from onceflow.core.tables import ORDER, SPARK_JSON, Shape, spark_type
-from onceflow.sources.json_records import PROBLEM
-from spark_tasks.ids import MAX_OFFSET, MAX_PARTITION, OFFSET_BITS, origin, root_id
-from spark_tasks.topology import (
+from onceflow.core.topology import (
     ANCHORS,
     SPOUT,
     Bolt,
@@ -61,6 +59,9 @@ from spark_tasks.topology import (
     column_types,
     columns,
 )
+from onceflow.sources.json_records import PROBLEM
+from onceflow.spark.ids import MAX_OFFSET, MAX_PARTITION, OFFSET_BITS, origin, root_id
+from onceflow.spark.record_bolts import RECORD_META, pass_through_runner, record_runner
 
 TUPLE, FAIL, STATE = "tuple", "fail", "state"
 # Notes' and state changes' columns, besides the anchors (_root, _tid, _replays).
@@ -82,8 +83,6 @@ JSON_OPTIONS = SPARK_JSON
 
 
 def pa_array(values: list):
-    import pyarrow as pa
-
     return pa.array(values, pa.string())
 
 
@@ -228,8 +227,6 @@ class _Chain:
         return out
 
     def record_bolt(self, bolt: Bolt) -> None:
-        from spark_tasks.record_bolts import pass_through_runner
-
         stream = self.name_for(bolt.input, bolt.name)
         runner = pass_through_runner(bolt, stream, self.attempt, self.timeout_ms,
                                      columns(self.topology.streams()[bolt.input]),
@@ -248,7 +245,7 @@ def run_topology(topology: Topology, source: DataFrame, *, attempt: int, acker: 
                  refusals: bool = True) -> TopologyRun:
     """Plan ``topology`` over ``source`` (partition, offset, the spout's record columns,
     replays, replayed; ``_problem`` too when the records are not payloads, see
-    spark_tasks.records).
+    onceflow.spark.records).
 
     Lazy: ``collect()`` on the result runs it (one Spark job) and returns the outputs.
     ``by_root``: deltas keep their record's root (verify's re-run). ``shapes``: the typed
@@ -271,9 +268,9 @@ def run_topology(topology: Topology, source: DataFrame, *, attempt: int, acker: 
     else:  # a decoding source found the records' problems where it read them
         problem = F.col(PROBLEM)
     # The spout, read once: the records it refuses are counted on the way (an observed
-    # metric) and read again only when there are some (rare). The count costs about a tenth
-    # of a batch's CPU (the observation cuts the scan's generated code in two), so it is
-    # left out when the source knows there are none; a record refused then fails the run.
+    # metric) and read again only when there are some (rare). The count is not free (the
+    # observation cuts the scan's generated code in two), so it is left out when the source
+    # knows there are none; a record refused then fails the run.
     spout = source.select(
         root.alias("_root"), F.xxhash64(root, F.lit("$spout"), F.lit(attempt)).alias("_tid"),
         F.col("replays").cast("int").alias("_replays"), "partition", "offset", *record,
@@ -316,8 +313,8 @@ class Collected:
     deltas {(state, key): delta} (or {(state, key, root)} by root), rejected {(partition,
     offset): error}, failed {(partition, offset, replayed): error}, state changes {bolt:
     [(namespace, key, JSON value or None)]}. The deltas by (state, key) and the rejects are
-    made from the table when first asked for: staging reads the table (a state of a million
-    keys would otherwise cost a million Python tuples per batch, and 19k rejects 70 ms)."""
+    made from the table when first asked for: staging reads the table, and a state of a
+    million keys would otherwise cost a million Python tuples per batch."""
 
     table: object
     _rejected: dict | None  # made from the table when first asked for (rejected)
@@ -374,8 +371,8 @@ class TopologyRun:
     @property
     def output(self) -> DataFrame:
         """The exact plan's outputs (see _rows), planned when first asked for: a batch the
-        lean plan settles never needs it (planning it cost about 0.7 s per batch in a
-        local session, where each DataFrame step is a call into the JVM)."""
+        lean plan settles never needs it (planning it is costly in a local session, where
+        each DataFrame step is a call into the JVM)."""
         if self._output is None:
             self._output = self._plan()
         return self._output
@@ -495,8 +492,8 @@ class TopologyRun:
 
         The exact plan (_rows) checks every tuple's key before the aggregation, because a key
         PostgreSQL cannot store fails (or, without the acker, rejects) its record, and asks
-        each tuple's kind and state through comparisons of its stream name: per tuple of a
-        1M-event batch that cost about a third of the topology's CPU. Here a tuple is given
+        each tuple's kind and state through comparisons of its stream name, per tuple, a
+        large share of the topology's CPU. Here a tuple is given
         the number of its output (a count state, rejected, a failure note) once, the rows
         are aggregated by (output, key, root, error), and the keys are checked on the
         aggregate, a few thousand rows. A bad key is rare and its records are not known
@@ -679,7 +676,6 @@ class TopologyRun:
         """Stateful bolts run on the inputs of records complete everywhere else; a record that
         fails in one is dropped as a whole; state changes count for complete records only,
         the last change per key."""
-        from spark_tasks.record_bolts import RECORD_META, record_runner
 
         chain = self.chain
         waiting = per_root.where(~F.col("failed")).select(

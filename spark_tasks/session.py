@@ -3,28 +3,39 @@
 - under spark-submit: the master and resources come from spark-submit; nothing is overridden;
 - as a Spark Connect client: SPARK_REMOTE (e.g. sc://127.0.0.1:15002) is used when set, and
   ``connect_session`` gives a task a session of its own or the one processing tasks share;
-- directly (tests, benchmarks, the CLI): local mode, ``ONCEFLOW_SPARK_MASTER`` or local[2].
+- directly (tests, benchmarks, the CLI): the setting ONCEFLOW_SPARK_MASTER (local[2]).
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib
 import os
+import re
 import shutil
+import socket
 import sys
 import time
+import uuid
 from contextlib import contextmanager
+from urllib.parse import urlparse
 
+from pyspark import cloudpickle
+from pyspark.errors import PySparkException
+from pyspark.errors.exceptions.connect import SparkConnectGrpcException
 from pyspark.sql import SparkSession
+from pyspark.sql.connect.client.retries import DefaultPolicy
 
-from spark_tasks.conf import processing_conf
-from spark_tasks.jvm import jvm_conf
+from onceflow.core import settings
+from onceflow.core.errors import ConfigError, OnceflowError, SparkServerGone
+from onceflow.sources.jvm import jvm_conf
+from onceflow.spark.conf import processing_conf
 
 
 def require_java() -> None:
     """Spark in this process needs a JVM: a clear error instead of Spark's own."""
     if os.environ.get("JAVA_HOME") or shutil.which("java"):
         return
-    from onceflow.core.errors import ConfigError
 
     raise ConfigError("Java is missing: Spark needs a JDK 17 here (Debian: apt-get install "
                       "openjdk-17-jdk-headless), or set SPARK_REMOTE to a Spark Connect server")
@@ -40,16 +51,12 @@ def get_spark(app_name: str = "onceflow", master: str | None = None) -> SparkSes
         spark.client.set_retry_policies([retry_policy(server_retry_s())])  # connect_session's
         return spark
     require_java()
-    master = master or os.environ.get("ONCEFLOW_SPARK_MASTER")
-    if master:
-        builder = builder.master(master)
-    elif not _under_spark_submit():
-        builder = builder.master("local[2]")
+    if master or not _under_spark_submit():
+        builder = builder.master(master or settings.get("spark_master"))
     if not _under_spark_submit():
         # Local mode runs in this JVM: its default 1g is short for long test runs and 1M-row
         # batches with broadcast joins (the acker's failed roots).
-        builder = builder.config("spark.driver.memory",
-                                 os.environ.get("ONCEFLOW_DRIVER_MEMORY", "2g"))
+        builder = builder.config("spark.driver.memory", settings.get("driver_memory"))
         # A long-lived session (tests, benchmarks, the CLI) runs many batches in one JVM. Every
         # broadcast hash join builds its relation in at least one memory page (64 MB with a 2g
         # driver) even for a few failed roots, and the finished batches' broadcasts are freed
@@ -59,7 +66,7 @@ def get_spark(app_name: str = "onceflow", master: str | None = None) -> SparkSes
         builder = (builder.config("spark.buffer.pageSize", "4m")
                    .config("spark.cleaner.periodicGC.interval", "1min")
                    .config("spark.ui.enabled", "false"))
-        for key, value in jvm_conf().items():  # onceflow's JVM reader (spark_tasks.jvm)
+        for key, value in jvm_conf().items():  # onceflow's JVM reader (onceflow.sources.jvm)
             builder = builder.config(key, value)
     for key, value in processing_conf().items():
         builder = builder.config(key, value)
@@ -78,10 +85,6 @@ def ship_code(*refs: object) -> list[str]:
     server): the packages of ``refs`` ("module:attr" strings or objects) that are not
     installed in site-packages are pickled by value with the functions Spark ships. Returns
     the package names shipped."""
-    import importlib
-    import sys
-
-    from pyspark import cloudpickle
 
     shipped = []
     for ref in refs:
@@ -97,7 +100,7 @@ def ship_code(*refs: object) -> list[str]:
             continue
         origin = getattr(package, "__file__", "") or ""
         if not origin or "site-packages" in origin or "dist-packages" in origin \
-                or top in ("onceflow", "spark_tasks", "pyspark"):
+                or top in ("onceflow", "pyspark"):
             continue
         cloudpickle.register_pickle_by_value(package)
         shipped.append(top)
@@ -105,7 +108,7 @@ def ship_code(*refs: object) -> list[str]:
 
 
 # The Spark Connect session every processing task joins (connect_session's ``shared``), and the
-# warm-up of a server onceflow starts (spark_tasks.localspark): one for all pipelines, so that
+# warm-up of a server onceflow starts (onceflow.spark.localspark): one for all pipelines, so that
 # the Python workers a warm-up or an earlier task started are the ones the next task finds.
 SHARED_SESSION_KEY = "onceflow"
 
@@ -117,19 +120,12 @@ SHARED_SESSION_PERIOD_S = 600
 
 def shared_session_id(key: str, now: float | None = None) -> str:
     """The Spark Connect session id the tasks sharing ``key`` use in this period (a UUID)."""
-    import hashlib
-    import uuid
 
     period = int((time.time() if now is None else now) // SHARED_SESSION_PERIOD_S)
     digest = hashlib.sha256(f"onceflow/{key}/{period}".encode()).digest()
     return str(uuid.UUID(bytes=digest[:16], version=4))
 
 
-# How long a Spark Connect client goes on retrying a server that does not answer (seconds,
-# ONCEFLOW_SPARK_CONNECT_RETRY_S). PySpark's default policy retries for at least ten
-# minutes, and a server killed mid-batch left a task waiting that long and more: a task of a
-# server that is gone fails within this bound and Airflow retries it.
-DEFAULT_SERVER_RETRY_S = 30.0
 # The client's backoff: PySpark's own (50 ms, times 4, 500 ms of jitter from 2 s), with a
 # lower ceiling so that a server back within seconds (a restart) is found soon.
 _BACKOFF_MS = {"initial_backoff": 50, "backoff_multiplier": 4.0, "max_backoff": 5000,
@@ -137,19 +133,11 @@ _BACKOFF_MS = {"initial_backoff": 50, "backoff_multiplier": 4.0, "max_backoff": 
 
 
 def server_retry_s() -> float:
-    """ONCEFLOW_SPARK_CONNECT_RETRY_S, else DEFAULT_SERVER_RETRY_S; a ConfigError naming a bad
-    value."""
-    value = os.environ.get("ONCEFLOW_SPARK_CONNECT_RETRY_S", "").strip()
-    try:
-        seconds = float(value) if value else DEFAULT_SERVER_RETRY_S
-    except ValueError:
-        seconds = float("nan")
-    if not seconds >= 0:
-        from onceflow.core.errors import ConfigError
-
-        raise ConfigError(f"ONCEFLOW_SPARK_CONNECT_RETRY_S={value!r} is invalid: give a number "
-                          f"of seconds, 0 or more (default {DEFAULT_SERVER_RETRY_S:.0f})")
-    return seconds
+    """How long a Spark Connect client goes on retrying a server that does not answer: the
+    setting spark_connect_retry_s. PySpark's own policy retries for ten minutes and more, so a
+    task of a server that is gone would wait that long; within this bound it fails and
+    Airflow retries it."""
+    return float(settings.get("spark_connect_retry_s"))
 
 
 def retry_policy(budget_s: float):
@@ -158,7 +146,6 @@ def retry_policy(budget_s: float):
     SparkConnectClient.set_retry_policies), with as many retries as fit in ``budget_s``
     seconds of waiting, jitter included; a server's own retry delay is held to the same
     ceiling."""
-    from pyspark.sql.connect.client.retries import DefaultPolicy
 
     b = _BACKOFF_MS
     retries, waited, wait = 0, 0.0, float(b["initial_backoff"])
@@ -174,9 +161,8 @@ def retry_policy(budget_s: float):
 def _gone(error: BaseException, host: str, port: int) -> bool:
     """Whether ``error`` is the Spark Connect server's going away: a Spark or gRPC error, and
     the server unavailable (gRPC's UNAVAILABLE) or no longer taking connections."""
+    # imported here: grpc comes with Spark Connect: only where Spark is used
     import grpc
-    from pyspark.errors import PySparkException
-    from pyspark.errors.exceptions.connect import SparkConnectGrpcException
 
     spark_error, seen = False, set()
     while error is not None and id(error) not in seen:
@@ -194,7 +180,6 @@ def _gone(error: BaseException, host: str, port: int) -> bool:
 
 def _why(error: BaseException) -> str:
     """One line for a Spark Connect error: gRPC's details when it has them."""
-    import re
 
     text = str(error)
     found = re.search(r'details = "([^"]*)"', text)
@@ -203,8 +188,6 @@ def _why(error: BaseException) -> str:
 
 
 def _answers(host: str, port: int, timeout: float = 3) -> bool:
-    import socket
-
     try:
         socket.create_connection((host, port), timeout=timeout).close()
     except OSError:
@@ -217,8 +200,8 @@ def connect_session(url: str, app_name: str, shared: str | None = None):
     """A Spark Connect session for one task. A session of its own is released at the end (a
     session left open would stay on the server until it times out). ``shared``: the tasks
     with the same key join one session instead, left open for the next: a
-    new session costs a new Python worker on the server (~1.3 s before the first Python
-    bolt or source read), a joined one finds its workers warm. The shared session changes
+    new session costs a new Python worker on the server before the first Python bolt or
+    source read, a joined one finds its workers warm. The shared session changes
     every SHARED_SESSION_PERIOD_S, so the server holds a bounded few per key; when the
     server closed it anyway (a shorter idle timeout), the task takes a session of its own.
 
@@ -227,9 +210,6 @@ def connect_session(url: str, app_name: str, shared: str | None = None):
     SparkServerGone within ``server_retry_s()`` seconds of the client's retries (the
     client's retry policy is set before its first call), not PySpark's ten minutes and more.
     """
-    from urllib.parse import urlparse
-
-    from onceflow.core.errors import OnceflowError, SparkServerGone
 
     where = urlparse(url.replace("sc://", "http://", 1))
     host, port = where.hostname, where.port or 15002
@@ -241,8 +221,6 @@ def connect_session(url: str, app_name: str, shared: str | None = None):
         raise OnceflowError(
             f"the Spark Connect server at {url} does not answer ({socket_error}): start it "
             "(`onceflow spark start` in local mode) or point the Spark connection at yours")
-    from pyspark.errors import PySparkException
-    from pyspark.sql import SparkSession
 
     policy = retry_policy(server_retry_s())
 

@@ -23,7 +23,9 @@ def main() -> None:
     dag_id = sys.argv[3] if len(sys.argv) > 3 else "onceflow_tweets"
     prebuilt = prepare_dag_test()  # as the demo does: Airflow's in-process API built ahead
     dag = load_dag(Path(__file__).resolve().parents[1] / "dags", dag_id)
-    dr = dag.test(logical_date=logical_date, run_conf=conf)
+    # run_after = the logical date: the run's id is the same each time a date is run
+    # (dag.test() replaces that date's run, as a Clear of the whole run would)
+    dr = dag.test(logical_date=logical_date, run_after=logical_date, run_conf=conf)
     tis = dr.get_task_instances()
     tasks = {f"{ti.task_id}[{ti.map_index}]": str(ti.state) for ti in tis}
     tries = {f"{ti.task_id}[{ti.map_index}]": ti.try_number for ti in tis}

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 
 from onceflow import PostgresLog, StateSpec
-from spark_tasks.topology import StatefulBolt
+from onceflow.core.topology import StatefulBolt
 from tweets_example.pipelines import TWEETS, TWEETS_FIRST_SEEN
 
 ONE_PARTITION = PostgresLog(topic="tweets", partitions=1)

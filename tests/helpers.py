@@ -20,6 +20,7 @@ from onceflow.core.pipeline import Pipeline
 from onceflow.core.registration import register
 from onceflow.core.registry import clear_cache, get_pipeline
 from onceflow.core.txlog import Batch
+from onceflow.kvstate import open_state_provider
 from onceflow.sources import catalog
 from onceflow.sources.pglog import PostgresLog
 from tweets_example.data import generate
@@ -219,12 +220,12 @@ def assert_exact(conn, pipeline: Pipeline, payloads: list[str], *, read_all: boo
 def run_transaction(spark, dsn: str, conn, pipeline: Pipeline, run_id: str
                     ) -> tuple[Batch, CommitResult]:
     """begin -> process -> commit, the phase functions called directly."""
-    from spark_tasks.processing import process_batch
+    from onceflow.spark.processing import process_batch
 
     batch = begin(conn, pipeline, run_id)
     for group in range(batch.groups):
         process_batch(spark, dsn, pipeline, batch.attempt, group)
-    return batch, commit(conn, pipeline, batch.attempt)
+    return batch, commit(conn, pipeline, batch.attempt, open_state=open_state_provider)
 
 
 def table(conn, query: str, params=()) -> list[tuple]:

@@ -8,7 +8,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from spark_tasks.acker import ACK, FAIL, INIT, Acker, signed64, verdicts
+from onceflow.spark.acker import ACK, FAIL, INIT, Acker, signed64, verdicts
 
 
 def test_seed_worked_example():

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from helpers import assert_exact, table, tweets_events, tweets_pipeline
+from onceflow.cli import main
 from onceflow.core.begin import begin, mark_failed
-from onceflow.ops.cli import main
 from onceflow.ops.verify import recount as verify
 
 PAYLOADS = tweets_events(700)

@@ -9,14 +9,14 @@ import json
 import pytest
 
 from helpers import run_transaction, table, tweets_pipeline
+from onceflow.cli import main
 from onceflow.core.backflow import queue_sizes, replay_dead_letters
 from onceflow.core.begin import begin, mark_failed
 from onceflow.core.commit import commit
 from onceflow.core.db import transaction
 from onceflow.core.txlog import lock_pipeline
-from onceflow.ops.cli import main
 from onceflow.ops.verify import recount as verify
-from spark_tasks.processing import process_batch
+from onceflow.spark.processing import process_batch
 
 
 def verified(conn, pipeline):

@@ -31,30 +31,47 @@ def _bench(script: str, args: list[str], tmp_path: Path, dsn: str) -> str:
 
 def test_the_peer_comparison_runs_every_system_and_checks_it(tmp_path, dsn, monkeypatch,
                                                             spark_connect_server):
-    # the run's warm Spark Connect server (a user's running server: --spark-connect)
+    # two of the sources (all are run by the small bench command in bench/RESULTS.md): the
+    # JSON lines folder, which every system reads, and a user's table, which Structured
+    # Streaming reads as JSON lines; the run's warm Spark Connect server (a user's running
+    # server: --spark-connect)
     out = _bench("compare.py", ["--events", "20000", "--batches", "2", "--acker-events", "4000",
                                 "--acker-rounds", "1", "--folder", str(tmp_path / "bench"),
-                                "--server-warm-up", "1",
+                                "--server-warm-up", "1", "--sources", "landing-json,table",
                                 "--spark-connect", f"sc://127.0.0.1:{spark_connect_server}"],
                  tmp_path, dsn)
-    rows = {line[:36].strip(): line.split()[-1] for line in out.splitlines()
-            if line.startswith(("raw Spark", "Structured", "onceflow "))}
-    assert set(rows) == {"raw Spark batch", "Structured Streaming",
-                         "Structured Streaming, JSON source",
-                         "onceflow library (local session)", "onceflow library (Spark Connect)",
-                         "onceflow through Airflow, one task",
-                         "onceflow through Airflow, 3 tasks"}, out
-    assert set(rows.values()) == {"OK"}, out
-    # every system's CPU seconds, measured (the column before the check)
-    cpu = {line[:36].strip(): line.split()[-2] for line in out.splitlines()
-           if line.startswith(("raw Spark", "Structured", "onceflow "))}
-    assert all(float(v) > 0 for v in cpu.values()), out
-    # the systems but Airflow's ran twice, interleaved (the faster round counts)
-    assert "round 2 of 2: onceflow library (local session)" in out, out
-    assert "round 2 of 2: onceflow library (Spark Connect)" in out, out
-    # the Spark Connect server ran the workload once before its systems' clocks, checked
+    rows, source = {}, None
+    for line in out.splitlines():
+        if line.startswith("source "):
+            source = line.split()[1].rstrip(":")
+        elif source and line.startswith(("raw Spark", "Structured", "onceflow ")):
+            # name, then wall s ... CPU s, load, check
+            rows[source, line[:36].strip()] = line.split()[-3:]
+    ss = "Structured Streaming"
+    ours = {"onceflow library (Spark Connect)", "onceflow through Airflow, one task"}
+    assert set(rows) == {
+        *(("landing-json", name) for name in {
+            ss, "Structured Streaming, JSON source", "raw Spark batch",
+            "onceflow library (local session)", "onceflow through Airflow, 3 tasks", *ours}),
+        *(("table", name) for name in {ss, "Structured Streaming, JSON source", *ours})}, out
+    assert {check for _, _, check in rows.values()} == {"OK"}, out
+    # every system's CPU seconds, measured
+    assert all(float(cpu) > 0 for cpu, _, _ in rows.values()), out
+    # the table's Structured Streaming is the JSON lines run, said so
+    assert rows["table", ss] == rows["landing-json", ss], out
+    assert ("source table: a PostgreSQL table (the events as rows, an identity key); "
+            "Structured Streaming reads the same events from the JSON lines files") in out, out
+    # Structured Streaming's JVM start, apart, and the ratios with and without it
+    jvm = [line for line in out.splitlines()
+           if line.startswith("Structured Streaming's JVM and session start: ")]
+    assert jvm and float(jvm[-1].split(": ")[1].split("s")[0]) > 0, out
+    assert "vs SS+JVM" in out, out
+    # one timed round per system by default: no untimed round of the same workload before it
+    assert "round 2 of" not in out, out
+    # the Spark Connect server ran the workload once (asked for here) before the table, checked
     assert "Spark Connect server warm-up round 1 of 1: " in out, out
-    assert "warm-up round 1 of 1: " in out.split("round 1 of 2: onceflow library (Spark")[0]
+    assert out.index("warm-up round 1 of 1: ") < out.index("source landing-json: ")
     assert [line.split()[-1] for line in out.splitlines()
             if "server warm-up round" in line] == ["OK"], out
-    assert "load average" in out and "acker (tweets topology" in out
+    assert "load average before" in out and "load average after" in out, out
+    assert "acker (tweets topology" in out, out

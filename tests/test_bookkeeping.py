@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 
 from helpers import run_transaction, table, tweets_pipeline
+from onceflow.cli import main
 from onceflow.core.begin import begin
 from onceflow.core.commit import commit
 from onceflow.core.errors import Fenced
-from onceflow.ops.cli import main
 from onceflow.ops.verify import recount
 
 OFFSETS = """SELECT partition, "offset", txid, instance_id::text, topic FROM partition_offsets

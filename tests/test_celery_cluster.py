@@ -32,7 +32,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import psutil
@@ -42,6 +41,12 @@ from test_cluster import Cluster, free_ports
 from test_outside_pipeline import oracle, payloads
 
 from helpers import OUTSIDE
+from onceflow.dev.localenv import (
+    airflow_healthy,
+    served_airflow_env,
+    spark_connection,
+    sqlalchemy_url,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 REF = "pageviews.landed:PAGE_VIEWS_LANDED"
@@ -61,15 +66,6 @@ dag_id, *run_ids = sys.argv[1:]
 for run_id in run_ids:
     trigger_dag(dag_id, run_id=run_id, conf={}, triggered_by=DagRunTriggeredByType.CLI)
 """
-
-
-def _sqlalchemy(dsn: str) -> str:
-    from psycopg2.extensions import parse_dsn
-
-    p = parse_dsn(dsn)
-    auth = p.get("user", "postgres") + (f":{p['password']}" if p.get("password") else "")
-    return f"postgresql+psycopg2://{auth}@{p.get('host', '127.0.0.1')}:" \
-           f"{p.get('port', 5432)}/{p['dbname']}"
 
 
 def _query(dsn: str, query: str, params=()) -> list[tuple]:
@@ -121,37 +117,22 @@ class Airflow:
                 if not k.startswith(("AIRFLOW", "ONCEFLOW", "SPARK", "PYSPARK", "PAGEVIEWS"))}
         self.env = {
             **keep,
-            "AIRFLOW__CORE__EXECUTOR": "CeleryExecutor",
-            "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": _sqlalchemy(meta),
+            **served_airflow_env(meta_dsn=meta, api_port=self.api_port, dsn=coordinator,
+                                 spark=spark_connection(spark_connect),
+                                 executor="CeleryExecutor"),
             "AIRFLOW__CELERY__BROKER_URL": f"redis://127.0.0.1:{broker_port}/0",
-            "AIRFLOW__CELERY__RESULT_BACKEND": "db+" + _sqlalchemy(meta),
+            "AIRFLOW__CELERY__RESULT_BACKEND": "db+" + sqlalchemy_url(meta),
             "AIRFLOW__CELERY__WORKER_CONCURRENCY": "3",
             # one secret for the tokens the scheduler signs and the API server checks
             "AIRFLOW__API_AUTH__JWT_SECRET": secrets.token_hex(32),
-            "AIRFLOW__API__HOST": "127.0.0.1",
-            "AIRFLOW__API__PORT": str(self.api_port),
-            "AIRFLOW__CORE__EXECUTION_API_SERVER_URL":
-                f"http://127.0.0.1:{self.api_port}/execution/",
-            "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-            "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
-            "AIRFLOW__SCHEDULER__SCHEDULER_HEARTBEAT_SEC": "1",
             # a killed worker's task is failed (and retried) after 20 s without a heartbeat
             "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT": "20",
             "AIRFLOW__SCHEDULER__TASK_INSTANCE_HEARTBEAT_TIMEOUT_DETECTION_INTERVAL": "2",
             "AIRFLOW__WORKERS__MIN_HEARTBEAT_INTERVAL": "2",
-            "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
-            "AIRFLOW__TRIGGERER__JOB_HEARTBEAT_SEC": "1",
-            "AIRFLOW__LOGGING__LOGGING_LEVEL": "INFO",
-            "AIRFLOW_CONN_ONCEFLOW_PG": _airflow_connection(coordinator),
-            "AIRFLOW_CONN_SPARK_DEFAULT": json.dumps({"conn_type": "spark_connect",
-                                                      "host": "127.0.0.1",
-                                                      "port": spark_connect}),
-            "ONCEFLOW_PG_DSN": coordinator,
             "ONCEFLOW_PIPELINES": REF,
             "ONCEFLOW_RETRY_DELAY_SECONDS": "1",
             "PYTHONPATH": str(OUTSIDE),  # the user's package, as each machine installs it
             "PAGEVIEWS_LANDING": str(landing),  # the shared folder, mounted on every machine
-            "PYSPARK_PYTHON": sys.executable,
         }
 
     def home(self, name: str) -> Path:
@@ -213,14 +194,7 @@ class Airflow:
             time.sleep(1)
 
     def healthy(self) -> bool:
-        try:
-            with urllib.request.urlopen(
-                    f"http://127.0.0.1:{self.api_port}/api/v2/monitor/health", timeout=3) as r:
-                health = json.load(r)
-        except (OSError, ValueError):
-            return False
-        return all((health.get(c) or {}).get("status") == "healthy"
-                   for c in ("metadatabase", "scheduler", "triggerer", "dag_processor"))
+        return airflow_healthy(self.api_port)
 
     def trigger(self, run_ids: list[str]) -> None:
         done = subprocess.run([sys.executable, "-P", "-c", TRIGGER, DAG_ID, *run_ids],
@@ -255,12 +229,6 @@ class Airflow:
         _stop(*self.procs.values(), wait_s=5)  # nothing of theirs is kept
 
 
-def _airflow_connection(dsn: str) -> str:
-    from onceflow.dev.localenv import airflow_connection_json
-
-    return airflow_connection_json(dsn)
-
-
 class Deployment:
     def __init__(self, airflow: Airflow, coordinator: str, landing: Path):
         self.airflow, self.coordinator, self.landing = airflow, coordinator, landing
@@ -285,8 +253,8 @@ def deployment(tmp_path_factory, template_db, server_dsn):
     from onceflow.core.db import connection
     from onceflow.core.registration import register
     from onceflow.core.registry import clear_cache, get_pipeline
+    from onceflow.spark import localspark
     from onceflow_testing.plugin import fresh_database
-    from spark_tasks import localspark
 
     folder = tmp_path_factory.mktemp("celery-cluster")
     landing = folder / "shared" / "landing"  # what every machine mounts

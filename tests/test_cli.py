@@ -11,11 +11,11 @@ import sys
 import pytest
 
 from helpers import run_transaction, table
+from onceflow.cli import main
 from onceflow.core.errors import ConfigError
 from onceflow.core.pipeline import StateSpec
 from onceflow.core.registration import register
 from onceflow.core.registry import get_pipeline
-from onceflow.ops.cli import main
 from onceflow.sources.pglog import BadRecord, PostgresLog
 from tweets_example.data import generate
 
@@ -23,7 +23,7 @@ from tweets_example.data import generate
 def cli(*args: str, stdin: str | None = None, env: dict | None = None):
     import os
 
-    return subprocess.run([sys.executable, "-m", "onceflow.ops.cli", *args], input=stdin,
+    return subprocess.run([sys.executable, "-m", "onceflow.cli", *args], input=stdin,
                           capture_output=True, text=True, env={**os.environ, **(env or {})})
 
 

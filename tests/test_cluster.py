@@ -191,7 +191,7 @@ def test_a_pipeline_through_its_dag_on_a_standalone_cluster(cluster, pageviews, 
     # verify re-runs the committed batch with a session on the cluster too
     before = len(cluster.apps())
     verified = subprocess.run(
-        [sys.executable, "-m", "onceflow.ops.cli", "verify", "--pipeline", "page_views"],
+        [sys.executable, "-m", "onceflow.cli", "verify", "--pipeline", "page_views"],
         env={**os.environ, "ONCEFLOW_SPARK_MASTER": cluster.url, "ONCEFLOW_DRIVER_MEMORY": "1g"},
         capture_output=True, text=True, timeout=300)
     assert verified.returncode == 0, verified.stdout + verified.stderr
@@ -206,7 +206,7 @@ def test_a_spark_connect_server_on_the_cluster(cluster, pageviews, conn, dsn, ai
     process task is its client, the user's code shipped by value to the cluster's executors."""
     from onceflow.airflow import transaction_dag
     from onceflow.dev.localenv import spark_connection as connect_connection
-    from spark_tasks import localspark
+    from onceflow.spark import localspark
 
     port, = free_ports(1)
     folder = tmp_path / "connect"

@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import io
+from pathlib import Path
+
 import pytest
 
 from helpers import assert_exact, run_transaction, table, tweets_events, tweets_pipeline
+from onceflow.core import state_tables
 from onceflow.core.begin import begin
 from onceflow.core.commit import MissingStaging, commit
 from onceflow.core.errors import Fenced
+from onceflow.core.staging import stage_group
 from onceflow.core.txlog import TransactionAttempt
 from onceflow.ops.verify import recount as verify
-from spark_tasks.processing import process_batch
+from onceflow.spark.processing import process_batch
 
-COMMIT_STEPS = ["locked", "state:url_counts", "state:domain_counts", "rejects", "backflow",
-                "offsets", "staging", "commit_record"]
+COMMIT_STEPS = ["locked", "state:url_counts", "state:domain_counts", "contributions",
+                "rejects", "backflow", "offsets", "commit_record"]
 
 
 class Crash(RuntimeError):
@@ -146,3 +151,123 @@ def test_verify_notices_a_wrong_count(spark, conn, dsn):
     report = verify(conn, pipeline)
     assert not report.ok
     assert "domain_counts" in report.mismatches[0] and "FAILED" in report.line()
+
+
+def stage(conn, pipeline, attempt, group, rows, records=0):
+    """Stage ``rows`` (state, key, delta) for one group, as processing would."""
+    stage_group(conn, pipeline.name, attempt, group,
+                deltas_csv=io.StringIO("".join(f"{s},{k},{d}\n" for s, k, d in rows)),
+                rejects_csv=io.StringIO(), records=records)
+
+
+def figure(conn, rows):
+    """(keys, total, digest) per sink of a batch's rows, summed here from the rows."""
+    with conn.cursor() as cur:
+        weight = state_tables.key_weights(cur, sorted({k for _, k, _ in rows}))
+    conn.commit()
+    per: dict[str, dict[str, int]] = {}
+    for sink, key, delta in rows:
+        per.setdefault(sink, {})[key] = per.get(sink, {}).get(key, 0) + delta
+    return {sink: (len(d), sum(d.values()), sum(weight[k] * v for k, v in d.items()))
+            for sink, d in per.items()}
+
+
+def recorded(conn, txid):
+    return {sink: (keys, int(total), int(digest)) for sink, keys, total, digest in table(
+        conn, "SELECT state_name, keys, total, digest FROM batch_contributions "
+              "WHERE txid = %s", (txid,))}
+
+
+def test_the_contributions_record_adds_up_what_each_group_staged(conn):
+    """Each group sums its contribution when it stages; the commit adds the groups' figures
+    up. A key both groups staged counts once; a re-staged group and a retried attempt
+    replace their own figures; the record equals the sums over the committed batch's rows,
+    and the state tables add up to it."""
+    pipeline = tweets_pipeline(conn, events=300, groups=2)
+    first = begin(conn, pipeline, "run-1")
+    stage(conn, pipeline, first.attempt, 0, [("url_counts", "u/a", 9)])
+    retry = begin(conn, pipeline, "run-1")  # attempt 2: attempt 1's figure counts nowhere
+    assert retry.attempt == TransactionAttempt(1, 2)
+    g0 = [("url_counts", "u/a", 2), ("url_counts", "u/b", 1), ("domain_counts", "a", 3)]
+    g1 = [("url_counts", "u/a", 5), ("url_counts", "u/c", -1), ("domain_counts", "a", 1),
+          ("domain_counts", "b", 4)]
+    stage(conn, pipeline, retry.attempt, 0, g0)
+    stage(conn, pipeline, retry.attempt, 1, [("url_counts", "u/z", 100)])
+    stage(conn, pipeline, retry.attempt, 1, g1)  # a re-run of group 1: replaces its figure
+    assert table(conn, "SELECT grp, state_name, keys FROM staged_contributions "
+                       "WHERE txid = 1 AND attempt = 2 ORDER BY 1, 2") == [
+        (0, "domain_counts", 1), (0, "url_counts", 2), (1, "domain_counts", 2),
+        (1, "url_counts", 2)]
+    assert commit(conn, pipeline, retry.attempt).status == "committed"
+    want = figure(conn, g0 + g1)
+    assert want["url_counts"][:2] == (3, 7) and want["domain_counts"][:2] == (2, 8)
+    assert recorded(conn, 1) == want
+    with conn.cursor() as cur:  # txid 1 is the first: each table holds exactly its record
+        for spec in pipeline.states:
+            assert state_tables.totals(cur, spec) == want[spec.source_name]
+    conn.commit()
+    assert table(conn, "SELECT count(*) FROM staged_contributions") == [(0,)]
+
+    # one group: its own figure is the record
+    second = begin(conn, pipeline, "run-2")
+    rows = [("url_counts", "u/a", 1), ("url_counts", "u/d", 2)]
+    stage(conn, pipeline, second.attempt, 0, rows)
+    stage(conn, pipeline, second.attempt, 1, [])
+    assert commit(conn, pipeline, second.attempt).status == "committed"
+    assert recorded(conn, 2) == figure(conn, rows)
+
+
+def test_groups_staged_before_the_migration_get_their_figures_from_their_rows(conn):
+    """Migration 019 sums the figures of groups staged by an older onceflow (staging with
+    no staged_contributions rows); the commit then records what they add."""
+    pipeline = tweets_pipeline(conn, events=300)
+    batch = begin(conn, pipeline, "run-1")
+    rows = [("url_counts", "u/a", 2), ("url_counts", "u/b", 3), ("domain_counts", "a", 5)]
+    stage(conn, pipeline, batch.attempt, 0, rows)
+    migration = Path(__file__).resolve().parents[1] / "sql" / "019_group_contributions.sql"
+    with conn.cursor() as cur:
+        cur.execute("DELETE FROM staged_contributions")  # as an older onceflow staged it
+        cur.execute(migration.read_text())
+    conn.commit()
+    assert commit(conn, pipeline, batch.attempt).status == "committed"
+    assert recorded(conn, 1) == figure(conn, rows)
+
+
+def staged_txids(conn) -> list[tuple]:
+    """(txid, staged rows, markers, figures) of each txid with some staging left."""
+    return table(conn, """SELECT txid, sum(d)::int, sum(g)::int, sum(c)::int FROM (
+                              SELECT txid, count(*) AS d, 0 AS g, 0 AS c FROM staged_deltas
+                              GROUP BY 1
+                              UNION ALL SELECT txid, 0, count(*), 0 FROM staged_groups
+                              GROUP BY 1
+                              UNION ALL SELECT txid, 0, 0, count(*) FROM staged_contributions
+                              GROUP BY 1) s GROUP BY 1 ORDER BY 1""")
+
+
+def test_a_crash_after_the_commit_leaves_its_staging_to_the_next_commit(conn):
+    """The staging is deleted after the commit's COMMIT, out of the serial section. A crash
+    in between leaves the txid committed and its staging behind, read by nothing: a retry of
+    the commit deletes it, and so does the next txid's commit."""
+    pipeline = tweets_pipeline(conn, events=300)
+    rows = [("url_counts", "u/a", 2), ("domain_counts", "a", 2)]
+    first = begin(conn, pipeline, "run-1")
+    stage(conn, pipeline, first.attempt, 0, rows)
+    with pytest.raises(Crash):
+        commit(conn, pipeline, first.attempt, on_step=crash_at("committed"))
+    assert table(conn, "SELECT last_committed_txid FROM pipelines") == [(1,)]
+    assert table(conn, "SELECT key, value FROM url_counts") == [("u/a", 2)]
+    assert staged_txids(conn) == [(1, 2, 1, 2)]  # rows, marker, figures: left behind
+    assert commit(conn, pipeline, first.attempt).status == "already_committed"
+    assert staged_txids(conn) == []
+
+    second = begin(conn, pipeline, "run-2")
+    stage(conn, pipeline, second.attempt, 0, rows)
+    with pytest.raises(Crash):
+        commit(conn, pipeline, second.attempt, on_step=crash_at("committed"))
+    third = begin(conn, pipeline, "run-3")
+    stage(conn, pipeline, third.attempt, 0, rows)
+    assert [t for t, *_ in staged_txids(conn)] == [2, 3]
+    assert commit(conn, pipeline, third.attempt).status == "committed"
+    assert staged_txids(conn) == []
+    assert table(conn, "SELECT key, value FROM url_counts") == [("u/a", 6)]
+    assert recorded(conn, 2) == recorded(conn, 3) == figure(conn, rows)

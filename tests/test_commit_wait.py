@@ -14,7 +14,7 @@ from onceflow.airflow.operators import CommitBatchOperator
 from onceflow.airflow.triggers import CommitTurnTrigger
 from onceflow.core.begin import begin
 from onceflow.core.commit import commit
-from spark_tasks.processing import process_batch
+from onceflow.spark.processing import process_batch
 
 
 @pytest.fixture(autouse=True)

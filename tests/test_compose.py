@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from spark_tasks.localspark import SERVER_CLASS
+from onceflow.spark.localspark import SERVER_CLASS
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKERS = ("airflow-worker-1", "airflow-worker-2")  # Celery workers
@@ -95,7 +95,7 @@ def test_spark_runs_the_cluster_and_the_warm_server_on_it(compose):
     assert SERVER_CLASS in connect and "--master spark://spark-master:7077" in connect
     assert "spark.connect.grpc.binding.port=15002" in connect
     # the server's driver JVM has the options of the local server onceflow starts
-    from spark_tasks.localspark import SERVER_JAVA_OPTIONS
+    from onceflow.spark.localspark import SERVER_JAVA_OPTIONS
 
     assert f"'spark.driver.extraJavaOptions={SERVER_JAVA_OPTIONS}' " in connect
 

@@ -21,7 +21,7 @@ from helpers import OUTSIDE, produce, run_transaction, table
 from onceflow import Count, Last, Max, Min, Pipeline, PostgresLog, StateSpec, Sum
 from onceflow.core.errors import ConfigError, DeclarationError, Permanent, StateOverflow
 from onceflow.core.registration import register
-from spark_tasks.topology import SPOUT, Topology
+from onceflow.core.topology import SPOUT, Topology
 
 
 @pytest.fixture
@@ -124,7 +124,7 @@ def test_the_type_conflict_of_a_users_package_is_found_before_any_data(amounts):
 
 
 def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "onceflow.ops.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "onceflow.cli", *args], capture_output=True,
                           text=True, env={**os.environ, **(env or {})}, timeout=600)
 
 
@@ -258,7 +258,7 @@ def test_a_sum_keeps_its_declared_numeric_6_2_end_to_end(amounts, spark, dsn, co
     from onceflow.core.commit import commit
     from onceflow.core.connections import DEFAULT_CONN_ID
     from onceflow.ops.status import pipeline_status, render
-    from spark_tasks.processing import process_batch
+    from onceflow.spark.processing import process_batch
 
     register(conn, SMALL_SUM, create_source=True)
     assert table(conn, """SELECT format_type(atttypid, atttypmod) FROM pg_attribute

@@ -79,7 +79,7 @@ def test_a_postgres_crash_between_staging_and_commit_loses_nothing(spark, crasha
     """The outside fault run's finding: PostgreSQL crashed after staging (its unlogged
     tables emptied) and the retry committed an empty batch. Now the commit finds its staging
     is not whole, fails the attempt, and the batch is processed again."""
-    from spark_tasks.processing import process_batch
+    from onceflow.spark.processing import process_batch
 
     dsn, crash = crashable
     monkeypatch.setenv("ONCEFLOW_PG_DSN", dsn)
@@ -105,7 +105,7 @@ def test_a_postgres_crash_between_staging_and_commit_loses_nothing(spark, crasha
 
 def test_a_postgres_crash_under_a_commit_transaction_loses_nothing(spark, crashable,
                                                                   monkeypatch):
-    from spark_tasks.processing import process_batch
+    from onceflow.spark.processing import process_batch
 
     dsn, crash = crashable
     monkeypatch.setenv("ONCEFLOW_PG_DSN", dsn)
@@ -133,10 +133,10 @@ def test_a_postgres_crash_under_a_commit_transaction_loses_nothing(spark, crasha
 
 def test_kills_inside_and_after_the_commit_apply_once(spark, dsn, conn):
     """SIGKILL of the committing process inside its transaction leaves nothing; after its
-    COMMIT, the retry is a logged no-op."""
-    from spark_tasks.processing import process_batch
+    COMMIT, the retry is a logged no-op (deleting the staging if the kill came first)."""
+    from onceflow.spark.processing import process_batch
 
-    pipeline, payloads, conn = setup(dsn, 300, batch_size=300)
+    pipeline, payloads, conn = setup(dsn, 600, batch_size=300)
     batch = begin(conn, pipeline, "run-1")
     process_batch(spark, dsn, pipeline, batch.attempt)
     env = {**os.environ, "ONCEFLOW_PG_DSN": dsn}
@@ -149,6 +149,16 @@ def test_kills_inside_and_after_the_commit_apply_once(spark, dsn, conn):
     assert after.killed and after.where == "after commit", after.describe()
     assert "COMMIT committed" in after.stdout
     assert commit(conn, pipeline, batch.attempt).status == "already_committed"
+    # killed after the COMMIT, before its staging is deleted: the retry deletes it
+    second = begin(conn, pipeline, "run-2")
+    process_batch(spark, dsn, pipeline, second.attempt)
+    agent[agent.index("--txid") + 1] = "2"
+    killed = run_and_kill([*agent, "--pause-at", "committed"], env)
+    assert killed.killed and killed.where == "commit:committed", killed.describe()
+    assert table(conn, "SELECT last_committed_txid FROM pipelines") == [(2,)]
+    assert table(conn, "SELECT txid FROM staged_groups") == [(2,)]
+    assert commit(conn, pipeline, second.attempt).status == "already_committed"
+    assert table(conn, "SELECT count(*) FROM staged_groups") == [(0,)]
     FaultRun(pipeline, dsn, spark, SEED).drain()
     exact(conn, pipeline, payloads)
 

@@ -24,6 +24,7 @@ from onceflow.core.begin import begin, mark_failed
 from onceflow.core.commit import commit
 from onceflow.core.registration import register
 from onceflow.core.registry import clear_cache, get_pipeline
+from onceflow.kvstate import open_state_provider
 from onceflow_testing.faults import Agent, run_and_kill
 
 SEED = int(os.environ.get("ONCEFLOW_FAULT_SEED", "20261123"))
@@ -91,7 +92,7 @@ def test_kills_inside_a_state_commit_in_another_database_end_exact(
     value and prev_value, in both databases, equals the opaque reference
     (onceflow.core.opaque) fed with what each attempt read."""
     from onceflow.dev.localenv import airflow_connection_json
-    from spark_tasks.processing import process_batch
+    from onceflow.spark.processing import process_batch
 
     monkeypatch.setenv("AIRFLOW_CONN_STATE2", airflow_connection_json(second_dsn))
     env = {**fault_pipelines, "AIRFLOW_CONN_STATE2": airflow_connection_json(second_dsn)}
@@ -181,7 +182,7 @@ def test_kills_inside_a_key_value_commit_end_exact(spark, dsn, conn, fault_pipel
     from pyspark.cloudpickle import register_pickle_by_value
     from redis_server import RedisServer, answers
 
-    from spark_tasks.processing import process_batch
+    from onceflow.spark.processing import process_batch
 
     register_pickle_by_value(module)  # its bolt runs in Spark's Python workers
     server = RedisServer(tmp_path / "redis", persistent=True).start()
@@ -216,7 +217,8 @@ def test_kills_inside_a_key_value_commit_end_exact(spark, dsn, conn, fault_pipel
         first = begin(conn, pipeline, "run-1")
         assert one_range(first) == (0, 300)
         process_batch(spark, dsn, pipeline, first.attempt)
-        assert commit(conn, pipeline, first.attempt, coordinator_dsn=dsn).status == "committed"
+        assert commit(conn, pipeline, first.attempt, coordinator_dsn=dsn,
+                      open_state=open_state_provider).status == "committed"
         committed(first, 0, 300)
         check()
 
@@ -246,7 +248,8 @@ def test_kills_inside_a_key_value_commit_end_exact(spark, dsn, conn, fault_pipel
         replay = begin(conn, smaller, "run-3")
         assert replay.attempt.txid == 2 and one_range(replay) == (300, 420)
         process_batch(spark, dsn, smaller, replay.attempt)  # reads the values before txid 2
-        assert commit(conn, smaller, replay.attempt, coordinator_dsn=dsn).status == "committed"
+        assert commit(conn, smaller, replay.attempt, coordinator_dsn=dsn,
+                      open_state=open_state_provider).status == "committed"
         committed(replay, 300, 420)
         check()
 
@@ -255,7 +258,8 @@ def test_kills_inside_a_key_value_commit_end_exact(spark, dsn, conn, fault_pipel
         assert one_range(last) == (420, 900)
         process_batch(spark, dsn, bigger, last.attempt)
         killed_at(fault_pipelines, name, settings(1000), last, "kv_state")
-        assert commit(conn, bigger, last.attempt, coordinator_dsn=dsn).status == "committed"
+        assert commit(conn, bigger, last.attempt, coordinator_dsn=dsn,
+                      open_state=open_state_provider).status == "committed"
         committed(last, 420, 900)
         check()
         everything = deltas(payloads, 0, 900, "url")

@@ -184,3 +184,13 @@ def test_a_json_schema_needs_json_lines(tmp_path):
     source.validate()
     assert source.read_ddl == ("partition int, offset long, `s` string, `n` bigint, "
                                "_corrupt_record string, _problem string")
+
+
+def test_invalid_utf8_in_a_skipped_field_makes_the_line_corrupt():
+    # msgspec does not look inside a field the schema skips; Spark's reader refuses the line
+    line = b'{"s": "a", "x": {"y": "\xff"}}'
+    assert reference_decode(JsonRecords("s string"), line) is None
+    columns, problems = JsonRecords("s string").decode([line, b'{"s": "b"}'])
+    assert columns["s"].to_pylist() == [None, "b"]
+    assert columns[CORRUPT].to_pylist() == [line.decode("utf-8", "replace"), None]
+    assert problems.to_pylist() == [None, None]

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
+from onceflow.cli import main
 from onceflow.core.planner import PartitionRange
-from onceflow.ops.cli import main
-from spark_tasks import jvm
+from onceflow.sources import jvm
 
 ROOT = Path(__file__).resolve().parents[1]
 JAR = jvm.JAR  # the packaged jar (tests put others in its place)
@@ -29,7 +29,7 @@ JAR = jvm.JAR  # the packaged jar (tests put others in its place)
 
 @pytest.fixture
 def packaged(monkeypatch, tmp_path):
-    """Make spark_tasks.jvm see ``jar`` (a path) as the packaged jar, and ``sources`` (a
+    """Make onceflow.sources.jvm see ``jar`` (a path) as the packaged jar, and ``sources`` (a
     folder, or None) beside it; its per-process memory of the jar and its warnings reset."""
     def use(jar: Path, sources: Path | None = None) -> None:
         monkeypatch.setattr(jvm, "JAR", jar)
@@ -68,7 +68,7 @@ def test_the_packaged_jar_records_its_spark_and_matches_its_sources():
 def test_a_session_gets_the_jar_without_javac_and_nothing_is_compiled(tmp_path):
     """With no javac anywhere (a JRE-only machine), the conf still brings the jar, and no
     cache of compiled jars is written."""
-    code = ("import json; from spark_tasks.jvm import jvm_conf; "
+    code = ("import json; from onceflow.sources.jvm import jvm_conf; "
             "print(json.dumps(jvm_conf()))")
     env = {k: v for k, v in os.environ.items() if k not in ("JAVA_HOME", "ONCEFLOW_JVM_READER")}
     env.update(PATH=str(tmp_path / "empty"), XDG_CACHE_HOME=str(tmp_path / "cache"),
@@ -89,11 +89,11 @@ def test_a_jar_of_another_spark_minor_is_not_used_and_says_why(spark, conn, dsn,
     from onceflow.sources.landing import LandingFolder
 
     packaged(rebuilt(tmp_path, **{"Onceflow-Spark-Version": "4.1.3"}))
-    with caplog.at_level(logging.WARNING, logger="spark_tasks.jvm"):
+    with caplog.at_level(logging.WARNING, logger="onceflow.sources.jvm"):
         assert jvm.jvm_conf({"spark.ui.enabled": "false"}) == {"spark.ui.enabled": "false"}
         assert not jvm.jvm_reader(spark)
         assert not jvm.jvm_reader(spark)
-    warnings = [r.getMessage() for r in caplog.records if r.name == "spark_tasks.jvm"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "onceflow.sources.jvm"]
     assert len(warnings) == 1, warnings
     assert f"built for Spark 4.1.3 and this Spark is {spark.version}" in warnings[0]
     assert "JSON lines are read by Python workers instead" in warnings[0]

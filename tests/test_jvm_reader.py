@@ -1,4 +1,4 @@
-"""onceflow's JVM reader (spark_tasks/jvm, ``onceflow.spark.JsonLinesSource``) reads a landing
+"""onceflow's JVM reader (onceflow/sources/jvm.py, ``onceflow.spark.JsonLinesSource``) reads a
 folder's JSON lines into exactly the rows the Python reader gives: the same cut into lines,
 the same offsets, the same decoding rules (the json_records tests' cases and generated lines,
 mangled), the same refusals, the same replacement of bytes that are not UTF-8."""
@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 from test_json_records import ALL, CASES, lines
 
 from onceflow.core.planner import PartitionRange
+from onceflow.sources.jvm import jvm_conf, jvm_reader
 from onceflow.sources.landing import LandingFolder
-from spark_tasks.jvm import jvm_conf, jvm_reader
 
 # Lines the cut and the UTF-8 replacement must agree on (each followed by LF unless it ends
 # the file): CRs before and inside line ends, empty lines, broken and surrogate UTF-8.
@@ -180,16 +180,22 @@ def test_an_operators_own_jars_are_kept_beside_the_readers(monkeypatch):
 
 def test_an_on_off_setting_with_a_typo_is_refused_not_ignored(monkeypatch):
     from onceflow.core.errors import ConfigError
-    from spark_tasks.conf import processing_conf
 
     monkeypatch.setenv("ONCEFLOW_JVM_READER", "of")
     with pytest.raises(ConfigError, match="ONCEFLOW_JVM_READER='of' is not an on/off value"):
         jvm_conf()
-    monkeypatch.setenv("ONCEFLOW_DATAFRAME_DEBUGGING", "ture")
-    with pytest.raises(ConfigError, match="ONCEFLOW_DATAFRAME_DEBUGGING='ture'.*unset it"):
-        processing_conf()
-    monkeypatch.setenv("ONCEFLOW_DATAFRAME_DEBUGGING", "ON")
-    assert processing_conf()["spark.python.sql.dataFrameDebugging.enabled"] == "true"
+
+
+def test_a_processing_session_runs_without_dataframe_debugging(monkeypatch):
+    """Static settings go to a Spark onceflow starts, never to a session of a running Connect
+    server (which refuses to change them)."""
+    from onceflow.spark.conf import processing_conf
+
+    monkeypatch.setenv("ONCEFLOW_SHUFFLE_PARTITIONS", "6")
+    conf = processing_conf()
+    assert conf["spark.python.sql.dataFrameDebugging.enabled"] == "false"
+    assert conf["spark.sql.adaptive.enabled"] == "false"
+    assert conf["spark.sql.shuffle.partitions"] == "6"
     assert "spark.python.sql.dataFrameDebugging.enabled" not in processing_conf(static=False)
 
 
@@ -197,8 +203,8 @@ READ_UNDER_SPARK_SUBMIT = """
 import json, sys
 from onceflow.core.planner import PartitionRange
 from onceflow.sources.landing import LandingFolder
-from spark_tasks.jvm import jvm_reader
-from spark_tasks.session import get_spark
+from onceflow.sources.jvm import jvm_reader
+from onceflow.spark.session import get_spark
 
 spark = get_spark("jvm-reader-submit")
 source = LandingFolder(topic="submitted", path=sys.argv[2], settle_s=0.0,

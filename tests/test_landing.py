@@ -333,8 +333,8 @@ def test_a_rewritten_file_stops_nothing_but_itself_and_repair_moves_on(
     changed and exits 1 without a choice; --accept-changed reads the file as it is now,
     --skip-changed skips its unread rest (a recorded gap). The committed counts then match
     the files' lines, counted here."""
+    from onceflow.cli import main
     from onceflow.core.registry import clear_cache, get_pipeline
-    from onceflow.ops.cli import main
 
     folder = tmp_path / "rewritten"
     folder.mkdir()
@@ -396,7 +396,7 @@ def test_a_batch_over_bytes_edited_in_place_fails_and_repair_skips_them(spark, c
     from onceflow.core.begin import mark_failed
     from onceflow.ops.repair import repair
     from onceflow.ops.status import pipeline_status, render
-    from spark_tasks.processing import process_batch
+    from onceflow.spark.processing import process_batch
 
     pipeline, folder = landed  # a to partition 0, b to 1; batches of 500
     a = land(folder, "a.jsonl", clean(300, seed=10), age_s=20)
@@ -443,7 +443,7 @@ def test_a_batch_over_bytes_edited_in_place_fails_and_repair_skips_them(spark, c
 
 
 def test_a_removed_file_fails_the_batch_that_reads_it(spark, conn, dsn, landed):
-    from spark_tasks.processing import process_batch
+    from onceflow.spark.processing import process_batch
 
     pipeline, folder = landed
     path = land(folder, "a.jsonl", list(generate(100, seed=4)))
@@ -746,19 +746,16 @@ def test_json_schema_records_are_decoded_where_they_are_read(spark, conn, dsn, t
     lines, failed records replay decoded from the backflow, and the result equals the
     pure-Python recount; verify re-runs it equal. (On these tweets the decoder's rules and
     Spark's from_json, which the recount states, agree.)"""
-    from tweets_example.topology import SCHEMA
+    import typed_tweets
 
     folder = tmp_path / "typed"
     folder.mkdir()
     source = LandingFolder(topic="typed_tweets", path=str(folder), partitions=2,
-                           chunk_bytes=8192, json_schema=SCHEMA, max_record_bytes=4096)
-    pipeline = get_pipeline("tweets", source=source, batch_size=700,
-                            topology="tweets_example.topology:topology_typed")
+                           chunk_bytes=8192, json_schema=typed_tweets.SCHEMA,
+                           max_record_bytes=typed_tweets.MAX_RECORD_BYTES)
+    pipeline = typed_tweets.pipeline("tweets", source)
     register(conn, pipeline, create_source=True)
-    payloads = list(generate(1000, seed=11, malformed_share=0.05, poison_share=0.01,
-                             flaky_share=0.03))
-    payloads[10] = json.dumps({"url": "https://big.example/" + "x" * 5000})
-    payloads[30] = json.dumps({"url": "https://typed.example/1", "flaky": "one"})
+    payloads = typed_tweets.payloads()
     land(folder, "a.jsonl", payloads[:600], age_s=20)
     land(folder, "b.jsonl", payloads[600:], age_s=10)
     for n in range(4):  # flaky records fail once or twice, then count
@@ -773,3 +770,70 @@ def test_json_schema_records_are_decoded_where_they_are_read(spark, conn, dsn, t
     replayed = table(conn, "SELECT sum(replayed) FROM transactions WHERE state = 'committed'")
     assert replayed[0][0] > 0  # flaky records came back from the backflow, decoded
     assert rerun(conn, dsn, pipeline, spark).ok
+
+
+
+def test_a_typed_parquet_source_reads_exactly_the_planned_rows_as_columns(spark, conn, dsn,
+                                                                          tmp_path):
+    """A typed Parquet landing folder (records carry the declared columns): ranges cut
+    within row groups and across files give exactly their rows at the offsets the payload
+    read gives, the same values, a column the file has but the schema lacks left out; a NaN
+    (no JSON form) is the spout's problem; a replay decodes the payload into the same
+    columns."""
+    import math
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from onceflow.core.planner import PartitionRange
+    from onceflow.spark.records import replayed_records
+
+    folder = tmp_path / "pq_typed"
+    folder.mkdir()
+    typed = LandingFolder(topic="pq_typed", path=str(folder), format="parquet", typed=True,
+                          schema="n long, name string, ok boolean, x double", settle_s=0.0)
+    plain = dataclasses.replace(typed, typed=False)
+    typed.ensure(conn, create=True)
+    with pytest.raises(ConfigError, match=r"source.typed=True needs format='parquet' and a "):
+        dataclasses.replace(typed, format="csv").validate()
+    with pytest.raises(ConfigError, match=r"source.schema='d date' cannot be typed: column "
+                                          r"'d' is date"):
+        dataclasses.replace(typed, schema="d date").validate()
+
+    def name(k):
+        return None if k % 7 == 0 else f"r\u00e9{k}"
+
+    for i, (start, count) in enumerate([(0, 2500), (10_000, 700)]):
+        ns = range(start, start + count)
+        path = folder / f"{i}.parquet"
+        pq.write_table(pa.table({
+            "n": list(ns), "name": [name(k) for k in ns], "ok": [k % 3 == 0 for k in ns],
+            "x": [math.nan if k == 1000 else k / 2 for k in ns], "extra": ["x"] * count}),
+            path, row_group_size=1000)
+        os.utime(path, (time.time() - 10 + i, time.time() - 10 + i))
+    with conn, conn.cursor() as cur:
+        assert typed.positions(cur)[0].head == 3200
+        assert typed.may_refuse(cur, [PartitionRange(0, 0, 3200)])  # a double column
+    assert not dataclasses.replace(typed, schema="n long, name string").may_refuse(None, [])
+    assert typed.read_ddl == ("partition int, offset long, `n` bigint, `name` string, `ok` "
+                              "boolean, `x` double, _corrupt_record string, _problem string")
+    # within row group 0, across groups 1-2 into the second file, and a single row there
+    ranges = [PartitionRange(0, 5, 17), PartitionRange(0, 999, 2501),
+              PartitionRange(0, 3199, 3200)]
+    rows = sorted(tuple(r) for r in typed.read(spark, dsn, ranges).collect())
+    wanted = [*range(5, 17), *range(999, 2501), 3199]
+    assert [r[1] for r in rows] == wanted
+    for part, offset, n, text, ok, x, corrupt, problem in rows:
+        k = offset if offset < 2500 else 10_000 + offset - 2500
+        assert (part, n, text, ok, corrupt) == (0, k, name(k), k % 3 == 0, None)
+        if k == 1000:
+            assert math.isnan(x) and problem.startswith("column x holds NaN or an infinity")
+        else:
+            assert (x, problem) == (k / 2, None)
+    payloads = sorted(plain.read(spark, dsn, ranges).collect())
+    assert [(p.partition, p.offset) for p in payloads] == [r[:2] for r in rows]
+    assert [json.loads(p.payload)["n"] for p in payloads] == [r[2] for r in rows]
+    back = [(0, o, p, 1) for _, o, p in typed.payloads(conn, [PartitionRange(0, 1001, 1004)])]
+    conn.rollback()
+    assert sorted(tuple(r)[:8] for r in replayed_records(spark, typed, back).collect()) == [
+        r for r in rows if 1001 <= r[1] < 1004]

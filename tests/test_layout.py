@@ -1,22 +1,32 @@
-"""The code's shape, checked: no import cycles, the library knows nothing of the demo, every
-package folder ships but the checkout's own, begin and commit stay free of pyspark, the jar is
-built against the locked pyspark. (The wheel itself, installed: tests/test_wheel.py.)"""
+"""The code's shape, checked: the layers and no import cycles (import-linter), the library
+knows nothing of the demo, every package folder ships but the checkout's own, begin and commit
+stay free of pyspark, the jar is built against the locked pyspark, the dependencies' ranges run
+from the oldest lock to the newest. (The wheel itself, installed: tests/test_wheel.py.)"""
 
 from __future__ import annotations
 
 import ast
+import os
+import shutil
 import subprocess
 import sys
 import tomllib
 from pathlib import Path
+
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parents[1]
 LIBRARY = [ROOT / "plugins" / "onceflow", ROOT / "spark_tasks"]
 
 
 def _module_name(path: Path) -> str:
-    rel = path.relative_to(ROOT / "plugins") if "plugins" in path.parts else path.relative_to(ROOT)
-    parts = list(rel.with_suffix("").parts)
+    """The import name of a library file: plugins/onceflow/ is onceflow, spark_tasks/ is
+    onceflow.spark (pyproject.toml's package-dir)."""
+    if "plugins" in path.parts:
+        parts = list(path.relative_to(ROOT / "plugins").with_suffix("").parts)
+    else:
+        parts = ["onceflow", "spark", *path.relative_to(ROOT / "spark_tasks").with_suffix("").parts]
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
@@ -38,39 +48,21 @@ def _imports(path: Path, package: str) -> set[str]:
     return found
 
 
-def test_no_import_cycles():
-    modules = {}
-    for folder in LIBRARY:
-        for path in folder.rglob("*.py"):
-            name = _module_name(path)
-            package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-            modules[name] = _imports(path, package)
-    graph = {m: {i for i in imports if i in modules and i != m} for m, imports in
-             modules.items()}
-    # a package's __init__ runs when a submodule is imported: parent -> child edges count
-    for m in modules:
-        parent = m.rpartition(".")[0]
-        if parent in graph:
-            graph[m].add(parent)
-    state: dict[str, int] = {}
-    cycles = []
-
-    def visit(node: str, stack: list[str]) -> None:
-        state[node] = 1
-        for nxt in sorted(graph[node]):
-            if state.get(nxt) == 1:
-                cycles.append(stack[stack.index(nxt):] + [nxt])
-            elif nxt not in state:
-                visit(nxt, [*stack, nxt])
-        state[node] = 2
-
-    for node in sorted(graph):
-        if node not in state:
-            visit(node, [node])
-    # package -> its own submodule -> package is how __init__ re-exports work: not a cycle
-    real = [c for c in cycles if not all(a.startswith(c[0] + ".") or c[0].startswith(a)
-                                         for a in c)]
-    assert not real, f"import cycles: {real}"
+def test_the_layers_hold(tmp_path):
+    """pyproject.toml's import-linter contracts (one-way layers, no cycle between a package's
+    modules), checked on the package as it installs: spark_tasks/ as onceflow.spark. Imports
+    inside functions count too."""
+    package = tmp_path / "onceflow"
+    shutil.copytree(ROOT / "plugins" / "onceflow", package,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(ROOT / "spark_tasks", package / "spark",
+                    ignore=shutil.ignore_patterns("__pycache__", "java", "jars"))
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    done = subprocess.run([str(Path(sys.executable).with_name("lint-imports")), "--no-cache",
+                           str(ROOT / "pyproject.toml")], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert "Contracts: 2 kept, 0 broken." in done.stdout
 
 
 def test_the_library_knows_nothing_of_the_demo():
@@ -139,3 +131,26 @@ def test_the_jar_is_built_against_the_locked_pyspark():
     assert len(locked) == 1
     assert locked[0] in project["build-system"]["requires"]
     assert "setup.py" in (ROOT / "run.sh").read_text()  # a build input: a change reinstalls
+
+
+def _lock(name: str) -> dict[str, str]:
+    pins = (line.split("==") for line in (ROOT / name).read_text().splitlines()
+            if "==" in line and not line.startswith("#"))
+    return {canonicalize_name(package): version for package, version in pins}
+
+
+def test_the_version_ranges_are_the_two_locks():
+    """Each dependency's range is tested at both ends (tests/test_wheel.py installs the wheel
+    with each lock): its floor is what constraints-oldest.txt locks, and what constraints.txt
+    locks is inside it. pyspark and pyspark-client share a folder: equal in both locks."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    oldest, newest = _lock("constraints-oldest.txt"), _lock("constraints.txt")
+    for line in [*project["dependencies"], *project["optional-dependencies"]["spark"]]:
+        req = Requirement(line)
+        name = canonicalize_name(req.name)
+        floors = [s.version for s in req.specifier if s.operator == ">="]
+        assert floors == [oldest[name]], f"{line}: the floor is not the oldest lock's {name}"
+        assert req.specifier.contains(newest[name]), f"{line}: the newest lock has {name} " \
+            f"{newest[name]}"
+    for lock in (oldest, newest):
+        assert lock["pyspark"] == lock["pyspark-client"]

@@ -15,13 +15,13 @@ import time
 import pytest
 
 from helpers import table, tweets_pipeline
+from onceflow.cli import main
 from onceflow.core import txlog
 from onceflow.core.begin import begin
 from onceflow.core.commit import commit
 from onceflow.core.errors import ConfigError, Fenced
 from onceflow.core.pipeline import DEFAULT_ATTEMPT_LEASE_S
 from onceflow.core.txlog import TransactionAttempt
-from onceflow.ops.cli import main
 
 LEASE_S = 4  # the tests' attempt lease (ONCEFLOW_ATTEMPT_LEASE_S): a report every second
 

@@ -1,4 +1,4 @@
-"""Transactions without Airflow (spark_tasks.loop.run_batches): batches processed side by side
+"""Transactions without Airflow (onceflow.spark.loop.run_batches): batches processed side by side
 on one session, committed in txid order, and a failure that stops the loop without losing or
 doubling a record (real PostgreSQL, real local Spark)."""
 
@@ -12,7 +12,7 @@ from onceflow import SPOUT, Topology
 from onceflow.core.begin import begin
 from onceflow.core.errors import ConfigError
 from onceflow.ops.verify import recount as verify
-from spark_tasks.loop import CommitWaiting, run_batches
+from onceflow.spark.loop import CommitWaiting, run_batches
 from tweets_example import topology as tweets
 
 BROKEN_AT = 150  # the offset the broken topology cannot parse

@@ -62,6 +62,30 @@ def test_concurrent_writers_out_of_order_every_row_exactly_once(spark, dsn, conn
     assert report.keys["merchant_day_revenue"] == len(want.revenue)
     report = recount(conn, orders)
     assert report.ok, report.mismatches
+    # typed states in a range check: an append table's rows of the range, the measures of
+    # the keys the range wrote last (previous values combined with the batch). The range is
+    # two txids where the first committed a large order and the second last wrote a revenue
+    # row (which txids those are depends on how the writers' rows fell into batches).
+    first = table(conn, """SELECT min(l.txid) FROM large_orders l WHERE EXISTS (
+                               SELECT 1 FROM merchant_day_revenue r WHERE r.txid = l.txid + 1)""")
+    first = first[0][0]
+    assert first is not None, "no large order in a txid followed by a revenue row"
+    assert rerun(conn, dsn, orders, spark, txids=(first, first + 1)).ok
+    with conn.cursor() as cur:
+        cur.execute("""UPDATE merchant_day_revenue SET revenue = revenue + 1
+                       WHERE (merchant, day) = (SELECT merchant, day FROM merchant_day_revenue
+                                                WHERE txid = %s ORDER BY 1, 2 LIMIT 1)""",
+                    (first + 1,))
+        assert cur.rowcount == 1
+        cur.execute("""UPDATE large_orders SET amount = amount + 1
+                       WHERE order_id = (SELECT min(order_id) FROM large_orders
+                                         WHERE txid = %s)""", (first,))
+        assert cur.rowcount == 1
+    conn.commit()
+    report = rerun(conn, dsn, orders, spark, txids=(first, first + 1))
+    assert report.found == 3 and report.outside == 0, report.mismatches  # a row: 2 mismatches
+    assert sum(m.startswith("merchant_day_revenue[") and f"txid {first + 1}: " in m
+               and "'revenue'" in m for m in report.mismatches) == 1, report.mismatches
 
 
 @pytest.mark.timeout(600)
@@ -72,7 +96,7 @@ def test_a_failed_attempt_and_a_crash_between_two_databases_leave_exact_state(
     values undo the first write, the append table replaces its txid's rows."""
     from onceflow.core import commit as commit_module
     from onceflow.core.begin import begin
-    from spark_tasks.processing import process_batch
+    from onceflow.spark.processing import process_batch
 
     data.create_table(conn)
     base = get_pipeline("orders", batch_size=300)

@@ -68,7 +68,7 @@ def outside(monkeypatch):
 
 
 def cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "onceflow.ops.cli", *args], input=stdin,
+    return subprocess.run([sys.executable, "-m", "onceflow.cli", *args], input=stdin,
                           capture_output=True, text=True, timeout=600)
 
 

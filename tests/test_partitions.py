@@ -8,10 +8,10 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from helpers import ensure_topic, produce, run_transaction, table, tweets_pipeline
+from onceflow.cli import main
 from onceflow.core.begin import begin
 from onceflow.core.errors import ConfigError, OffsetOutOfRange
 from onceflow.core.registration import register, reset_offsets
-from onceflow.ops.cli import main
 from onceflow.ops.repair import repair
 from onceflow.ops.retention import apply
 from onceflow.ops.verify import recount as verify
@@ -48,7 +48,7 @@ def test_force_from_start_reads_again_from_the_policy_start_and_is_logged(
     with pytest.raises(ConfigError, match="txids 2 are not committed"):
         reset_offsets(conn, pipeline)
     from onceflow.core.commit import commit
-    from spark_tasks.processing import process_batch
+    from onceflow.spark.processing import process_batch
 
     process_batch(spark, dsn, pipeline, open_batch.attempt)
     commit(conn, pipeline, open_batch.attempt)
@@ -67,7 +67,7 @@ def test_start_policy_latest_skips_the_past_and_keeps_its_start(spark, conn, dsn
     assert ranges_of(first) == [(0, 50, 50), (1, 50, 50)]
     produce(conn, "tweets", generate(10, seed=9))
     from onceflow.core.commit import commit
-    from spark_tasks.processing import process_batch
+    from onceflow.spark.processing import process_batch
 
     process_batch(spark, dsn, pipeline, first.attempt)
     commit(conn, pipeline, first.attempt)
@@ -180,7 +180,7 @@ def test_retention_never_deletes_what_an_open_transaction_planned(spark, conn, d
     assert plan.deletes == 0
     assert "an open transaction planned offset 0 on" in plan.lines()[1]
     from onceflow.core.commit import commit
-    from spark_tasks.processing import process_batch
+    from onceflow.spark.processing import process_batch
 
     staged = process_batch(spark, dsn, pipeline, first.attempt)
     assert staged.records == 100
@@ -196,7 +196,7 @@ def test_records_deleted_under_a_batch_fail_its_processing(spark, conn, dsn):
     with conn.cursor() as cur:
         cur.execute('DELETE FROM source_log WHERE partition = 1 AND "offset" BETWEEN 10 AND 19')
     conn.commit()
-    from spark_tasks.processing import process_batch
+    from onceflow.spark.processing import process_batch
 
     with pytest.raises(Exception, match=r"SourceShortfall: topic 'tweets' partition 1 "
                                         r"offsets \[0, 50\) returned 40 of 50 records"):

@@ -12,7 +12,7 @@ from onceflow.core.begin import begin
 from onceflow.core.errors import Fenced
 from onceflow.core.txlog import TransactionAttempt
 from onceflow.sources.pglog import chunk_ranges
-from spark_tasks.processing import process_batch
+from onceflow.spark.processing import process_batch
 from tweets_example.data import classify, normalize_host, parse_event
 
 
@@ -132,15 +132,15 @@ def test_payload_with_csv_specials_round_trips(spark, conn, dsn):
 
 def test_planning_a_batch_is_few_round_trips_to_the_jvm(spark, conn, dsn):
     """A local session onceflow starts plans a batch without PySpark's DataFrame debugging
-    (spark_tasks.conf): with it, every function would add about six py4j round trips (its
+    (onceflow.spark.conf): with it, every function would add about six py4j round trips (its
     Python call site recorded in the JVM), several times the planning's own."""
     import threading
 
     from py4j.clientserver import ClientServerConnection
 
     from onceflow.core.planner import PartitionRange
-    from spark_tasks.records import batch_records
-    from spark_tasks.runner import run_topology
+    from onceflow.spark.records import batch_records
+    from onceflow.spark.runner import run_topology
 
     assert spark.conf.get("spark.python.sql.dataFrameDebugging.enabled") == "false"
     pipeline = tweets_pipeline(conn, events=40)

@@ -49,8 +49,8 @@ def test_a_spark_executor_without_the_landing_folder_fails_the_batch(spark, conn
                                                                      monkeypatch, reader):
     """The executors' readers (onceflow's JVM reader, the Python one) check the folder when a
     file is not found: the batch fails naming the folder, nothing is staged."""
-    from spark_tasks.jvm import jvm_reader
-    from spark_tasks.processing import process_batch
+    from onceflow.sources.jvm import jvm_reader
+    from onceflow.spark.processing import process_batch
 
     if reader == "python":
         monkeypatch.setenv("ONCEFLOW_JVM_READER", "off")
@@ -68,7 +68,7 @@ def test_a_spark_executor_without_the_landing_folder_fails_the_batch(spark, conn
 
 
 def test_a_worker_without_the_segments_root_fails_the_batch(spark, conn, dsn, tmp_path):
-    from spark_tasks.processing import process_batch
+    from onceflow.spark.processing import process_batch
 
     root = tmp_path / "segments"
     pipeline = get_pipeline("tweets_files", batch_size=700, source=FileSegments(

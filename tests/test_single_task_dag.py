@@ -16,6 +16,7 @@ from onceflow.core.registration import register
 from onceflow.core.registry import clear_cache, get_pipeline
 from onceflow.dev.demo import load_dag
 from onceflow.ops.verify import recount
+from onceflow_testing.holds import hold_staging
 from tweets_example.data import generate
 
 DAGS = Path(__file__).resolve().parents[1] / "dags"
@@ -42,10 +43,11 @@ def single(monkeypatch, conn, airflow_db):
 
 @pytest.mark.timeout(420)
 def test_each_run_is_one_task_that_commits_its_transaction_in_order(
-        single, conn, dsn, warm_spark, quick_retries, caplog, monkeypatch):
+        single, conn, dsn, warm_spark, quick_retries, caplog):
     """Two runs, each one task: BEGIN, PROCESSED and COMMIT in its log, committed in txid
-    order, the state exact; the second transaction's processing fails on its first try: the
-    retry begins again with a new attempt of the same txid, which commits once."""
+    order, the state exact; the second transaction's processing fails on its first try (its
+    staging waits on a row the test holds, and the test cancels the statement): the retry
+    begins again with a new attempt of the same txid, which commits once."""
     from airflow.models.asset import AssetEvent, AssetModel
     from airflow.utils.session import create_session
 
@@ -54,15 +56,21 @@ def test_each_run_is_one_task_that_commits_its_transaction_in_order(
     assert [t.task_id for t in dag.tasks] == ["transaction"]
     assert dag.max_active_runs == pipeline.max_pending + STANDBY_RUNS["single"]
     assert "in one task, **transaction**" in dag.doc_md
-    monkeypatch.setenv("ONCEFLOW_INJECT_FAULTS", "process.before:2:1")
     base = datetime.now(UTC).replace(microsecond=0)
     runs = []
-    for i in range(2):
-        dr = dag.test(logical_date=base + timedelta(seconds=i), run_conf={"batch_size": 600})
-        assert str(dr.state) == "success"
-        runs.append(dr)
+    with hold_staging(dsn, "tweets_single", txid=2, attempt=1) as hold:
+        canceller = hold.cancel_in_background()
+        for i in range(2):
+            dr = dag.test(logical_date=base + timedelta(seconds=i),
+                          run_conf={"batch_size": 600})
+            assert str(dr.state) == "success"
+            runs.append(dr)
+        (cancelled,) = canceller.finish()
+    assert cancelled.application == "onceflow-process-tweets_single", cancelled
     (ti,) = runs[1].get_task_instances()
-    assert ti.try_number == 2  # the injected failure, then the retry
+    assert ti.try_number == 2  # the cancelled staging, then the retry
+    assert table(conn, """SELECT attempt, outcome FROM transaction_attempts
+                          WHERE txid = 2 ORDER BY attempt""") == [(1, "fenced"), (2, "committed")]
     for txid, attempt in ((1, 1), (2, 2)):
         assert f"COMMIT pipeline=tweets_single txid={txid} attempt={attempt} " \
                f"prev_txid={txid - 1}" in caplog.text
@@ -89,7 +97,7 @@ def test_a_waiting_commit_defers_with_its_batch_and_resumes_with_it(spark, conn,
 
     from onceflow.airflow.operators import TransactionOperator
     from onceflow.core.commit import commit
-    from spark_tasks.processing import process_batch
+    from onceflow.spark.processing import process_batch
 
     pipeline = tweets_pipeline(conn, events=600, batch_size=300)
     first, second = begin(conn, pipeline, "run-1"), begin(conn, pipeline, "run-2")

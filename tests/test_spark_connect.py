@@ -25,7 +25,7 @@ from helpers import (
     table,
 )
 from onceflow.dev.localenv import spark_connection
-from spark_tasks import localspark
+from onceflow.spark import localspark
 
 RUNNER = Path(__file__).with_name("dag_runner.py")
 
@@ -41,7 +41,7 @@ def test_the_server_starts_answers_and_stops_from_the_cli(tmp_path):
            "ONCEFLOW_SPARK_CONNECT_PORT": str(free_port())}
 
     def spark(action):
-        return subprocess.run([sys.executable, "-m", "onceflow.ops.cli", "spark", action],
+        return subprocess.run([sys.executable, "-m", "onceflow.cli", "spark", action],
                               env=env, capture_output=True, text=True, timeout=180)
 
     assert spark("status").returncode == 1
@@ -82,7 +82,7 @@ def test_the_client_retries_a_server_that_is_gone_for_a_bounded_time(monkeypatch
     from pyspark.sql.connect.client.retries import DefaultPolicy
 
     from onceflow.core.errors import ConfigError
-    from spark_tasks.session import retry_policy, server_retry_s
+    from onceflow.spark.session import retry_policy, server_retry_s
 
     def waits_ms(policy) -> list[int]:
         state, out = policy.to_state(), []
@@ -235,7 +235,7 @@ def test_processing_tasks_share_one_warmed_up_session_and_its_python_workers(tmp
     import psutil
     from pyspark.sql import SparkSession
 
-    from spark_tasks.session import (
+    from onceflow.spark.session import (
         SHARED_SESSION_KEY,
         SHARED_SESSION_PERIOD_S,
         connect_session,
@@ -255,6 +255,8 @@ def test_processing_tasks_share_one_warmed_up_session_and_its_python_workers(tmp
         while "warmed up in" not in log.read_text(errors="replace"):
             assert time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
             time.sleep(0.5)
+        # the warm-up read through onceflow's JVM readers (a batch's first read is not cold)
+        assert "warm-up: onceflow's JVM readers read" in log.read_text(errors="replace")
         def started(pids: set[int]) -> list[float]:
             return [psutil.Process(pid).create_time() for pid in pids]
 
@@ -298,9 +300,9 @@ def test_the_local_server_reads_json_lines_in_its_jvm(spark_connect_server, conn
     """The server onceflow starts has onceflow's jar and settings: a Connect client's
     landing-folder read is done by the JVM reader there, with the rows the rules give."""
     from onceflow.core.planner import PartitionRange
+    from onceflow.sources.jvm import jvm_reader
     from onceflow.sources.landing import LandingFolder
-    from spark_tasks.jvm import jvm_reader
-    from spark_tasks.session import connect_session
+    from onceflow.spark.session import connect_session
 
     folder = tmp_path / "lines"
     folder.mkdir()
@@ -318,7 +320,7 @@ def test_the_local_server_reads_json_lines_in_its_jvm(spark_connect_server, conn
             remote = stack.enter_context(
                 connect_session(f"sc://127.0.0.1:{spark_connect_server}", "jvm-reader"))
         assert jvm_reader(remote)
-        # planned without PySpark's DataFrame debugging (spark_tasks.conf), the server's
+        # planned without PySpark's DataFrame debugging (onceflow.spark.conf), the server's
         assert remote.conf.get("spark.python.sql.dataFrameDebugging.enabled") == "false"
         rows = [tuple(r) for r in source.read(remote, dsn, [PartitionRange(0, 0, 4)])
                 .orderBy("offset").collect()]

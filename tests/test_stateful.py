@@ -20,10 +20,10 @@ from onceflow.core.commit import commit
 from onceflow.core.errors import ConfigError
 from onceflow.core.registration import register
 from onceflow.core.registry import get_pipeline
-from onceflow.core.stateful import check_state_config
+from onceflow.core.topology import StatefulBolt
+from onceflow.kvstate import check_state_config, open_state_provider
 from onceflow.ops.verify import recount as verify
-from spark_tasks.processing import process_batch
-from spark_tasks.topology import StatefulBolt
+from onceflow.spark.processing import process_batch
 from tweets_example.data import generate
 
 # The hook-recording topology below is shipped to Spark's workers by value.
@@ -95,12 +95,14 @@ def test_first_seen_emits_each_url_once_over_transactions_with_failures(
             if name == step:
                 raise Crash(name)
         try:
-            result = commit(conn, pipeline, batch.attempt, on_step=on_step, coordinator_dsn=dsn)
+            result = commit(conn, pipeline, batch.attempt, on_step=on_step, coordinator_dsn=dsn,
+                   open_state=open_state_provider)
         except Crash:
             if rng.random() < 0.5:  # retried as is, or the run fails and is adopted later
                 mark_failed(conn, pipeline.name, batch.attempt, "test: crashed in commit")
                 continue
-            result = commit(conn, pipeline, batch.attempt, coordinator_dsn=dsn)
+            result = commit(conn, pipeline, batch.attempt, coordinator_dsn=dsn,
+                   open_state=open_state_provider)
         assert result.status == "committed"
         committed += 1
         exactly_once(conn, pipeline)
@@ -121,7 +123,8 @@ def test_verify_after_retention_expects_each_url_once(spark, dsn, conn):
     for n in range(2):
         batch = begin(conn, pipeline, f"run-{n}")
         process_batch(spark, dsn, pipeline, batch.attempt)
-        commit(conn, pipeline, batch.attempt, coordinator_dsn=dsn)
+        commit(conn, pipeline, batch.attempt, coordinator_dsn=dsn,
+                   open_state=open_state_provider)
         if n == 0:
             delete_before(conn, pipeline.topic, 60)
     retired = {k for (k,) in table(conn, "SELECT key FROM retired_counts "
@@ -171,13 +174,15 @@ def test_hooks_are_called_in_order(spark, dsn, conn):
     RecordingBolt.calls.clear()
     first = begin(conn, pipeline, "run-1")
     process_batch(spark, dsn, pipeline, first.attempt)
-    commit(conn, pipeline, first.attempt, coordinator_dsn=dsn)
+    commit(conn, pipeline, first.attempt, coordinator_dsn=dsn,
+                   open_state=open_state_provider)
     second = begin(conn, pipeline, "run-2")
     process_batch(spark, dsn, pipeline, second.attempt)
     mark_failed(conn, pipeline.name, second.attempt, "test: killed")
     again = begin(conn, pipeline, "run-3")  # attempt 2: recovery rolls attempt 1 back
     process_batch(spark, dsn, pipeline, again.attempt)
-    commit(conn, pipeline, again.attempt, coordinator_dsn=dsn)
+    commit(conn, pipeline, again.attempt, coordinator_dsn=dsn,
+                   open_state=open_state_provider)
     assert RecordingBolt.calls == ["pre_prepare 1", "pre_commit 1", "pre_prepare 2",
                                    "pre_rollback", "pre_prepare 2", "pre_commit 2"]
     # the counts in the state are those of the committed batches only
@@ -203,7 +208,8 @@ def test_a_crash_after_the_store_commit_then_a_replay_is_exact(spark, dsn, conn,
     b1 = begin(conn, pipeline, "run-1")
     process_batch(spark, dsn, pipeline, b1.attempt)
     with pytest.raises(Crash):
-        commit(conn, pipeline, b1.attempt, on_step=crash, coordinator_dsn=dsn)
+        commit(conn, pipeline, b1.attempt, on_step=crash, coordinator_dsn=dsn,
+                   open_state=open_state_provider)
     assert table(conn, "SELECT last_committed_txid FROM pipelines WHERE name = %s",
                  (pipeline.name,)) == [(0,)]
     mark_failed(conn, pipeline.name, b1.attempt, "test: crashed")
@@ -213,11 +219,13 @@ def test_a_crash_after_the_store_commit_then_a_replay_is_exact(spark, dsn, conn,
     b2 = begin(conn, smaller, "run-2")
     assert b2.attempt.attempt == 2
     process_batch(spark, dsn, smaller, b2.attempt)
-    assert commit(conn, smaller, b2.attempt, coordinator_dsn=dsn).status == "committed"
+    assert commit(conn, smaller, b2.attempt, coordinator_dsn=dsn,
+                   open_state=open_state_provider).status == "committed"
     exactly_once(conn, smaller)
     b3 = begin(conn, smaller, "run-3")
     process_batch(spark, dsn, smaller, b3.attempt)
-    commit(conn, smaller, b3.attempt, coordinator_dsn=dsn)
+    commit(conn, smaller, b3.attempt, coordinator_dsn=dsn,
+                   open_state=open_state_provider)
     exactly_once(conn, smaller)
 
 

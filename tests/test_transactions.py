@@ -14,7 +14,7 @@ from onceflow.core.errors import Fenced, MaxPendingReached
 from onceflow.core.pipeline import StateSpec
 from onceflow.core.txlog import TransactionAttempt
 from onceflow.ops.verify import recount as verify
-from spark_tasks.processing import process_batch
+from onceflow.spark.processing import process_batch
 
 
 def ranges_of(batch):

@@ -26,12 +26,13 @@ from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from types import SimpleNamespace
-from urllib.parse import quote
+from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 import pytest
 
 from helpers import table, tweets_pipeline
 from onceflow.airflow import airflow_cli
+from onceflow.dev.localenv import spark_connection
 
 TESTS = Path(__file__).resolve().parent
 APPROVED = "helpers:TWEETS_APPROVED"  # the tweets pipeline with dead_letter_approval=True
@@ -262,9 +263,13 @@ def screenshots_on_failure(tmp_path: Path, log: Path | None = None, **pages):
         raise
 
 
-def _log_in(browser, api_server, user: str, next_path: str):
+def _log_in(browser, api_server, user: str, next_path: str, theme: str | None = None):
+    """A logged-in page at ``next_path``; ``theme``: in Airflow's light or dark theme (its
+    colour mode, which the UI keeps in the browser's local storage), else the system's."""
     context = browser.new_context(viewport={"width": 1500, "height": 1000})
     context.set_default_timeout(20_000)
+    if theme is not None:
+        context.add_init_script(f"localStorage.setItem('theme', {json.dumps(theme)})")
     page = context.new_page()
     page.goto(f"{api_server.url}/auth/login?next={api_server.url}{next_path}")
     page.get_by_label("Username").fill(user)
@@ -299,7 +304,7 @@ def _process_when_planned(spark, dsn: str, pipeline, txid: int, then_commit) -> 
     from onceflow.core.commit import commit
     from onceflow.core.db import connect
     from onceflow.core.txlog import TransactionAttempt
-    from spark_tasks.processing import process_batch
+    from onceflow.spark.processing import process_batch
 
     errors: list[BaseException] = []
 
@@ -347,7 +352,7 @@ def test_run_notes_and_the_onceflow_view_in_a_browser(chromium, api_server, once
     from helpers import run_transaction
     from onceflow.airflow import transaction_dag
     from onceflow.core.begin import begin
-    from spark_tasks.processing import process_batch
+    from onceflow.spark.processing import process_batch
 
     started = time.monotonic()
     pipeline = tweets_pipeline(conn, events=1000, batch_size=200, malformed_share=0.05,
@@ -369,10 +374,13 @@ def test_run_notes_and_the_onceflow_view_in_a_browser(chromium, api_server, once
     worker.join(60)
     assert not worker.errors, worker.errors
     assert str(committed_run.state) == "success"
-    # txid 4 through the DAG: processing fails (an injected fault), no retries
-    monkeypatch.setenv("ONCEFLOW_INJECT_FAULTS", "process.before:4")
-    failed_run = dag.test(logical_date=base + timedelta(seconds=1), run_conf={"batch_size": 200})
-    monkeypatch.delenv("ONCEFLOW_INJECT_FAULTS")
+    # txid 4 through the DAG: processing fails, no retries: its Spark connection names a
+    # Spark Connect server that does not answer (a port nothing listens on)
+    nowhere = _free_port()
+    with monkeypatch.context() as run_env:
+        run_env.setenv("AIRFLOW_CONN_SPARK_DEFAULT", spark_connection(nowhere))
+        failed_run = dag.test(logical_date=base + timedelta(seconds=1),
+                              run_conf={"batch_size": 200})
     assert str(failed_run.state) == "failed"
     # txid 1 again (a backfill of a committed txid): nothing to do
     noop_run = dag.test(logical_date=base + timedelta(seconds=2), run_conf={"txid": 1})
@@ -390,19 +398,22 @@ def test_run_notes_and_the_onceflow_view_in_a_browser(chromium, api_server, once
     api_server.wait_up()
     browsing = time.monotonic()
     with launched(chromium) as browser:
-        _browse(browser, api_server, conn, tmp_path, committed_run, failed_run, noop_run)
+        _browse(browser, api_server, conn, tmp_path, committed_run, failed_run, noop_run,
+                f"sc://127.0.0.1:{nowhere}")
     browsing_s = time.monotonic() - browsing
     _check_api(api_server, conn)
     _check_lineage_and_events(api_server, conn, committed_run, noop_run)
     print(f"setup {setup_s:.1f}s, browsing {browsing_s:.1f}s")
 
 
-def _browse(browser, api_server, conn, tmp_path, committed_run, failed_run, noop_run) -> None:
+def _browse(browser, api_server, conn, tmp_path, committed_run, failed_run, noop_run,
+            nowhere: str) -> None:
     import httpx
+    from playwright.sync_api import expect
 
     committed_note = "txid 3 · committed · 200 records"
-    failed_note = ("txid 4 failed: process failed: RuntimeError('injected fault process.before "
-                   "for txid 4 (try 1)')")
+    failed_note = (f"txid 4 failed: process failed: OnceflowError('the Spark Connect server at "
+                   f"{nowhere} does not answer (connection refused or timed out)")
     noop_note = "txid 1 already committed (no-op)"
     context, page = _log_in(browser, api_server, "admin", "/dags/onceflow_tweets/runs")
     with screenshots_on_failure(tmp_path, api_server.log, admin=page):
@@ -421,41 +432,58 @@ def _browse(browser, api_server, conn, tmp_path, committed_run, failed_run, noop
         assert errors.status_code == 200 and errors.json()["total_entries"] == 0, errors.text
         _trigger_form_refuses_a_batch_size_of_zero(page, api_server)
 
-        # the onceflow view, from the UI's navigation
+        # the onceflow view, from the UI's navigation: a React view in Airflow's own page
         page.get_by_test_id("nav-sidebar").get_by_role("link", name="onceflow").click()
-        view = page.frame_locator("iframe")
-        view.get_by_role("link", name="tweets", exact=True).click()
-        timeline = view.locator("#timeline")
-        timeline.wait_for()
+        page.locator("#onceflow-pipelines tr[data-pipeline='tweets']").get_by_role(
+            "link", name="tweets", exact=True).click()
+        page.wait_for_url(f"{api_server.url}/plugin/onceflow/pipelines/tweets")
+        timeline = page.locator("#onceflow-timeline")
+        timeline.locator("tbody tr[data-state]").first.wait_for()
+        assert page.locator("iframe").count() == 0
         states = {int(r.get_attribute("data-txid")): r.get_attribute("data-state")
-                  for r in timeline.locator("tbody tr").all()}
+                  for r in timeline.locator("tbody tr[data-state]").all()}
         assert states == {1: "committed", 2: "committed", 3: "committed", 4: "failed"}
-        assert "injected fault" in timeline.locator("tr[data-txid='4']").inner_text()
+        assert f"{nowhere} does not answer" in timeline.locator("tr[data-txid='4']").inner_text()
         assert committed_run.run_id in timeline.locator("tr[data-txid='3']").inner_text()
-        stuck = view.locator("#open tr[data-txid='4']").inner_text()
+        stuck = page.locator("#onceflow-open tr[data-txid='4']").inner_text()
         assert "failed" in stuck and "onceflow backfill --pipeline tweets" in stuck
-        assert view.locator("#dead-total").inner_text() == "3"
-        reasons = view.locator("#dead-reasons").inner_text()
+        assert page.locator("#onceflow-dead-total").inner_text() == "3"
+        reasons = page.locator("#onceflow-dead-reasons").inner_text()
         assert "bolt normalize_domain: ValueError: bad host" in reasons
         assert "bolt lookup: TimeoutError: slow" in reasons
 
-        # replay one dead letter, confirmed in the dialog
-        view.locator("#dead-letters tr[data-record='0:3']").get_by_role(
-            "button", name="Replay…").click()
-        dialog = view.locator("#confirm")
+        # replay one dead letter: the dialog says what it would do and dims the whole UI;
+        # cancelled, nothing moves; confirmed, it moves
+        replay = page.locator("#onceflow-dead-letters tr[data-record='0:3']").get_by_role(
+            "button", name="Replay…")
+        dialog = page.locator("#onceflow-confirm")
+        replay.click()
         dialog.wait_for()
         assert "Put 1 dead letter(s) of tweets (record(s) p0:3) back" in dialog.inner_text()
-        view.locator("#confirm-ok").click()
-        view.locator("#flash").filter(has_text="1 dead letter(s) of tweets put back").wait_for()
-        assert view.locator("#dead-total").inner_text() == "2"
+        backdrop = page.locator("[data-scope='dialog'][data-part='backdrop']").bounding_box()
+        assert (backdrop["x"], backdrop["y"], backdrop["width"], backdrop["height"]) == (
+            0, 0, 1500, 1000), backdrop
+        page.locator("#onceflow-confirm-cancel").click()
+        dialog.wait_for(state="hidden")
+        assert table(conn, "SELECT count(*) FROM dead_letters") == [(3,)]
+        replay.click()
+        dialog.wait_for()
+        page.locator("#onceflow-confirm-ok").click()
+        page.locator("#onceflow-flash").filter(
+            has_text="1 dead letter(s) of tweets put back").wait_for()
+        expect(page.locator("#onceflow-dead-total")).to_have_text("2")
 
         # backfill the failed txid: one queued run with conf {"txid": 4}
-        view.locator("#backfill").click()
+        page.locator("#onceflow-backfill").click()
         dialog.wait_for()
         assert "Trigger 1 run(s) of onceflow_tweets" in dialog.inner_text()
         assert "txid 4 (failed" in dialog.inner_text()
-        view.locator("#confirm-ok").click()
-        view.locator("#flash").filter(has_text="Triggered 1 run(s) of onceflow_tweets").wait_for()
+        page.locator("#onceflow-confirm-ok").click()
+        page.locator("#onceflow-flash").filter(
+            has_text="Triggered 1 run(s) of onceflow_tweets").wait_for()
+
+        # from a txid to its task's log, and from there back to the view at that txid
+        _from_txid_to_log_and_back(page, api_server, committed_run, 3)
     context.close()
 
     # moved exactly once: out of the dead letters, into the backflow (the from-queue, which
@@ -475,14 +503,41 @@ def _browse(browser, api_server, conn, tmp_path, committed_run, failed_run, noop
     _check_backfill_run(4)
 
     # a read-only user: the view without buttons; the actions refused
-    context, page = _log_in(browser, api_server, "viewer", "/onceflow/pipelines/tweets")
+    context, page = _log_in(browser, api_server, "viewer", "/plugin/onceflow/pipelines/tweets")
     with screenshots_on_failure(tmp_path, api_server.log, viewer=page):
-        page.locator("#timeline").wait_for()
-        assert page.locator("#timeline tr[data-txid='3']").count() == 1
-        assert page.locator("#dead-letters tr").count() == 3  # header and two dead letters
+        page.locator("#onceflow-timeline tr[data-txid='3']").wait_for()
+        page.locator("#onceflow-dead-letters tr[data-record]").first.wait_for()
+        assert page.locator("#onceflow-dead-letters tr[data-record]").count() == 2
+        assert page.locator(".onceflow-action").count() == 0
+        assert page.locator("#onceflow-backfill, #onceflow-replay-all").count() == 0
+        # the plain page too
+        page.goto(f"{api_server.url}/onceflow/pipelines/tweets")
+        page.locator("#timeline tr[data-txid='3']").wait_for()
         assert page.locator("button[data-post]").count() == 0
-        assert page.locator("#backfill, #replay-all").count() == 0
     context.close()
+
+
+def _from_txid_to_log_and_back(page, api_server, run, txid: int) -> None:
+    """The txid's "commit" link opens that task's page of its run in Airflow's UI, on its
+    log; the task's extra link "onceflow view" leads back to the view at the txid."""
+    page.locator(f"#onceflow-timeline tr[data-txid='{txid}'] .onceflow-logs "
+                 "a[data-task='commit']").click()
+    task = f"/dags/onceflow_tweets/runs/{quote(run.run_id, safe='')}/tasks/commit"
+    page.wait_for_url(lambda url: unquote(urlsplit(url).path) == unquote(task))
+    # the task's page opens on its log (dag.test() runs the task here, so it holds no lines)
+    page.get_by_text("Log message source details").wait_for()
+    assert page.get_by_role("link", name=run.run_id, exact=True).count() >= 1  # its run
+    page.goto(f"{api_server.url}{task}/details")
+    back = page.get_by_role("link", name="onceflow view")
+    back.wait_for()
+    href = urlsplit(back.get_attribute("href"))
+    assert (href.path, parse_qs(href.query)) == ("/plugin/onceflow/pipelines/tweets",
+                                                 {"run_id": [run.run_id]})
+    back.click()
+    page.wait_for_url(f"{api_server.url}/plugin/onceflow/pipelines/tweets?txid={txid}")
+    highlighted = page.locator("#onceflow-highlight")
+    highlighted.wait_for()
+    assert highlighted.get_attribute("data-txid") == str(txid)
 
 
 def _trigger_form_refuses_a_batch_size_of_zero(page, api_server) -> None:
@@ -646,7 +701,7 @@ def test_an_unknown_pipeline_answers_404_with_the_known_names(api_server, oncefl
 def test_the_lag_card_counts_the_records_waiting_in_the_backflow(
         api_server, onceflow_connection, conn, dsn, spark, capsys):
     from helpers import run_transaction
-    from onceflow.ops.cli import main
+    from onceflow.cli import main
 
     pipeline = tweets_pipeline(conn, events=1000, batch_size=400, malformed_share=0,
                                poison_share=0.05, flaky_share=0)
@@ -678,7 +733,7 @@ def test_processing_txids_say_what_they_do_and_only_a_processed_one_waits(
 
     from onceflow.core.begin import begin
     from onceflow.core.commit import commit
-    from spark_tasks.processing import process_batch
+    from onceflow.spark.processing import process_batch
 
     pipeline = tweets_pipeline(conn, events=400, batch_size=100, groups=2, malformed_share=0,
                                poison_share=0, flaky_share=0)
@@ -846,3 +901,296 @@ def test_replays_of_a_pipeline_that_needs_approval_go_through_its_approval_dag(
             for run in session.query(DagRun).filter(DagRun.dag_id == dag_id).all():
                 session.delete(run)
         clear_cache()
+
+
+# -- the React view: pages, filters, charts, theme and refresh ---------------------------------
+CLEAN = {"malformed_share": 0, "poison_share": 0, "flaky_share": 0}
+
+
+def _processed(spark, dsn: str, pipeline, batch) -> None:
+    from onceflow.spark.processing import process_batch
+
+    for group in range(batch.groups):
+        process_batch(spark, dsn, pipeline, batch.attempt, group)
+
+
+def _txids(answer) -> list[int]:
+    assert answer.status_code == 200, answer.text
+    return [t["txid"] for t in answer.json()["transactions"]]
+
+
+def test_the_timeline_pages_and_filters_and_the_series_measure_each_txid(
+        api_server, onceflow_connection, conn, dsn, spark):
+    """Five txids: 1 and 2 planned together (2 in flight behind 1), 3 after 500 more records
+    arrived, 4 failed, 5 in flight. The timeline pages through them both ways and filters by
+    txids and states; each txid names its runs and the paths of its tasks' logs. The series
+    say per committed txid what the charts plot, against onceflow's own records: the lag
+    when it was planned, its records per second, its commit time and its freshness."""
+    from helpers import produce, run_transaction, tweets_events
+    from onceflow.core.begin import begin, mark_failed
+    from onceflow.core.commit import commit
+
+    pipeline = tweets_pipeline(conn, events=1000, batch_size=200, **CLEAN)
+    # one COPY: every record of the first 1,000 arrived at the same moment
+    arrivals = table(conn, "SELECT DISTINCT produced_at FROM source_log")
+    assert len(arrivals) == 1
+    (arrived,) = arrivals[0]
+    first, second = begin(conn, pipeline, "lib-1"), begin(conn, pipeline, "lib-2")
+    _processed(spark, dsn, pipeline, first)
+    _processed(spark, dsn, pipeline, second)
+    assert commit(conn, pipeline, first.attempt).status == "committed"
+    assert commit(conn, pipeline, second.attempt).status == "committed"
+    produce(conn, pipeline.topic, tweets_events(500, seed=11, **CLEAN))
+    run_transaction(spark, dsn, conn, pipeline, "lib-3")
+    fourth, fifth = begin(conn, pipeline, "lib-4"), begin(conn, pipeline, "lib-5")
+    assert mark_failed(conn, pipeline.name, fourth.attempt, "a test's failure")
+    assert (fourth.attempt.txid, fifth.attempt.txid) == (4, 5)
+    api_server.wait_up()
+    timeline = "/api/pipelines/tweets/timeline"
+
+    # pages, newest first, both ways
+    assert _txids(_get(api_server, timeline)) == [5, 4, 3, 2, 1]
+    pages = {}
+    for query in ("limit=2", "limit=2&before=4", "limit=2&before=2", "limit=2&after=3"):
+        answer = _get(api_server, f"{timeline}?{query}").json()
+        pages[query] = ([t["txid"] for t in answer["transactions"]], answer["older"],
+                        answer["newer"])
+    assert pages == {"limit=2": ([5, 4], True, False), "limit=2&before=4": ([3, 2], True, True),
+                     "limit=2&before=2": ([1], False, True),
+                     "limit=2&after=3": ([5, 4], True, False)}
+    # filters: a txid range, states (repeated or comma-separated), both
+    assert _txids(_get(api_server, f"{timeline}?min_txid=2&max_txid=4")) == [4, 3, 2]
+    assert _txids(_get(api_server, f"{timeline}?state=committed")) == [3, 2, 1]
+    assert _txids(_get(api_server, f"{timeline}?state=failed&state=planned")) == [5, 4]
+    assert _txids(_get(api_server, f"{timeline}?state=failed,planned")) == [5, 4]
+    assert _txids(_get(api_server, f"{timeline}?state=abandoned")) == []
+    assert _txids(_get(api_server, f"{timeline}?min_txid=2&max_txid=4&state=committed"
+                                   "&limit=1&before=3")) == [2]
+    # each txid's runs and the paths of its tasks' logs in Airflow's UI
+    rows = {t["txid"]: t for t in _get(api_server, timeline).json()["transactions"]}
+    assert rows[4]["state"] == "failed" and rows[4]["reason"] == "a test's failure"
+    assert rows[3]["run"] == "dags/onceflow_tweets/runs/lib-3"
+    assert [log["path"] for log in rows[3]["logs"]] == [
+        "dags/onceflow_tweets/runs/lib-3/tasks/begin",
+        *(f"dags/onceflow_tweets/runs/lib-3/tasks/process/mapped/{g}"
+          for g in range(pipeline.groups)),
+        "dags/onceflow_tweets/runs/lib-3/tasks/commit"]
+    assert [(a["attempt"], a["run_id"], a["outcome"]) for a in rows[4]["attempts"]] == [
+        (1, "lib-4", "failed")]
+    # the txid of a run (the "onceflow view" link of a run's task asks for it)
+    found = _get(api_server, "/api/pipelines/tweets/txid?run_id=lib-2")
+    assert found.status_code == 200 and found.json()["txid"] == 2
+    missing = _get(api_server, "/api/pipelines/tweets/txid?run_id=nobody")
+    assert missing.status_code == 404 and "'nobody' of onceflow_tweets has no txid" in \
+        missing.json()["detail"]
+    # bad input: 400, naming the field, the value and what to give
+    for query, says in [
+            ("state=done", "state='done' is not a transaction state: choose from planned, "
+                           "committed, failed, superseded, abandoned"),
+            ("min_txid=4&max_txid=2", "min_txid=4 is above max_txid=2"),
+            ("limit=0", "limit=0: Input should be greater than or equal to 1"),
+            ("limit=many", "limit=many: Input should be a valid integer"),
+            ("before=3&after=1", "give before or after, not both")]:
+        answer = _get(api_server, f"{timeline}?{query}")
+        assert answer.status_code == 400 and says in answer.json()["detail"], answer.text
+
+    # the series, against the transactions table
+    points = {p["txid"]: p for p in _get(api_server, "/api/pipelines/tweets/series")
+              .json()["points"]}
+    assert sorted(points) == [1, 2, 3]
+    # lag when planned: txid 1 left 800 of 1,000 behind and had its own 200 in flight; txid 2,
+    # planned before 1 committed, left 600 and had 400 in flight; txid 3, planned after both
+    # committed and 500 more arrived, left 900 and had its own 200
+    assert [points[t]["lag"] for t in (1, 2, 3)] == [1000, 1000, 1100]
+    rows = table(conn, """SELECT txid, records, EXTRACT(EPOCH FROM committed_at - planned_at),
+                                 EXTRACT(EPOCH FROM committed_at - commit_requested_at),
+                                 EXTRACT(EPOCH FROM committed_at - %s),
+                                 EXTRACT(EPOCH FROM committed_at - lag(committed_at)
+                                         OVER (ORDER BY txid))
+                          FROM transactions WHERE state = 'committed' ORDER BY txid""",
+                 (arrived,))
+    for txid, records, duration, commit_s, since_arrival, since_previous in rows:
+        point = points[txid]
+        assert point["records"] == records == 200
+        assert point["commit_s"] == pytest.approx(float(commit_s), abs=0.002)
+        assert point["duration_s"] == pytest.approx(float(duration), abs=0.002)
+        assert point["records_per_s"] == pytest.approx(
+            records / float(since_previous or duration), abs=0.06)
+        if txid < 3:  # batches of the first 1,000 records only
+            assert point["freshness_s"] == pytest.approx(float(since_arrival), abs=0.002)
+    assert "oldest record" in _get(api_server, "/api/pipelines/tweets/series").json()[
+        "freshness"]
+    assert [p["txid"] for p in _get(api_server, "/api/pipelines/tweets/series?last=1")
+            .json()["points"]] == [3]
+    assert [p["txid"] for p in _get(api_server, "/api/pipelines/tweets/series?min_txid=2"
+                                                "&max_txid=2").json()["points"]] == [2]
+
+
+def test_the_plugin_serves_its_module_and_links_back_from_transaction_tasks(
+        api_server, monkeypatch):
+    """Airflow's UI loads the React view from the plugin's bundle_url (the module, versioned
+    by its digest, without a login); a transaction DAG's tasks get the "onceflow view" link
+    (under the path of [api] base_url), other tasks none."""
+    import httpx
+
+    from onceflow.airflow.ui import bundle
+    from onceflow.airflow.ui.plugin import OnceflowViewLink
+
+    api_server.wait_up()
+    plugins = _get_airflow(api_server, "/api/v2/plugins")
+    (ours,) = [p for p in plugins["plugins"] if p["name"] == "onceflow"]
+    (app,) = ours["react_apps"]
+    assert (app["url_route"], app["destination"]) == ("onceflow", "nav")
+    assert app["bundle_url"] == f"onceflow/static/onceflow-view.js?v={bundle.digest()}"
+    assert ours["external_views"] == []  # the React view replaces the iframe
+    assert any("OnceflowViewLink" in link for link in ours["global_operator_extra_links"])
+    module = httpx.get(f"{api_server.url}/{app['bundle_url']}", timeout=30)
+    assert module.status_code == 200
+    assert module.headers["content-type"].startswith("text/javascript")
+    assert "immutable" in module.headers["cache-control"]
+    assert "globalThis.AirflowPlugin = OnceflowView" in module.text
+    unversioned = httpx.get(f"{api_server.url}/onceflow/static/onceflow-view.js", timeout=30)
+    assert unversioned.headers["cache-control"] == "no-cache"
+    assert httpx.get(f"{api_server.url}/onceflow/static/other.js",
+                     timeout=30).status_code == 404
+
+    link = OnceflowViewLink()
+
+    def url(task_type: str, dag_id: str) -> str:
+        return link.get_link(SimpleNamespace(task_type=task_type), ti_key=SimpleNamespace(
+            dag_id=dag_id, run_id="manual__2026-01-02T03:04:05+00:00"))
+
+    wanted = "/plugin/onceflow/pipelines/tweets?run_id=manual__2026-01-02T03%3A04%3A05%2B00%3A00"
+    for task_type in ("BeginBatchOperator", "ProcessBatchOperator", "CommitBatchOperator",
+                      "TransactionOperator"):
+        assert url(task_type, "onceflow_tweets") == wanted
+    assert url("PythonOperator", "onceflow_tweets") == ""
+    assert url("CommitBatchOperator", "reports") == ""
+    monkeypatch.setenv("AIRFLOW__API__BASE_URL", "https://airflow.example.com/data/")
+    assert url("CommitBatchOperator", "onceflow_tweets") == f"/data{wanted}"
+
+
+def _get_airflow(api_server, path: str) -> dict:
+    import httpx
+
+    answer = httpx.get(f"{api_server.url}{path}", timeout=30,
+                       headers={"Authorization": f"Bearer {_token(api_server, 'admin')}"})
+    assert answer.status_code == 200, answer.text
+    return answer.json()
+
+
+_COLOURS = """() => {
+    const card = document.querySelector("#onceflow-view .onceflow-card");
+    const probe = document.createElement("div");
+    probe.style.background = "var(--chakra-colors-bg-panel)";
+    document.body.appendChild(probe);
+    const panel = getComputedStyle(probe).backgroundColor;
+    probe.remove();
+    return {card: getComputedStyle(card).backgroundColor, text: getComputedStyle(card).color,
+            panel, dark: document.documentElement.classList.contains("dark"),
+            font: getComputedStyle(card).fontFamily,
+            airflowFont: getComputedStyle(document.body).fontFamily};
+}"""
+
+
+def _lightness(colour: str) -> float:
+    """0 (black) to 1 (white): of a computed CSS colour, rgb() or oklch() (its L)."""
+    import re
+
+    numbers = [float(v) for v in re.findall(r"[\d.]+", colour)]
+    if colour.startswith("oklch("):
+        return numbers[0]
+    r, g, b = (v / 255 for v in numbers[:3])
+    return 0.2126 * r + 0.7152 * g + 0.0722 * b
+
+
+@pytest.mark.timeout(500)
+def test_the_view_follows_the_theme_pages_filters_and_refreshes_by_itself(
+        chromium, api_server, onceflow_connection, conn, dsn, spark, tmp_path):
+    """In Airflow's light and dark themes the view's panels take the theme's own colours
+    and font; a txid committed while the page is open shows up without a reload (and in the
+    charts); the timeline pages both ways and filters by txids and states."""
+    from helpers import run_transaction
+
+    pipeline = tweets_pipeline(conn, events=1000, batch_size=200, **CLEAN)
+    for n in (1, 2, 3):
+        run_transaction(spark, dsn, conn, pipeline, f"lib-{n}")
+    api_server.wait_up()
+    colours = {}
+    with launched(chromium) as browser:
+        for theme in ("light", "dark"):
+            context, page = _log_in(browser, api_server, "admin",
+                                    "/plugin/onceflow/pipelines/tweets", theme=theme)
+            with screenshots_on_failure(tmp_path, api_server.log, **{theme: page}):
+                page.locator("#onceflow-timeline tr[data-txid='3']").wait_for()
+                colours[theme] = page.evaluate(_COLOURS)
+                if theme == "light":
+                    _refreshes_by_itself(page, spark, dsn, conn, pipeline)
+                    _pages_and_filters(page, api_server, conn, pipeline)
+            context.close()
+    light, dark = colours["light"], colours["dark"]
+    assert (light["dark"], dark["dark"]) == (False, True)
+    assert light["card"] == light["panel"] and dark["card"] == dark["panel"], colours
+    assert light["card"] != dark["card"]
+    assert _lightness(light["card"]) > 0.85 and _lightness(dark["card"]) < 0.25, colours
+    assert _lightness(light["text"]) < 0.35 and _lightness(dark["text"]) > 0.65, colours
+    assert light["font"] == light["airflowFont"] and "Inter" in light["font"]
+
+
+def _refreshes_by_itself(page, spark, dsn: str, conn, pipeline) -> None:
+    from playwright.sync_api import expect
+
+    from helpers import run_transaction
+
+    page.locator("#onceflow-refresh").select_option("5")
+    assert page.locator("#onceflow-chart-rate").get_attribute("data-points") == "3"
+    page.evaluate("window.onceflowTestMark = 'no reload'")
+    _, result = run_transaction(spark, dsn, conn, pipeline, "lib-4")
+    assert result.status == "committed"
+    page.locator("#onceflow-timeline tr[data-txid='4'][data-state='committed']").wait_for(
+        timeout=30_000)
+    # the cards and the charts have their own requests: each refreshes by itself too
+    expect(page.locator("#onceflow-last-committed")).to_have_text("4")
+    page.locator("#onceflow-chart-rate circle[data-txid='4']").wait_for()
+    assert page.locator("#onceflow-chart-rate").get_attribute("data-points") == "4"
+    assert page.evaluate("window.onceflowTestMark") == "no reload"
+
+
+def _pages_and_filters(page, api_server, conn, pipeline) -> None:
+    from onceflow.core.begin import begin, mark_failed
+
+    def shown() -> list[int]:
+        return [int(r.get_attribute("data-txid"))
+                for r in page.locator("#onceflow-timeline tbody tr[data-state]").all()]
+
+    def wait_for(txids: list[int]) -> None:
+        deadline = time.monotonic() + 20
+        while shown() != txids and time.monotonic() < deadline:
+            page.wait_for_timeout(200)
+        assert shown() == txids
+
+    page.goto(f"{api_server.url}/plugin/onceflow/pipelines/tweets?limit=2")
+    wait_for([4, 3])
+    assert page.locator("#onceflow-newer").is_disabled()
+    page.locator("#onceflow-older").click()
+    wait_for([2, 1])
+    assert page.locator("#onceflow-older").is_disabled()
+    page.locator("#onceflow-newer").click()
+    wait_for([4, 3])
+    # a txid range: the timeline and the charts show it
+    page.locator("#onceflow-min").fill("2")
+    page.locator("#onceflow-max").fill("3")
+    page.locator("#onceflow-apply").click()
+    wait_for([3, 2])
+    page.locator("#onceflow-chart-rate[data-points='2']").wait_for()
+    assert parse_qs(urlsplit(page.url).query) == {"min": ["2"], "max": ["3"], "limit": ["2"]}
+    # a state: txid 5 fails while the page shows failed ones
+    page.locator("#onceflow-clear").click()
+    page.locator(".onceflow-state-filter[data-state='failed']").click()
+    page.locator("#onceflow-apply").click()
+    page.get_by_text("No transaction matches this filter.").wait_for()
+    batch = begin(conn, pipeline, "lib-5")
+    assert batch.attempt.txid == 5
+    assert mark_failed(conn, pipeline.name, batch.attempt, "a test's failure")
+    wait_for([5])
+    assert "a test's failure" in page.locator("#onceflow-timeline tr[data-txid='5']").inner_text()

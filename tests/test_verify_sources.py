@@ -12,9 +12,9 @@ import psycopg2
 import pytest
 
 from helpers import run_transaction, table
+from onceflow.cli import main
 from onceflow.core.registration import register
 from onceflow.core.registry import get_pipeline
-from onceflow.ops.cli import main
 from onceflow.ops.verify import rerun
 from onceflow.sources.landing import LandingFolder
 from onceflow.sources.segments import FileSegments

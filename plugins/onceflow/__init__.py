@@ -9,17 +9,18 @@ and registry, transaction log, begin, staging, commit, offsets, backflow, the op
 ``sources`` (the Source interface and its implementations), ``kvstate`` (key-value state of
 stateful bolts), ``airflow`` (DAGs, operators, trigger), ``ops`` (the CLI: status, verify,
 backfill, retention, repair), ``dev`` (local PostgreSQL and Spark, demo and test helpers).
-The Spark side is the ``spark_tasks`` package.
+``spark`` (the Spark side: topology, runner, acker, processing; its folder is the
+checkout's spark_tasks/).
 """
 
 from onceflow.core.errors import ConfigError
 from onceflow.core.pipeline import Pipeline, StateSpec
 from onceflow.core.tables import Count, Last, Max, Min, Sum
+from onceflow.core.topology import ANCHORS, SPOUT, StatefulBolt, Topology
 from onceflow.sources.landing import LandingFolder
 from onceflow.sources.pglog import PostgresLog
 from onceflow.sources.segments import FileSegments
 from onceflow.sources.table import TableSource
-from spark_tasks.topology import ANCHORS, SPOUT, StatefulBolt, Topology
 
 __version__ = "0.2.0"
 __all__ = ["ANCHORS", "SPOUT", "ConfigError", "Count", "FileSegments", "LandingFolder", "Last",

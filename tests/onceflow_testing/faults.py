@@ -4,7 +4,8 @@ A ``FaultRun`` drives a pipeline's transactions (begin, process, commit, called 
 one Spark session) in a random but seeded order, and on the way:
 
 - kills with SIGKILL a process that is staging a group (inside its PostgreSQL transaction),
-  one inside the commit transaction (at a random step) and one right after its COMMIT;
+  one inside the commit transaction (at a random step) and one after its COMMIT (before the
+  staging is deleted, or after commit() returned);
 - restarts PostgreSQL in immediate mode (a crash: unlogged staging is emptied) between the
   staging and the commit of a batch;
 - starts a second run of a txid that is in flight (a duplicate trigger): the first attempt
@@ -56,10 +57,14 @@ from onceflow.core.pipeline import Pipeline
 from onceflow.core.registry import get_pipeline
 from onceflow.core.staging import stage_group
 from onceflow.core.txlog import TransactionAttempt, TxState
+from onceflow.kvstate import open_state_provider
 
 log = logging.getLogger(__name__)
 
-COMMIT_STEPS = ("locked", "rejects", "backflow", "offsets", "staging", "commit_record")
+COMMIT_STEPS = ("locked", "contributions", "rejects", "backflow", "offsets", "commit_record")
+# After the commit's COMMIT: before its staging is deleted (onceflow.core.commit), and after
+# commit() returned.
+AFTER_COMMIT = {"committed": "commit:committed", "after": "after commit"}
 PAUSED = "PAUSED"
 # How an agent that ends without pausing says why (a line on its stdout); anything else that
 # ends it is an error of the harness or of onceflow, reported with the agent's stderr.
@@ -133,8 +138,9 @@ def agent_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--group", type=int, default=0)
     parser.add_argument("--staging", help="folder with deltas.csv, rejects.csv, failures.csv "
                                           "and meta.json")
-    parser.add_argument("--pause-at", help="a commit step (commit_steps()), or 'after' (after "
-                                           "COMMIT)")
+    parser.add_argument("--pause-at", help="a commit step (commit_steps()), 'committed' (after "
+                                           "COMMIT, before the staging is deleted) or 'after' "
+                                           "(after commit() returned)")
     args = parser.parse_args(argv)
     # on stderr, which the harness shows when the agent hangs or fails
     print(f"fault agent pid {os.getpid()}: {args.action} {args.pipeline} txid {args.txid} "
@@ -160,7 +166,8 @@ def agent_main(argv: list[str] | None = None) -> int:
                 _pause(f"commit:{name}")
 
         _pause_inside_external_and_kv(on_step)
-        result = commit(conn, pipeline, ta, on_step=on_step, coordinator_dsn=dsn)
+        result = commit(conn, pipeline, ta, on_step=on_step, coordinator_dsn=dsn,
+                        open_state=open_state_provider)
     except Fenced as error:
         print(f"{ENDED} fenced: {error}", flush=True)
         return 3
@@ -447,7 +454,7 @@ class FaultRun:
         self.in_flight.append(item)
 
     def _process(self, item: InFlight, faults: bool = True) -> None:
-        from spark_tasks.processing import process_batch
+        from onceflow.spark.processing import process_batch
 
         for group in range(item.groups):
             if faults and self._fault("fenced_while_processing"):
@@ -509,9 +516,10 @@ class FaultRun:
                 if kill.killed:
                     self.outcomes[f"killed at commit:{step}"] += 1
             if self._fault("kill_after_commit"):
+                at = self.rng.choice(sorted(AFTER_COMMIT))
                 self._kill("kill_after_commit",
-                           self._agent("commit", item.attempt, "--pause-at", "after"),
-                           "after commit")
+                           self._agent("commit", item.attempt, "--pause-at", at),
+                           AFTER_COMMIT[at])
         result = commit(self.conn, self.pipeline, item.attempt, coordinator_dsn=self.dsn)
         return result.status in ("committed", "already_committed")
 
@@ -576,7 +584,7 @@ class FaultRun:
         """Transactions without faults until nothing is left to read or replay: first the
         runs still in flight fail (as after their last retry), then new runs adopt them and
         read what is left."""
-        from spark_tasks.processing import process_batch
+        from onceflow.spark.processing import process_batch
 
         self.rate = 0.0
         for item in self.in_flight:  # their runs give up: the drain's runs adopt them

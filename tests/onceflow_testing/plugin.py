@@ -169,7 +169,7 @@ def conn(dsn):
 @pytest.fixture(scope="session")
 def spark():
     """One local SparkSession for every test that calls the processing phase directly."""
-    from spark_tasks.session import get_spark
+    from onceflow.spark.session import get_spark
 
     session = get_spark("onceflow-tests", master="local[2]")
     session.sparkContext.setLogLevel("WARN")
@@ -201,7 +201,7 @@ def spark_connect_server(tmp_path_factory):
     that processing tasks reach through a ``spark_connect`` connection. Yields its port."""
     import socket
 
-    from spark_tasks import localspark
+    from onceflow.spark import localspark
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from onceflow.ops.cli import positive_int, run_command
+from onceflow.cli import positive_int, run_command
 from orders_example import data
 
 

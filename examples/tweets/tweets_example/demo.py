@@ -16,7 +16,7 @@ import logging
 import sys
 import time
 
-from onceflow.ops.cli import positive_int, run_command
+from onceflow.cli import positive_int, run_command
 from tweets_example.data import generate
 from tweets_example.pipelines import PIPELINES
 

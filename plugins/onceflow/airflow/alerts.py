@@ -12,9 +12,11 @@ context carries ``commit_lag`` (``CommitLag.as_dict()``: ``message``, ``seconds`
 
 **What commit lag is** (``measure``): how long the oldest work that is not committed has
 waited. Work is an open transaction (planned, failed, superseded or abandoned: since it was
-planned) or records of the source no commit has covered yet (since they arrived: the
-PostgreSQL log knows each record's ``produced_at``; for other sources, since the last commit
-or the pipeline's registration). Nothing waiting: 0. So a pipeline that commits regularly has a
+planned) or records of the source no commit has covered yet (since they arrived, as the
+pipeline's freshness measures it, onceflow.core.freshness: the PostgreSQL log's
+``produced_at``, a segment's index time, a landed file's modification time, a table's
+``time_column`` or when its head was first seen; unknown: since the last commit or the
+pipeline's registration). Nothing waiting: 0. So a pipeline that commits regularly has a
 lag of about its schedule; one blocked behind a failed txid, or that nobody triggers, grows
 without bound.
 
@@ -44,12 +46,17 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from airflow.sdk import DAG, BaseOperator
+from airflow.sdk import DAG, BaseNotifier, BaseOperator
 
 from onceflow.airflow.compat import AirflowFailException
-from onceflow.core.connections import DEFAULT_CONN_ID, resolve_dsn
+from onceflow.airflow.hooks import OnceflowHook
+from onceflow.airflow.operators import airflow_outcomes, load_pipeline, run_note
+from onceflow.core import offsets, txlog
+from onceflow.core.connections import DEFAULT_CONN_ID
+from onceflow.core.db import connection, transaction
 from onceflow.core.errors import ConfigError
-from onceflow.core.pipeline import Pipeline
+from onceflow.core.pipeline import Pipeline, resolve
+from onceflow.core.registry import reference_of
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +78,6 @@ def pipeline_with_refs(pipeline: Pipeline | str, refs: Iterable[str] = ()
                        ) -> tuple[Pipeline, tuple[str, ...]]:
     """The pipeline (a Pipeline or a registered name) and the references its tasks pass on,
     as ``transaction_dag`` resolves them."""
-    from onceflow.airflow.operators import load_pipeline
-    from onceflow.core.registry import reference_of
 
     refs = tuple(refs)
     if isinstance(pipeline, str):
@@ -137,21 +142,9 @@ class CommitLag:
                 "message": self.message(limit)}
 
 
-def _first_arrival(cur, source, partition: int, offset: int) -> datetime | None:
-    """When the first record at or after ``offset`` arrived, if the source says (the
-    PostgreSQL log: ``produced_at``)."""
-    if getattr(source, "kind", None) != "postgres-log":
-        return None
-    cur.execute('SELECT produced_at FROM source_log WHERE topic = %s AND partition = %s '
-                'AND "offset" >= %s ORDER BY "offset" LIMIT 1', (source.topic, partition, offset))
-    row = cur.fetchone()
-    return row[0] if row else None
-
-
 def measure(cur, pipeline: Pipeline) -> CommitLag:
     """The commit lag of ``pipeline`` now (the database's clock), read in ``cur``'s
     transaction. A pipeline not initialised yet (no begin ran) has nothing waiting."""
-    from onceflow.core import offsets, txlog
 
     name = pipeline.name
     cur.execute("SELECT now(), last_committed_txid, created_at FROM pipelines WHERE name = %s",
@@ -171,12 +164,15 @@ def measure(cur, pipeline: Pipeline) -> CommitLag:
     oldest_open = cur.fetchone()
 
     committed = offsets.committed(cur, name)
-    waiting, arrivals = 0, []
+    waiting, points = 0, []
     for partition, position in sorted(pipeline.source.positions(cur).items()):
         done = max(committed.get(partition, position.log_start), position.log_start)
         if position.head > done:
             waiting += position.head - done
-            arrivals.append(_first_arrival(cur, pipeline.source, partition, done))
+            points.append((partition, done))
+    # when the oldest record not committed arrived (onceflow.core.freshness: the source's
+    # own record of it, or when its head was first seen)
+    arrivals = list(pipeline.source.arrivals(cur, points).values()) if points else []
     dag_id = f"onceflow_{name}"
     times = []
     if oldest_open is not None:
@@ -212,7 +208,6 @@ def measure(cur, pipeline: Pipeline) -> CommitLag:
 def notifiers_of(pipeline: Pipeline) -> list:
     """The pipeline's commit lag notifiers: a BaseNotifier, a function (context) -> None, a
     "module:attribute" reference to one, or a tuple of those."""
-    from onceflow.core.pipeline import resolve
 
     value = pipeline.commit_lag_notifier
     if value is None:
@@ -232,7 +227,6 @@ def notifiers_of(pipeline: Pipeline) -> list:
 def notify(pipeline: Pipeline, context: dict, lag: CommitLag, limit: timedelta) -> int:
     """Call every notifier of ``pipeline`` with ``context`` (which gains ``commit_lag``).
     A notifier that raises is logged and the others still run. Returns how many succeeded."""
-    from airflow.sdk import BaseNotifier
 
     context["commit_lag"] = lag.as_dict(limit)
     ok = 0
@@ -251,7 +245,6 @@ def notify(pipeline: Pipeline, context: dict, lag: CommitLag, limit: timedelta) 
 
 def _note(context, pipeline: str, text: str) -> None:
     """The run's note (onceflow.airflow.ui.notes) says what the check found."""
-    from onceflow.airflow.operators import run_note
 
     run_note(context, lambda notes: {"kind": "commit-lag", "text": text, "pipeline": pipeline,
                                      "txid": None, "attempt": None, "final": True})
@@ -280,16 +273,13 @@ class CommitLagCheckOperator(BaseOperator):
         self.alert = alert
 
     def execute(self, context) -> dict[str, Any]:
-        from onceflow.airflow.operators import airflow_outcomes, load_pipeline
-        from onceflow.core.db import connection, transaction
-
         with airflow_outcomes():
             pipeline = load_pipeline(self.pipeline, self.pipeline_refs)
             limit = self.alert or pipeline.commit_lag_alert
             if limit is None:
                 raise ConfigError(f"pipeline {pipeline.name!r} declares no commit_lag_alert: "
                                   "set it (e.g. timedelta(minutes=30)) or pass alert=")
-            with connection(resolve_dsn(self.postgres_conn_id),
+            with connection(OnceflowHook(self.postgres_conn_id).dsn(),
                             application_name="onceflow-commit-lag") as conn, \
                     transaction(conn) as cur:
                 lag = measure(cur, pipeline)

@@ -34,11 +34,17 @@ from collections.abc import Iterable, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
+from airflow.providers.standard.operators.hitl import ApprovalOperator
 from airflow.sdk import DAG, BaseOperator, Param
 
 from onceflow.airflow.alerts import pipeline_with_refs
 from onceflow.airflow.compat import AirflowFailException, AirflowSkipException
-from onceflow.core.connections import DEFAULT_CONN_ID, resolve_dsn
+from onceflow.airflow.hooks import OnceflowHook
+from onceflow.airflow.operators import airflow_outcomes, load_pipeline, run_note
+from onceflow.core import txlog
+from onceflow.core.backflow import replay_dead_letters
+from onceflow.core.connections import DEFAULT_CONN_ID
+from onceflow.core.db import connection, transaction
 from onceflow.core.pipeline import Pipeline
 
 NEWEST = 10  # dead letters listed one by one in the request
@@ -153,14 +159,10 @@ class _DeadLetterTask:
         self.postgres_conn_id = postgres_conn_id
 
     def _load(self):
-        from onceflow.airflow.operators import load_pipeline
-
         return load_pipeline(self.pipeline, self.pipeline_refs)
 
 
 def _note(context, pipeline: str, text: str) -> None:
-    from onceflow.airflow.operators import run_note
-
     run_note(context, lambda notes: {"kind": "dead-letters", "text": text,
                                      "pipeline": pipeline, "txid": None, "attempt": None,
                                      "final": True})
@@ -182,13 +184,10 @@ class DeadLetterPreviewOperator(_DeadLetterTask, BaseOperator):
         self._setup(pipeline, pipeline_refs, postgres_conn_id)
 
     def execute(self, context) -> dict[str, Any]:
-        from onceflow.airflow.operators import airflow_outcomes
-        from onceflow.core.db import connection, transaction
-
         positions, error_contains, last_error, choice = parse_choice(dict(context["params"]))
         with airflow_outcomes():
             pipeline = self._load()
-            with connection(resolve_dsn(self.postgres_conn_id),
+            with connection(OnceflowHook(self.postgres_conn_id).dsn(),
                             application_name="onceflow-replay") as conn, \
                     transaction(conn) as cur:
                 cur.execute(_CHOSEN, {
@@ -238,11 +237,6 @@ class ReplayApprovedDeadLettersOperator(_DeadLetterTask, BaseOperator):
         self.approval_task_id = approval_task_id
 
     def execute(self, context) -> dict[str, Any]:
-        from onceflow.airflow.operators import airflow_outcomes
-        from onceflow.core import txlog
-        from onceflow.core.backflow import replay_dead_letters
-        from onceflow.core.db import connection, transaction
-
         ti = context["ti"]
         shown = ti.xcom_pull(task_ids=self.preview_task_id) or {}
         answer = ti.xcom_pull(task_ids=self.approval_task_id) or {}
@@ -253,7 +247,7 @@ class ReplayApprovedDeadLettersOperator(_DeadLetterTask, BaseOperator):
         letters = shown.get("shown") or []
         with airflow_outcomes():
             pipeline = self._load()
-            with connection(resolve_dsn(self.postgres_conn_id),
+            with connection(OnceflowHook(self.postgres_conn_id).dsn(),
                             application_name="onceflow-replay") as conn, \
                     transaction(conn) as cur:
                 cur.execute("SET LOCAL lock_timeout = '60s'")  # a commit holds it briefly
@@ -304,7 +298,6 @@ def replay_dead_letters_dag(pipeline: Pipeline | str, *, dag_id: str | None = No
     :param notifiers: Airflow notifiers told when the request is made (e.g. a chat message
         with the link to the required action).
     """
-    from airflow.providers.standard.operators.hitl import ApprovalOperator
 
     pipeline, refs = pipeline_with_refs(pipeline, pipeline_refs)
     common = {"pipeline": pipeline.name, "pipeline_refs": refs,

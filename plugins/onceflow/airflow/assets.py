@@ -16,15 +16,35 @@ before it succeeds (``no_events``), so Airflow records no event for it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
-from airflow.sdk import Asset, AssetAlias
+from airflow.sdk import Asset, AssetAlias, AssetWatcher
+
+from onceflow.airflow.triggers import SourceWatchTrigger
+from onceflow.core.connections import DEFAULT_CONN_ID
 
 
 def state_asset(pipeline: str, table: str) -> Asset:
     """The Asset of one state table of ``pipeline``."""
     return Asset(name=f"onceflow/{pipeline}/{table}", uri=f"onceflow://{pipeline}/{table}",
                  group="onceflow")
+
+
+def source_asset(pipeline, refs: Iterable[str] = (),
+                 postgres_conn_id: str = DEFAULT_CONN_ID) -> Asset:
+    """The Asset of ``pipeline``'s source (``onceflow-source://<pipeline>``), watched by a
+    SourceWatchTrigger in the triggerer: what its transaction DAG is scheduled on when it
+    keeps up (``keep_up=True``, docs/keep-up.md). The trigger's arguments are the pipeline's
+    settings: a changed declaration makes Airflow replace the trigger."""
+    trigger = SourceWatchTrigger(
+        pipeline=pipeline.name, pipeline_refs=list(refs), postgres_conn_id=postgres_conn_id,
+        watch_interval=float(pipeline.watch_interval), min_records=pipeline.batch_start_records,
+        max_delay_s=pipeline.max_delay_s, max_pending=pipeline.max_pending,
+        batch_size=pipeline.batch_size)
+    return Asset(name=f"onceflow-source/{pipeline.name}",
+                 uri=f"onceflow-source://{pipeline.name}", group="onceflow",
+                 watchers=[AssetWatcher(name=f"onceflow_{pipeline.name}_source",
+                                        trigger=trigger)])
 
 
 def pipeline_alias(pipeline: str) -> AssetAlias:

@@ -24,7 +24,9 @@ from typing import Any
 
 from airflow.sdk import DAG, Param, get_parsing_context
 
-from onceflow.airflow.assets import commit_outlets
+from onceflow.airflow.alerts import commit_lag_dag, monitor_dag_id
+from onceflow.airflow.approval import replay_dag_id, replay_dead_letters_dag
+from onceflow.airflow.assets import commit_outlets, source_asset
 from onceflow.airflow.operators import (
     BeginBatchOperator,
     CommitBatchOperator,
@@ -38,12 +40,13 @@ from onceflow.airflow.operators import (
 from onceflow.core.connections import DEFAULT_CONN_ID
 from onceflow.core.errors import ConfigError
 from onceflow.core.pipeline import DAG_SHAPES, Pipeline, check
+from onceflow.core.registry import installed_entry_points, pipelines, reference_of
 
 # Runs a transaction DAG lets start past its pipeline's max_pending, by DAG shape: each waits
 # in its begin for a place and plans the moment a transaction commits. A one-task DAG lets two,
 # because the scheduler's hop to the next run often outlasts the time between two commits; a
 # three-task DAG waits for the scheduler between its tasks anyway, so a second waiting run
-# would only hold a worker slot and a PostgreSQL connection (bench/RESULTS.md has the runs).
+# would only hold a worker slot and a PostgreSQL connection.
 STANDBY_RUNS = {"single": 2, "phases": 1}
 # The entry point group of the DAGs installed packages ship (shipped_dags).
 SHIPPED_DAGS = "onceflow.dags"
@@ -91,6 +94,14 @@ Source: {source}. States: {states}.
 """
 
 
+KEEP_UP_DOC = """
+Runs start by themselves (`keep_up`): a watcher in the triggerer looks at the source every
+{interval:g}s and starts a run once {min_records:,} records wait or the oldest has waited
+{max_delay:g}s, up to {max_pending} at a time; a run it started that finds nothing to read ends
+without a txid. Trigger and backfills work as well. See docs/keep-up.md.
+"""
+
+
 def transaction_dag(pipeline: Pipeline | str, *, dag_id: str | None = None,
                     pipeline_refs: Iterable[str] = (), schedule: Any = None,
                     start_date: datetime | None = None, tags: Iterable[str] = (),
@@ -110,12 +121,16 @@ def transaction_dag(pipeline: Pipeline | str, *, dag_id: str | None = None,
     ``STANDBY_RUNS[shape]`` (2 for "single", 1 for "phases"): the runs past ``max_pending``
     wait in their begin and one plans the moment a transaction commits
     (``BeginBatchOperator``'s ``wait_for_slot``).
+
+    A pipeline declared with ``keep_up=True`` is scheduled on its source
+    (onceflow.airflow.triggers.source_watch: a watcher in the triggerer starts runs when
+    records wait),
+    ``max_active_runs`` defaulting to its ``max_pending``; ``schedule`` is then refused.
     """
     refs = tuple(pipeline_refs)
     if isinstance(pipeline, str):
         pipeline = load_pipeline(pipeline, refs)
     else:
-        from onceflow.core.registry import reference_of
 
         pipeline.validate()
         ref = reference_of(pipeline)
@@ -137,22 +152,33 @@ def transaction_dag(pipeline: Pipeline | str, *, dag_id: str | None = None,
         "on_retry_callback": lease_for_retry,
         "retries": pipeline.retries,
         "retry_delay": timedelta(
-            seconds=seconds_setting("retry_delay", None, "ONCEFLOW_RETRY_DELAY_SECONDS", 10)),
+            seconds=seconds_setting("retry_delay", None, "retry_delay_seconds")),
         **(default_args or {}),
     }
     shape = shape or pipeline.dag_shape
     check(shape in DAG_SHAPES, "shape", shape, f"choose one of {', '.join(DAG_SHAPES)}")
+    runs = max_active_runs or pipeline.max_pending + STANDBY_RUNS[shape]
+    if pipeline.keep_up:
+        check(schedule is None, "schedule", schedule,
+              f"pipeline {pipeline.name!r} keeps up (keep_up=True): its runs start when its "
+              "source has records. Leave schedule out, or declare keep_up=False")
+        schedule = [source_asset(pipeline, refs, postgres_conn_id)]
+        runs = max_active_runs or pipeline.max_pending
     with DAG(
         dag_id=dag_id or f"onceflow_{pipeline.name}",
         description=description or pipeline.description or f"onceflow pipeline {pipeline.name}",
         doc_md=doc_md or (SINGLE_DOC if shape == "single" else DOC).format(
             name=pipeline.name, description=pipeline.description,
             source=pipeline.source.describe(),
-            states=", ".join(f"`{s.table}`" for s in pipeline.states)),
+            states=", ".join(f"`{s.table}`" for s in pipeline.states)) + (
+            KEEP_UP_DOC.format(interval=pipeline.watch_interval,
+                               min_records=pipeline.batch_start_records,
+                               max_delay=pipeline.max_delay_s, max_pending=pipeline.max_pending)
+            if pipeline.keep_up and not doc_md else ""),
         start_date=start_date or datetime(2026, 1, 1),
         schedule=schedule,
         catchup=False,
-        max_active_runs=max_active_runs or pipeline.max_pending + STANDBY_RUNS[shape],
+        max_active_runs=runs,
         render_template_as_native_obj=True,
         tags=["onceflow", "exactly-once", *tags],
         default_args=args,
@@ -195,7 +221,6 @@ def transaction_dags(refs: Iterable[str] = (), **kwargs: Any) -> dict[str, DAG]:
     """A transaction DAG for every registered pipeline, by DAG id, and the DAGs its options
     ask for (``companion_dags``). In a task's process only that task's DAG is built
     (Airflow's parsing context names it): a task pays for one."""
-    from onceflow.core.registry import pipelines
 
     wanted = get_parsing_context().dag_id
     out = {}
@@ -228,14 +253,12 @@ def companion_dags(pipeline: Pipeline, refs: Iterable[str] = (), *, wanted: str 
     out = {}
     refs = tuple(refs)
     if pipeline.commit_lag_alert is not None:
-        from onceflow.airflow.alerts import commit_lag_dag, monitor_dag_id
 
         if not wanted or wanted == monitor_dag_id(pipeline.name):
             dag = commit_lag_dag(pipeline.name, pipeline_refs=refs,
                                  postgres_conn_id=postgres_conn_id)
             out[dag.dag_id] = dag
     if pipeline.dead_letter_approval:
-        from onceflow.airflow.approval import replay_dag_id, replay_dead_letters_dag
 
         if not wanted or wanted == replay_dag_id(pipeline.name):
             dag = replay_dead_letters_dag(pipeline.name, pipeline_refs=refs,
@@ -251,7 +274,6 @@ def shipped_dags(built: Mapping[str, DAG] | None = None) -> dict[str, DAG]:
     ``onceflow.dags`` (a DAG, or a list of them), e.g. a pipeline's downstream reports.
     ``built``: the DAGs the file built before; in a task's process whose DAG is among them
     no entry point is loaded (a transaction DAG's task does not import the reports)."""
-    from onceflow.core.registry import installed_entry_points
 
     wanted = get_parsing_context().dag_id
     if wanted and wanted in (built or {}):

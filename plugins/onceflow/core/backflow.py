@@ -94,15 +94,19 @@ def claimed(cur, pipeline: str, txid: int, group: int) -> list[tuple[int, int, s
     return cur.fetchall()
 
 
-def committed_replays(cur, pipeline: str) -> list[tuple[int, int, int, int, str]]:
+def committed_replays(cur, pipeline: str, first: int = 1, last: int | None = None,
+                      *, payloads: bool = True) -> list[tuple]:
     """(txid, partition, offset, replays, payload) of every record a committed txid replayed
-    (after the last reset), in txid order."""
+    (after the last reset; of txids ``first..last`` only), in txid order; without
+    ``payloads``, (txid, partition, offset)."""
     cur.execute(
-        """SELECT r.txid, r.partition, r."offset", r.replays, r.payload FROM batch_replays r
+        sql.SQL("""SELECT r.txid, r.partition, r."offset" {} FROM batch_replays r
            JOIN pipelines p ON p.name = r.pipeline
-           WHERE r.pipeline = %s AND r.txid > p.reset_after_txid
-           ORDER BY r.txid, r.partition, r."offset" """,
-        (pipeline,),
+           WHERE r.pipeline = %s AND r.txid > p.reset_after_txid AND r.txid >= %s
+             AND (%s::bigint IS NULL OR r.txid <= %s)
+           ORDER BY r.txid, r.partition, r."offset" """).format(
+            sql.SQL(", r.replays, r.payload" if payloads else "")),
+        (pipeline, first, last, last),
     )
     return cur.fetchall()
 

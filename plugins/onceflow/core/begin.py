@@ -11,7 +11,13 @@ What begin gives a run (first rule that applies):
 3. the lowest txid to adopt (onceflow.core.txlog.adoptable): failed, superseded, or planned
    by an attempt that stopped reporting (its run died): a new attempt (automatic backfill);
 4. else a new txid with a new batch, unless ``max_pending`` transactions are uncommitted
-   (then MaxPendingReached and the run plans nothing).
+   (then MaxPendingReached and the run plans nothing), or, for a run that asks to skip an
+   empty batch (``skip_empty``: a run the source watcher started), unless there is nothing
+   to read (then NothingToPlan: no txid).
+
+A new batch records when its oldest and newest records arrived in the source
+(``transactions.first_arrival`` / ``last_arrival``, onceflow.core.freshness). Every begin
+counts itself (``pipelines.begins``), so the source watcher knows its runs began.
 
 A new attempt fences every older one: staging and commit check that their attempt is current.
 In transactional mode a txid's batch never changes (unless retention took part of it, which
@@ -20,18 +26,22 @@ txid - 1 ends; when that changes the batch, every later uncommitted txid is supe
 adopted (rule 3) and re-planned from the new end in txid order, so nothing is skipped or read
 twice. Worked example (seed 001): A = txid 1 reads 1-50, B = txid 2 reads 51-100, A fails;
 A's new attempt reads 1-40, so B is superseded; B's next attempt reads 41-...
+
+Each attempt records where its begin's time went (onceflow.core.timings): waiting for locks,
+indexing new source data, planning; its BEGIN log line ends with the three.
 """
 
 from __future__ import annotations
 
 import logging
 
-from onceflow.core import backflow, offsets, txlog
+from onceflow.core import backflow, offsets, timings, txlog
 from onceflow.core.db import transaction
-from onceflow.core.errors import MaxPendingReached, UnknownTransaction
+from onceflow.core.errors import MaxPendingReached, NothingToPlan, UnknownTransaction
 from onceflow.core.lease import this_process
 from onceflow.core.pipeline import Pipeline
 from onceflow.core.planner import PartitionRange, plan_ranges
+from onceflow.core.source import record_sightings
 from onceflow.core.staging import delete_staging
 from onceflow.core.txlog import Batch, TransactionAttempt, TxState
 
@@ -39,32 +49,45 @@ log = logging.getLogger(__name__)
 
 
 def begin(conn, pipeline: Pipeline, run_id: str, *, txid: int | None = None,
-          lease_s: int | None = None) -> Batch:
+          lease_s: int | None = None, skip_empty: bool = False) -> Batch:
     """Give ``run_id`` its transaction attempt and batch (the rules in the module docstring).
     ``lease_s``: the attempt's first lease (default the pipeline's; a run that goes on in
-    another task gives its hand-over lease, onceflow.core.lease)."""
+    another task gives its hand-over lease, onceflow.core.lease). ``skip_empty``: plan no
+    new transaction without records to read (NothingToPlan)."""
     lease = (lease_s or pipeline.lease_s, this_process())
-    with transaction(conn) as cur:
-        coordinator = txlog.lock_pipeline(cur, pipeline.name)
+    with timings.begin_split() as split, transaction(conn) as cur:
+        with timings.phase("lock_wait"):
+            coordinator = txlog.lock_pipeline(cur, pipeline.name)
+        cur.execute("UPDATE pipelines SET begins = begins + 1 WHERE name = %s",
+                    (pipeline.name,))
         target, why = txid, "requested"
         if target is None:
             target, why = txlog.run_txid(cur, pipeline.name, run_id), "the run's own txid"
         if target is None:
             target, why = txlog.adoptable(cur, pipeline.name) or (None, "")
         if target is None:
-            return _begin_new(cur, pipeline, run_id, coordinator, lease)
-        if not 1 <= target < coordinator.next_txid:
+            batch = _begin_new(cur, pipeline, run_id, coordinator, lease, split, skip_empty)
+        elif not 1 <= target < coordinator.next_txid:
             raise UnknownTransaction(
                 f"txid={target} does not exist in pipeline {pipeline.name!r} (txids 1.."
                 f"{coordinator.next_txid - 1}): omit txid to plan a new transaction")
-        return _reattempt(cur, pipeline, run_id, target, coordinator, why, lease)
+        else:
+            batch = _reattempt(cur, pipeline, run_id, target, coordinator, why, lease, split)
+    if batch is None:  # committed: the begin is counted, what it saw is recorded
+        log.info("BEGIN pipeline=%s run=%s: nothing new to read; no transaction planned",
+                 pipeline.name, run_id)
+        raise NothingToPlan(f"nothing new to read in {pipeline.source.describe()}: the "
+                            f"pipeline is caught up (last txid {coordinator.next_txid - 1})")
+    return batch
 
 
 def _plan(cur, pipeline: Pipeline, coordinator: txlog.Coordinator, groups: int, txid: int,
           before_txid: int | None, old: list[tuple[PartitionRange, int]] = (), *,
-          size: int) -> list[tuple[PartitionRange, int]]:
+          size: int) -> tuple[list[tuple[PartitionRange, int]], int]:
     """Plan txid's batch; ``old`` is its previous plan (a re-plan): where the new plan starts
-    later than the old one did, the records between were skipped (gone) and are recorded."""
+    later than the old one did, the records between were skipped (gone) and are recorded.
+    Returns the ranges and the backlog: the records of the source past the batch's end (held
+    back ones too), which the view's lag over time is made of."""
     def resolve(positions):
         return offsets.resolve_starts(cur, pipeline, coordinator, positions, before_txid)
 
@@ -80,6 +103,8 @@ def _plan(cur, pipeline: Pipeline, coordinator: txlog.Coordinator, groups: int, 
                    for p, start in starts.offsets.items()) >= size
 
     positions = pipeline.source.positions_until(cur, enough)
+    if pipeline.source.arrival_by_sight:  # the arrival of records past the last head seen
+        record_sightings(cur, pipeline.topic, {p: pos.head for p, pos in positions.items()})
     starts = resolve(positions)
     gapped = {p for p, _, _ in starts.gaps}
     for r, _ in old:
@@ -87,6 +112,7 @@ def _plan(cur, pipeline: Pipeline, coordinator: txlog.Coordinator, groups: int, 
         if new_start is not None and r.start < new_start and r.partition not in gapped:
             starts.gaps.append((r.partition, r.start, new_start))
     offsets.record_gaps(cur, pipeline, txid, starts)
+    heads = dict(starts.heads)
     for partition, held in pipeline.source.held_back(cur, starts.offsets).items():
         if held < starts.heads.get(partition, held):
             log.warning("BEGIN pipeline=%s txid=%d: partition %d is read up to offset %d "
@@ -94,16 +120,32 @@ def _plan(cur, pipeline: Pipeline, coordinator: txlog.Coordinator, groups: int, 
                         "(`onceflow status` says why)", pipeline.name, txid, partition, held,
                         starts.heads[partition])
             starts.heads[partition] = held
-    return plan_ranges(starts.offsets, starts.heads, size, groups,
-                       max_per_partition=pipeline.max_per_partition, keep=starts.keep())
+    ranges = plan_ranges(starts.offsets, starts.heads, size, groups,
+                         max_per_partition=pipeline.max_per_partition, keep=starts.keep())
+    ends = dict(starts.offsets)
+    for r, _ in ranges:
+        ends[r.partition] = max(ends.get(r.partition, r.end), r.end)
+    backlog = sum(max(0, head - ends[p]) for p, head in heads.items() if p in ends)
+    return ranges, backlog
 
 
 def _describe(ranges) -> str:
     return " ".join(f"p{r.partition}:[{r.start},{r.end})" for r, _ in ranges) or "(nothing new)"
 
 
+def _arrivals(cur, pipeline: Pipeline, txid: int, ranges) -> None:
+    """Record when the batch's oldest and newest records arrived (each range's first and
+    last record: a few lookups)."""
+    points = [pt for r, _ in ranges if r.size for pt in ((r.partition, r.start),
+                                                          (r.partition, r.end - 1))]
+    found = pipeline.source.arrivals(cur, points).values() if points else ()
+    txlog.store_arrivals(cur, pipeline.name, txid, min(found, default=None),
+                         max(found, default=None))
+
+
 def _begin_new(cur, pipeline: Pipeline, run_id: str, coordinator: txlog.Coordinator,
-               lease: tuple[int, str]) -> Batch:
+               lease: tuple[int, str], split: timings.Split,
+               skip_empty: bool = False) -> Batch | None:
     pending = txlog.uncommitted(cur, pipeline.name)
     if len(pending) >= pipeline.max_pending:
         raise MaxPendingReached(
@@ -115,20 +157,27 @@ def _begin_new(cur, pipeline: Pipeline, run_id: str, coordinator: txlog.Coordina
     backflow.maybe_swap(cur, pipeline.name)
     replayed = backflow.claim(cur, pipeline.name, txid, pipeline.replays_per_batch,
                               pipeline.groups)
-    ranges = _plan(cur, pipeline, coordinator, pipeline.groups, txid, None,
-                   size=pipeline.batch_size - replayed)
+    ranges, backlog = _plan(cur, pipeline, coordinator, pipeline.groups, txid, None,
+                            size=pipeline.batch_size - replayed)
+    if skip_empty and not replayed and not ranges:  # (an empty range keeps a decided start)
+        return None
     ta = txlog.insert(cur, pipeline.name, txid, run_id, groups=pipeline.groups,
                       records=sum(r.size for r, _ in ranges), replayed=replayed,
-                      lease_s=lease[0], holder=lease[1])
+                      lease_s=lease[0], holder=lease[1], backlog=backlog)
     txlog.store_ranges(cur, pipeline.name, txid, pipeline.topic, ranges)
+    _arrivals(cur, pipeline, txid, ranges)
     batch = Batch(pipeline.name, ta, tuple(ranges), pipeline.groups, replayed=replayed)
-    log.info("BEGIN pipeline=%s txid=%d attempt=1 run=%s records=%d replayed=%d ranges=%s",
-             pipeline.name, txid, run_id, batch.records, replayed, _describe(ranges))
+    figures = split.figures()
+    txlog.record_begin(cur, pipeline.name, ta, figures)
+    log.info("BEGIN pipeline=%s txid=%d attempt=1 run=%s records=%d replayed=%d ranges=%s %s",
+             pipeline.name, txid, run_id, batch.records, replayed, _describe(ranges),
+             timings.describe(figures))
     return batch
 
 
 def _reattempt(cur, pipeline: Pipeline, run_id: str, txid: int,
-               coordinator: txlog.Coordinator, why: str, lease: tuple[int, str]) -> Batch:
+               coordinator: txlog.Coordinator, why: str, lease: tuple[int, str],
+               split: timings.Split) -> Batch:
     current = txlog.load_batch(cur, pipeline.name, txid)
     if current.committed:
         txlog.map_run(cur, pipeline.name, run_id, txid)
@@ -143,9 +192,12 @@ def _reattempt(cur, pipeline: Pipeline, run_id: str, txid: int,
     replanned = ((pipeline.mode == "opaque" or _lost_to_retention(cur, pipeline, current))
                  and _replan(cur, pipeline, txid, coordinator, current))
     batch = txlog.load_batch(cur, pipeline.name, txid)
-    log.info("BEGIN pipeline=%s txid=%d attempt=%d run=%s (%s, was %s%s) records=%d ranges=%s",
-             pipeline.name, txid, ta.attempt, run_id, why, old_state,
-             ", re-planned" if replanned else "", batch.records, _describe(batch.ranges))
+    figures = split.figures()
+    txlog.record_begin(cur, pipeline.name, ta, figures)
+    log.info("BEGIN pipeline=%s txid=%d attempt=%d run=%s (%s, was %s%s) records=%d ranges=%s "
+             "%s", pipeline.name, txid, ta.attempt, run_id, why, old_state,
+             ", re-planned" if replanned else "", batch.records, _describe(batch.ranges),
+             timings.describe(figures))
     return batch
 
 
@@ -160,11 +212,12 @@ def _replan(cur, pipeline: Pipeline, txid: int, coordinator: txlog.Coordinator,
     """Plan ``txid`` again from where txid - 1 ends. Returns True if it changed; then every
     later uncommitted txid is superseded and its backflow claims released."""
     old = list(current.ranges)
-    new = _plan(cur, pipeline, coordinator, current.groups, txid, txid, old,
-                size=pipeline.batch_size - current.replayed)
+    new, backlog = _plan(cur, pipeline, coordinator, current.groups, txid, txid, old,
+                         size=pipeline.batch_size - current.replayed)
     if new == old:
         return False
-    txlog.store_ranges(cur, pipeline.name, txid, pipeline.topic, new)
+    txlog.store_ranges(cur, pipeline.name, txid, pipeline.topic, new, backlog=backlog)
+    _arrivals(cur, pipeline, txid, new)
     txlog.count_replan(cur, pipeline.name, txid)
     superseded = txlog.supersede_after(cur, pipeline.name, txid, f"txid {txid} was re-planned")
     for ta in superseded:
@@ -188,5 +241,5 @@ def mark_failed(conn, pipeline: str, ta: TransactionAttempt, reason: str,
     return marked
 
 
-__all__ = ["Batch", "MaxPendingReached", "TransactionAttempt", "TxState", "begin",
+__all__ = ["Batch", "MaxPendingReached", "NothingToPlan", "TransactionAttempt", "TxState", "begin",
            "mark_failed"]

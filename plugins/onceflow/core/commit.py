@@ -2,11 +2,18 @@
 
 ONE PostgreSQL transaction under the coordinator row's lock: fence the attempt, prove the
 staging whole (every group staged, every staged row still there), apply every state's deltas
-(set-based upserts), keep the rejected records, settle the backflow (failed records queued for
-replay or dead-lettered), advance the partition offsets, drop the staging, and last write the
-commit record. A crash anywhere before the final COMMIT leaves nothing; committing a committed
-txid again is a logged no-op. Staging found incomplete (PostgreSQL lost its unlogged tables in
-a crash) fails the attempt: the next run processes the batch again.
+(set-based upserts), record what it added to each count state (batch_contributions, for
+`onceflow verify --txids`: its groups' figures added up), keep the rejected records, settle
+the backflow (failed records queued for replay or dead-lettered), advance the partition
+offsets, and last write the commit record. A crash anywhere before the final COMMIT leaves
+nothing; committing a committed txid again is a logged no-op. Staging found incomplete
+(PostgreSQL lost its unlogged tables in a crash) fails the attempt: the next run processes the
+batch again.
+
+The staging is deleted after that COMMIT, in a second transaction, out of the serial section:
+nothing reads a committed txid's staging (a commit of it stops at the fence, its groups can no
+longer stage). A crash between the two transactions leaves it behind; a retry of the commit,
+or the next txid's commit, deletes it (every txid up to the committed one).
 
 A state kept in another database (StateSpec.conn_id) is written first, in that database's own
 transaction, and cannot be atomic with the coordinator: a crash after its write and before the
@@ -19,23 +26,35 @@ from __future__ import annotations
 
 import io
 import logging
-import os
 from collections.abc import Callable, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 
-from onceflow.core import backflow, offsets, rejects, staging, tables, txlog
+from onceflow.core import backflow, offsets, rejects, settings, staging, tables, txlog
 from onceflow.core import state_tables as state_tables
 from onceflow.core import stateful as stateful_steps
 from onceflow.core.db import connection, transaction
-from onceflow.core.errors import Fenced, OnceflowError, StagingIncomplete, StateOverflow
+from onceflow.core.errors import (
+    ConfigError,
+    Fenced,
+    OnceflowError,
+    StagingIncomplete,
+    StateOverflow,
+)
 from onceflow.core.pipeline import Pipeline
 from onceflow.core.registration import external_dsn
 from onceflow.core.txlog import Blocker, TransactionAttempt, TxState
 
 log = logging.getLogger(__name__)
 
+# The commit's own memory for sorts and hashes (SET LOCAL: this transaction only). A state's
+# apply joins the batch's keys with the state table; at the server's default (4MB) a batch of
+# a million keys spills its hash join to disk in many passes, on the one serial step.
+COMMIT_WORK_MEM = "64MB"
+
 Step = Callable[[str], None]
+# Opens the key-value store of a pipeline's stateful bolts (pipeline, coordinator DSN).
+OpenState = Callable[[Pipeline, str], object]
 
 
 def _no_step(_: str) -> None:
@@ -86,21 +105,24 @@ def _apply_external(cur, pipeline: str, spec, dsn: str, keys: dict, groups: int)
 
 
 def commit(conn, pipeline: Pipeline, ta: TransactionAttempt, *, on_step: Step = _no_step,
-           state_dsns: Mapping[str, str] | None = None, coordinator_dsn: str | None = None
-           ) -> CommitResult:
+           state_dsns: Mapping[str, str] | None = None, coordinator_dsn: str | None = None,
+           open_state: OpenState | None = None) -> CommitResult:
     """Commit ``ta`` if it is its turn; else return status "waiting" and change nothing.
 
     ``on_step(name)`` is called after each statement group (fault injection in tests);
     ``state_dsns`` gives the database of each state with a conn_id (default: from its
     connection); ``coordinator_dsn`` (default ONCEFLOW_PG_DSN) lets stateful bolts' state
-    provider find the coordinator's database.
+    provider find the coordinator's database; ``open_state(pipeline, coordinator_dsn)`` opens
+    that provider (onceflow.kvstate.open_state_provider), needed when the batch changed
+    stateful bolts' state.
     """
     with transaction(conn) as cur:
         txlog.request_commit(cur, pipeline.name, ta)
     try:
         with ExitStack() as cleanup:
-            return _commit(conn, pipeline, ta, on_step, state_dsns,
-                           coordinator_dsn or os.environ.get("ONCEFLOW_PG_DSN", ""), cleanup)
+            result = _commit(conn, pipeline, ta, on_step, state_dsns,
+                             coordinator_dsn or settings.get("pg_dsn") or "", cleanup,
+                             open_state)
     except StagingIncomplete as incomplete:
         with transaction(conn) as cur:
             if txlog.mark_failed(cur, pipeline.name, ta, str(incomplete)):
@@ -111,13 +133,22 @@ def commit(conn, pipeline: Pipeline, ta: TransactionAttempt, *, on_step: Step = 
         raise StateOverflow(f"pipeline {pipeline.name!r}, {ta}: {overflow} (after the fix, "
                             f"the next run adopts it; or `onceflow backfill --pipeline "
                             f"{pipeline.name}`)") from overflow
+    if result.status != "waiting":
+        # Out of the serial section: staging of a committed txid is never read again, and a
+        # crash before this leaves it to the next commit (or to a retry of this one).
+        on_step("committed")
+        with transaction(conn) as cur:
+            staging.delete_committed(cur, pipeline.name, ta.txid)
+        on_step("staging")
+    return result
 
 
 def _commit(conn, pipeline: Pipeline, ta: TransactionAttempt, on_step: Step,
-            state_dsns: Mapping[str, str] | None, coordinator_dsn: str, cleanup: ExitStack
-            ) -> CommitResult:
+            state_dsns: Mapping[str, str] | None, coordinator_dsn: str, cleanup: ExitStack,
+            open_state: OpenState | None) -> CommitResult:
     with transaction(conn) as cur:
         coordinator = txlog.lock_pipeline(cur, pipeline.name)
+        cur.execute("SELECT set_config('work_mem', %s, true)", (COMMIT_WORK_MEM,))
         state = txlog.fence(cur, pipeline.name, ta, lock="update")
         if state is TxState.COMMITTED:
             log.info("COMMIT pipeline=%s %s: already committed, nothing to do", pipeline.name, ta)
@@ -149,7 +180,11 @@ def _commit(conn, pipeline: Pipeline, ta: TransactionAttempt, on_step: Step,
             on_step(f"external:{spec.name}")
         if proof.stateful:
             bolts = stateful_steps.stateful_bolts(pipeline, proof.stateful)
-            provider = stateful_steps.open_state_provider(pipeline, coordinator_dsn)
+            if open_state is None:
+                raise ConfigError(
+                    f"{ta} of {pipeline.name} changed stateful bolts' state: commit needs "
+                    "open_state=onceflow.kvstate.open_state_provider to reach their store")
+            provider = open_state(pipeline, coordinator_dsn)
             cleanup.callback(provider.close)
             stateful_steps.recover(conn, provider, pipeline, bolts, cur)
             rows += stateful_steps.commit_states(cur, provider, pipeline, bolts, ta)
@@ -167,14 +202,14 @@ def _commit(conn, pipeline: Pipeline, ta: TransactionAttempt, on_step: Step,
                 )
                 on_step(f"state:{spec.name}")
         rows += sum(table_rows.values())
+        state_tables.record_contributions(cur, pipeline.name, ta)
+        on_step("contributions")
         rejects.keep(cur, pipeline.name, ta.txid, ta.attempt)
         on_step("rejects")
         settled = backflow.settle(cur, pipeline, ta, batch.replayed)
         on_step("backflow")
         offsets.advance(cur, pipeline.name, coordinator.instance_id, ta.txid)
         on_step("offsets")
-        staging.delete_staging(cur, pipeline.name, ta.txid)
-        on_step("staging")
         waited = txlog.mark_committed(cur, pipeline.name, ta, rows=rows, failed=settled.failed)
         on_step("commit_record")
     log.info(

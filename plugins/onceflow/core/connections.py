@@ -1,28 +1,22 @@
 """PostgreSQL DSNs from Airflow Connections or the environment, never from code.
 
 One resolution everywhere (Airflow tasks, the triggerer, the Spark driver, the CLI):
-
-1. ``AIRFLOW_CONN_<ID>`` in the environment (Airflow's JSON or URI form): works without
-   Airflow running, which is how the Spark driver and the CLI see the same connections;
-2. Airflow's own connection lookup (secrets backends, the metadata database), where Airflow
-   is importable and configured;
-3. for the coordinator's connection only (``onceflow_pg``): ``ONCEFLOW_PG_DSN``.
+Airflow's own connection lookup through the postgres provider's hook (the metadata
+database, secrets backends, ``AIRFLOW_CONN_<ID>`` variables); for the coordinator's
+connection only (``onceflow_pg``), ``ONCEFLOW_PG_DSN`` where Airflow has no such connection.
+In Airflow, onceflow.airflow.hooks.OnceflowHook is the coordinator's hook.
 """
 
 from __future__ import annotations
 
-import json
-import os
-from types import SimpleNamespace
-from urllib.parse import unquote, urlsplit
-
 import psycopg2
 from psycopg2.extensions import make_dsn, parse_dsn
 
+from onceflow.core import settings
 from onceflow.core.errors import ConfigError
 
 DEFAULT_CONN_ID = "onceflow_pg"
-DSN_ENV = "ONCEFLOW_PG_DSN"
+DSN_ENV = settings.env_name("pg_dsn")
 
 
 def dsn_from_connection(conn) -> str:
@@ -52,24 +46,12 @@ def env_name(conn_id: str) -> str:
     return "AIRFLOW_CONN_" + conn_id.upper()
 
 
-def _from_env(conn_id: str) -> str | None:
-    env = env_name(conn_id)
-    raw = os.environ.get(env, "").strip()
-    if not raw:
-        return None
-    if raw.startswith("{"):
-        try:
-            fields = json.loads(raw)
-        except ValueError as error:
-            raise ConfigError(f"{env} is not valid JSON ({error}): give the connection as "
-                              "Airflow's JSON form or a URI") from error
-        return dsn_from_connection(SimpleNamespace(
-            host=fields.get("host"), port=fields.get("port"), login=fields.get("login"),
-            password=fields.get("password"), schema=fields.get("schema")))
-    uri = urlsplit(raw)
-    return dsn_from_connection(SimpleNamespace(
-        host=uri.hostname, port=uri.port, login=unquote(uri.username or "") or None,
-        password=unquote(uri.password or "") or None, schema=uri.path.lstrip("/") or None))
+def airflow_connection(conn_id: str):
+    """The Airflow connection ``conn_id``, found the way Airflow finds it."""
+    # imported here: Airflow loads (with its configuration) only when a connection is named
+    from airflow.providers.postgres.hooks.postgres import PostgresHook
+
+    return PostgresHook.get_connection(conn_id)
 
 
 def _missing(conn_id: str, setting: str, error: Exception | None) -> ConfigError:
@@ -82,33 +64,20 @@ def _missing(conn_id: str, setting: str, error: Exception | None) -> ConfigError
 
 def resolve_dsn(conn_id: str = DEFAULT_CONN_ID, *, setting: str = "postgres_conn_id") -> str:
     """The DSN of connection ``conn_id`` (see the module docstring for the order)."""
-    dsn = _from_env(conn_id)
-    if dsn:
-        return dsn
     error = None
     try:
-        from airflow.sdk import BaseHook
-
-        return dsn_from_connection(BaseHook.get_connection(conn_id))
+        return dsn_from_connection(airflow_connection(conn_id))
     except ImportError:
         pass
     except Exception as exc:  # the SDK raises its own not-found type
         error = exc
-    if conn_id == DEFAULT_CONN_ID and os.environ.get(DSN_ENV):
-        return os.environ[DSN_ENV]
-    raise _missing(conn_id, setting, error)
+    return fallback_dsn(conn_id, setting, error)
 
 
-async def resolve_dsn_async(conn_id: str = DEFAULT_CONN_ID) -> str:
-    """resolve_dsn for the triggerer's event loop."""
-    dsn = _from_env(conn_id)
+def fallback_dsn(conn_id: str, setting: str, error: Exception | None) -> str:
+    """ONCEFLOW_PG_DSN for the coordinator's connection where Airflow has none; else the
+    ConfigError that says how to create the connection."""
+    dsn = settings.get("pg_dsn") if conn_id == DEFAULT_CONN_ID else None
     if dsn:
         return dsn
-    from airflow.sdk import BaseHook
-
-    try:
-        return dsn_from_connection(await BaseHook.aget_connection(conn_id))
-    except Exception as error:
-        if conn_id == DEFAULT_CONN_ID and os.environ.get(DSN_ENV):
-            return os.environ[DSN_ENV]
-        raise _missing(conn_id, "postgres_conn_id", error) from error
+    raise _missing(conn_id, setting, error)

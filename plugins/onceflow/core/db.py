@@ -9,16 +9,15 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from importlib.resources import files
-from pathlib import Path
 
 import psycopg2
 import psycopg2.extensions
 from psycopg2 import sql
 
+from onceflow.core import settings
 from onceflow.core.connections import DSN_ENV, safe_dsn
 from onceflow.core.errors import ConfigError, Unreachable
 
@@ -30,21 +29,17 @@ _MIGRATION_LOCK = 0x6F6E6365
 
 
 def migration_files() -> list:
-    """The numbered migrations, in order (package data, or the folder ONCEFLOW_SQL_DIR)."""
-    override = os.environ.get("ONCEFLOW_SQL_DIR")
-    folder = Path(override) if override else files("onceflow.migrations")
-    found = sorted((p for p in folder.iterdir() if p.name[:3].isdigit()
+    """The numbered migrations, in order (package data of onceflow.migrations)."""
+    found = sorted((p for p in files("onceflow.migrations").iterdir() if p.name[:3].isdigit()
                     and p.name.endswith(".sql")), key=lambda p: p.name)
     if not found:
-        raise ConfigError(f"ONCEFLOW_SQL_DIR={override!r} holds no migrations (NNN_name.sql): "
-                          "unset it to use the ones onceflow ships" if override else
-                          "onceflow's migrations are missing from the installed package: "
+        raise ConfigError("onceflow's migrations are missing from the installed package: "
                           "reinstall onceflow")
     return found
 
 
 def dsn_from_env() -> str:
-    return os.environ.get(DSN_ENV) or DEFAULT_DSN
+    return settings.get("pg_dsn") or DEFAULT_DSN
 
 
 def connect(dsn: str | None = None, *, application_name: str = "onceflow"):

@@ -57,6 +57,11 @@ class MaxPendingReached(OnceflowError):
     """``max_pending`` transactions are planned and uncommitted: no new txid is planned."""
 
 
+class NothingToPlan(OnceflowError):
+    """A run that asked to skip an empty batch (one the source watcher started) found nothing
+    to read and no transaction to adopt: it ends without a txid."""
+
+
 class BookkeepingDamaged(OnceflowError):
     """The pipeline's own records disagree (a commit record or offsets changed by hand):
     nothing that writes is done until `onceflow repair` has fixed them."""

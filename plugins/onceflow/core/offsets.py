@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from onceflow.core import txlog
 from onceflow.core.errors import OffsetOutOfRange
 from onceflow.core.pipeline import Pipeline, start_timestamp
-from onceflow.sources.base import Position
+from onceflow.core.source import Position
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import os
 import re
 import traceback
 from collections.abc import Callable
@@ -29,18 +28,20 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from onceflow.core import tables
+from onceflow.core import settings, tables
 from onceflow.core.errors import ConfigError, DeclarationError
-from onceflow.sources.base import RECORD_KEYS, Source
+from onceflow.core.source import RECORD_KEYS, Source
+from onceflow.core.topology import Topology, TopologyError
 
 MODES = ("transactional", "opaque")
 START_POLICIES = ("earliest", "latest")  # or "timestamp:<ISO 8601>"
 OUT_OF_RANGE_POLICIES = ("earliest", "latest", "fail")
 STATE_KINDS = ("opaque", "transactional", "append")
 DAG_SHAPES = ("phases", "single")
-# An attempt's lease (Pipeline.attempt_lease_s): a dead task's txid is adopted about a minute
-# after its last report; HANDOFF_LEASES leases cover the wait between two tasks of a run.
-DEFAULT_ATTEMPT_LEASE_S = 60
+# An attempt's lease (Pipeline.attempt_lease_s, else the setting attempt_lease_s): a dead
+# task's txid is adopted about a minute after its last report; HANDOFF_LEASES leases cover the
+# wait between two tasks of a run.
+DEFAULT_ATTEMPT_LEASE_S = settings.SETTINGS["attempt_lease_s"].default
 HANDOFF_LEASES = 10
 _IDENT = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 
@@ -187,7 +188,7 @@ class Pipeline:
     # run adopts its txid (onceflow.core.lease). A task reports every lease / 4 while it runs,
     # a long Spark batch included. Between two tasks of a run (Airflow's queue, a retry's
     # delay, a deferred commit) nothing of it runs: the lease is then HANDOFF_LEASES times
-    # longer. None: ONCEFLOW_ATTEMPT_LEASE_S, else DEFAULT_ATTEMPT_LEASE_S.
+    # longer. None: the setting ONCEFLOW_ATTEMPT_LEASE_S (docs/configuration.md).
     attempt_lease_s: int | None = None
     commit_timeout_s: int = 3600  # how long a commit waits for its turn at most
     description: str = ""
@@ -201,9 +202,19 @@ class Pipeline:
     # onceflow_<name>_replay_dead_letters (onceflow.airflow.approval).
     dead_letter_approval: bool = False
     # The transaction DAG's shape (onceflow.airflow.dags): "phases", a task per phase (begin >>
-    # process >> commit), or "single", one task runs the three: a third of Airflow's cost per
-    # run, no scheduling hop between phases; processes on a Spark Connect server.
+    # process >> commit), or "single", one task runs the three: one task process per run and
+    # no scheduling hop between phases; processes on a Spark Connect server.
     dag_shape: str = "phases"
+    # Keeping up (docs/keep-up.md): the transaction DAG is scheduled on its source. A watcher
+    # in Airflow's triggerer looks at the source every ``watch_interval`` seconds and starts a
+    # run when records wait that no transaction planned: at once for ``min_records`` of them
+    # (None: batch_size, a full batch), else once the oldest has waited ``max_delay`` (a
+    # timedelta, or seconds); with a backlog, up to max_pending runs at a time until it is
+    # drained; with nothing to read, none. Manual runs and backfills work beside it.
+    keep_up: bool = False
+    min_records: int | None = None
+    max_delay: timedelta | float = timedelta(seconds=10)
+    watch_interval: float = 2.0
     # Where this declaration was loaded from ("module:attr"): travels with every task.
     ref: str | None = field(default=None, compare=False)
 
@@ -283,6 +294,19 @@ class Pipeline:
               self.dead_letter_approval, "give True or False")
         check(self.dag_shape in DAG_SHAPES, "pipeline.dag_shape", self.dag_shape,
               f"choose one of {', '.join(DAG_SHAPES)}")
+        check(isinstance(self.keep_up, bool), "pipeline.keep_up", self.keep_up,
+              "give True (runs start when the source has records) or False")
+        check(self.min_records is None or (_positive(self.min_records)
+                                           and self.min_records <= self.batch_size),
+              "pipeline.min_records", self.min_records,
+              f"give a number of records from 1 to batch_size ({self.batch_size}), or None "
+              "for batch_size")
+        check(_seconds(self.max_delay) is not None and _seconds(self.max_delay) > 0,
+              "pipeline.max_delay", self.max_delay,
+              "give a positive timedelta, e.g. timedelta(seconds=10), or a number of seconds")
+        check(_seconds(self.watch_interval) is not None and 0.1 <= self.watch_interval <= 600,
+              "pipeline.watch_interval", self.watch_interval,
+              "give a number of seconds from 0.1 to 600 between two looks at the source")
         check(isinstance(self.states, tuple) and len(self.states) > 0, "pipeline.states",
               self.states, "declare at least one state, as a tuple of StateSpec")
         names = [s.name for s in self.states]
@@ -311,18 +335,23 @@ class Pipeline:
         return max(1, self.batch_size // 10) if self.batch_size > 1 else 0
 
     @property
+    def batch_start_records(self) -> int:
+        """How many waiting records start a batch at once (keep_up): min_records, else
+        batch_size."""
+        return self.min_records if self.min_records is not None else self.batch_size
+
+    @property
+    def max_delay_s(self) -> float:
+        """max_delay in seconds."""
+        return _seconds(self.max_delay) or 0.0
+
+    @property
     def lease_s(self) -> int:
-        """The attempt lease in seconds: ``attempt_lease_s``, else ONCEFLOW_ATTEMPT_LEASE_S
-        (read when asked, as the other ONCEFLOW_ settings), else DEFAULT_ATTEMPT_LEASE_S."""
+        """The attempt lease in seconds: ``attempt_lease_s``, else the setting
+        attempt_lease_s (onceflow.core.settings, read when asked)."""
         if self.attempt_lease_s is not None:
             return self.attempt_lease_s
-        value = os.environ.get("ONCEFLOW_ATTEMPT_LEASE_S", "").strip()
-        if not value:
-            return DEFAULT_ATTEMPT_LEASE_S
-        check(value.isdigit() and int(value) > 0, "ONCEFLOW_ATTEMPT_LEASE_S", value,
-              "give a positive whole number of seconds, or unset it for "
-              f"{DEFAULT_ATTEMPT_LEASE_S}")
-        return int(value)
+        return settings.get("attempt_lease_s")
 
     @property
     def handoff_lease_s(self) -> int:
@@ -348,7 +377,6 @@ class Pipeline:
         every processing. Needs no Spark session and no data, but imports the topology's
         module (pyspark may come with it). Raises a DeclarationError (a ConfigError) naming
         the pipeline, the stream or bolt, the field and the fix."""
-        from spark_tasks.topology import Topology, TopologyError
 
         build = resolve(self.topology, f"pipeline[{self.name}].topology")
         try:
@@ -374,6 +402,15 @@ class Pipeline:
         if self.recompute is None:
             return None
         return resolve(self.recompute, f"pipeline[{self.name}].recompute")
+
+
+def _seconds(value: Any) -> float | None:
+    """A timedelta or a number of seconds as seconds (None: neither)."""
+    if isinstance(value, timedelta):
+        return value.total_seconds()
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    return None
 
 
 def _is_timestamp_policy(policy: object) -> bool:

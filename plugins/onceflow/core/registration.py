@@ -12,8 +12,9 @@ import logging
 import uuid
 from collections.abc import Mapping
 
-from onceflow.core import backflow, offsets, tables, txlog
+from onceflow.core import backflow, db, offsets, tables, txlog
 from onceflow.core import state_tables as state_tables
+from onceflow.core.connections import resolve_dsn
 from onceflow.core.db import connection, transaction
 from onceflow.core.errors import ConfigError
 from onceflow.core.pipeline import Pipeline
@@ -83,7 +84,6 @@ def is_registered(cur, pipeline: Pipeline) -> bool:
 def external_dsn(spec, state_dsns: Mapping[str, str] | None) -> str:
     if state_dsns and spec.name in state_dsns:
         return state_dsns[spec.name]
-    from onceflow.core.connections import resolve_dsn
 
     return resolve_dsn(spec.conn_id, setting=f"state[{spec.name}].conn_id")
 
@@ -122,7 +122,6 @@ def reset_offsets(conn, pipeline: Pipeline) -> uuid.UUID:
 def ensure_ready(conn, pipeline: Pipeline) -> None:
     """The schema is up to date and the pipeline registered (cheap when both hold), so the
     first begin of a new pipeline needs no `onceflow init`. Its source must exist."""
-    from onceflow.core import db
 
     if not db.up_to_date(conn):
         applied = db.migrate(conn)

@@ -19,19 +19,21 @@ processing task hands to Spark, so the Spark driver finds it the same way.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
 from collections.abc import Iterable, Mapping
 from importlib.metadata import EntryPoint, entry_points
 
+from onceflow.core import settings
 from onceflow.core.errors import ConfigError
 from onceflow.core.pipeline import Pipeline, resolve
 
 log = logging.getLogger(__name__)
 
 GROUP = "onceflow.pipelines"
-ENV = "ONCEFLOW_PIPELINES"
+ENV = settings.env_name("pipelines")
 
 _cache: dict[tuple[str, ...], dict[str, Pipeline]] = {}
 _entry_points: dict[str, tuple[tuple, list[EntryPoint]]] = {}
@@ -94,7 +96,7 @@ def _as_pipelines(value, where: str) -> list[Pipeline]:
 
 
 def env_refs() -> list[str]:
-    return [r.strip() for r in os.environ.get(ENV, "").split(",") if r.strip()]
+    return [r.strip() for r in settings.get("pipelines").split(",") if r.strip()]
 
 
 def load_ref(ref: str) -> list[Pipeline]:
@@ -104,8 +106,6 @@ def load_ref(ref: str) -> list[Pipeline]:
 
 
 def _with_ref(pipeline: Pipeline, ref: str) -> Pipeline:
-    import dataclasses
-
     return dataclasses.replace(pipeline, ref=ref)
 
 

@@ -23,8 +23,11 @@ def count(cur, pipeline: str) -> int:
     return cur.fetchone()[0]
 
 
-def positions(cur, pipeline: str) -> dict[tuple[int, int], str]:
-    """(partition, offset) -> reason of every rejected record."""
-    cur.execute('SELECT partition, "offset", error FROM rejected_records WHERE pipeline = %s',
-                (pipeline,))
+def positions(cur, pipeline: str, first: int = 1, last: int | None = None
+              ) -> dict[tuple[int, int], str]:
+    """(partition, offset) -> reason of every rejected record (that txids ``first..last``
+    kept)."""
+    cur.execute('SELECT partition, "offset", error FROM rejected_records WHERE pipeline = %s '
+                'AND txid >= %s AND (%s::bigint IS NULL OR txid <= %s)',
+                (pipeline, first, last, last))
     return {(p, o): error for p, o, error in cur.fetchall()}

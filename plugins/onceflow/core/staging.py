@@ -6,7 +6,8 @@ uncommitted, so a re-run never adds to it and a zombie attempt can never stage.
 
 The staged rows live in UNLOGGED tables (no WAL: staging is rewritten often and is cheap to
 redo), which PostgreSQL empties when it recovers from a crash. The marker row in
-``staged_groups`` is logged and records how many rows of each kind the group staged; the
+``staged_groups`` and the group's contribution to each sink (``staged_contributions``: keys,
+total, digest) are logged. The marker records how many rows of each kind the group staged; the
 commit counts them again inside its own transaction (``proof``) and refuses an attempt whose
 staging is not whole, which is then processed again. So a crash loses work, never data.
 """
@@ -22,10 +23,12 @@ from psycopg2 import sql
 
 from onceflow.core.db import transaction
 from onceflow.core.errors import Fenced
+from onceflow.core.state_tables import KEY_WEIGHT
 from onceflow.core.tables import STAGING_SCHEMA
 from onceflow.core.txlog import TransactionAttempt, TxState, fence
 
-STAGING_TABLES = ("staged_deltas", "staged_rejects", "staged_failures", "staged_groups")
+STAGING_TABLES = ("staged_deltas", "staged_rejects", "staged_failures", "staged_contributions",
+                  "staged_groups")
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +103,17 @@ def stage_group(conn, pipeline: str, ta: TransactionAttempt, group: int, *,
             keys,
         )
         delta_rows = cur.rowcount
+        # What the group adds to each sink, summed here, off the serial commit, which only
+        # adds its groups' figures up (onceflow.core.state_tables.record_contributions).
+        cur.execute(
+            sql.SQL("""INSERT INTO staged_contributions
+                           (pipeline, txid, attempt, grp, state_name, keys, total, digest)
+                       SELECT %(pipeline)s, %(txid)s, %(attempt)s, %(grp)s, state_name,
+                              count(*), sum(delta), sum({weight}::numeric * delta)
+                       FROM onceflow_in_deltas GROUP BY state_name""").format(
+                weight=sql.SQL(KEY_WEIGHT.format("key"))),
+            keys,
+        )
         for state, (names, rows_csv) in (tables or {}).items():
             cur.copy_expert(cur.mogrify(
                 sql.SQL("COPY {} ({}) FROM STDIN (FORMAT csv)").format(
@@ -151,6 +165,15 @@ def delete_staging(cur, pipeline: str, txid: int, *, attempt: int | None = None,
     for table in typed_staging(cur, pipeline):  # one table per pipeline: no pipeline column
         cur.execute(sql.SQL("DELETE FROM {} WHERE {}").format(
             table, sql.SQL(" AND ").join([sql.SQL("txid = %(txid)s"), *where[1:]])), params)
+
+
+def delete_committed(cur, pipeline: str, txid: int) -> None:
+    """Drop the staging of committed ``txid`` and of any txid before it (none can commit
+    again) that a crash after its commit left behind: the markers tell which txids have some."""
+    cur.execute("SELECT DISTINCT txid FROM staged_groups WHERE pipeline = %s AND txid <= %s "
+                "ORDER BY 1", (pipeline, txid))
+    for (done,) in cur.fetchall():
+        delete_staging(cur, pipeline, done)
 
 
 def typed_staging(cur, pipeline: str) -> list[sql.Composable]:

@@ -24,6 +24,13 @@ from psycopg2 import sql
 
 from onceflow.core.errors import StaleBatch
 from onceflow.core.pipeline import StateSpec
+from onceflow.core.txlog import TransactionAttempt
+
+# A key's weight in a contribution's digest: PostgreSQL's 64-bit hash of its bytes (the one
+# hash partitioning uses, stable across versions; a tenth of md5's cost). A change moved
+# from one key to another changes the digest unless both keys weigh the same (one chance in
+# 2**64). Verify asks PostgreSQL for the weights of the keys it re-ran (key_weights).
+KEY_WEIGHT = 'hashtextextended({} COLLATE "C", 0)'
 
 
 def needs_revert(spec: StateSpec) -> bool:
@@ -45,6 +52,33 @@ def ensure_table(cur, spec: StateSpec) -> None:
             sql.Identifier(f"{spec.table}_txid"), sql.Identifier(spec.table)))
 
 
+# MERGE (PostgreSQL 15+): a join, then plain inserts and updates, where INSERT ... ON
+# CONFLICT probes the key index per row and inserts speculatively: less work for new
+# keys. The commit holds the pipeline's lock, so no one else inserts these keys meanwhile
+# (if someone did, the commit fails on the key and is retried: nothing is applied twice).
+# The batch is copied into a temp table first, which counts it: an opaque key whose stored
+# txid is newer is not written, and the counts then differ (StaleBatch). The copy is also
+# what lets the join be planned by the batch's size: the unlogged staging has no statistics,
+# so read straight from it a batch of any size looks like one row and is joined one index
+# probe per key.
+_MERGE = {
+    "opaque": """
+        MERGE INTO {table} AS s USING {source} AS d ON s.key = d.key
+        WHEN MATCHED AND s.txid <= %(txid)s THEN UPDATE SET
+            value = CASE WHEN s.txid = %(txid)s THEN s.prev_value ELSE s.value END + d.delta,
+            prev_value = CASE WHEN s.txid = %(txid)s THEN s.prev_value ELSE s.value END,
+            txid = %(txid)s
+        WHEN NOT MATCHED THEN INSERT (key, txid, value, prev_value)
+            VALUES (d.key, %(txid)s, d.delta, 0)""",
+    "transactional": """
+        MERGE INTO {table} AS s USING {source} AS d ON s.key = d.key
+        WHEN MATCHED AND s.txid < %(txid)s THEN UPDATE SET
+            value = s.value + d.delta, txid = %(txid)s
+        WHEN NOT MATCHED THEN INSERT (key, txid, value) VALUES (d.key, %(txid)s, d.delta)""",
+}
+_MERGE_SINCE = 150000  # server_version_num of PostgreSQL 15
+
+# Before PostgreSQL 15 (a state in an older database of its own): one upsert per key.
 _UPSERT = {
     "opaque": """
         WITH d AS MATERIALIZED ({source}),
@@ -87,18 +121,35 @@ def apply_source(cur, spec: StateSpec, txid: int, source: sql.Composable,
     ``txid`` by an earlier try, and absent from this batch, back to prev_value (opaque only).
     """
     table = sql.Identifier(spec.table)
+    params = {**(params or {}), "txid": txid}
     if revert_absent and spec.kind == "opaque":
-        cur.execute(sql.SQL(_REVERT_ABSENT).format(table=table, source=source),
-                    {**(params or {}), "txid": txid})
-    query = sql.SQL(_UPSERT[spec.kind]).format(table=table, source=source)
-    cur.execute(query, {**(params or {}), "txid": txid})
-    expected, written = cur.fetchone()
+        cur.execute(sql.SQL(_REVERT_ABSENT).format(table=table, source=source), params)
+    if cur.connection.server_version >= _MERGE_SINCE:
+        expected, written = _merge(cur, spec, table, source, params)
+    else:
+        cur.execute(sql.SQL(_UPSERT[spec.kind]).format(table=table, source=source), params)
+        expected, written = cur.fetchone()
     if spec.kind == "opaque" and written != expected:
         raise StaleBatch(
             f"{spec.table}: {expected - written} key(s) hold a txid newer than {txid}; "
             "a batch older than the state is never applied"
         )
     return written
+
+
+def _merge(cur, spec: StateSpec, table: sql.Identifier, source: sql.Composable,
+           params: Mapping) -> tuple[int, int]:
+    """(keys in the batch, rows written) of the MERGE of ``source`` into ``table``."""
+    cur.execute("CREATE TEMP TABLE IF NOT EXISTS onceflow_apply (key text, delta bigint) "
+                "ON COMMIT DELETE ROWS")
+    cur.execute("TRUNCATE onceflow_apply")
+    cur.execute(sql.SQL("INSERT INTO onceflow_apply (key, delta) SELECT key, delta FROM ({}) d")
+                .format(source), params)
+    expected = cur.rowcount
+    cur.execute(sql.SQL(_MERGE[spec.kind]).format(table=table,
+                                                  source=sql.Identifier("onceflow_apply")),
+                params)
+    return expected, cur.rowcount
 
 
 def staged_source(groups: int = 2) -> sql.Composable:
@@ -148,3 +199,74 @@ def read_rows(cur, spec: StateSpec) -> dict[str, tuple[int, int, int]]:
 def read_state(cur, spec: StateSpec) -> dict[str, int]:
     cur.execute(sql.SQL("SELECT key, value FROM {}").format(sql.Identifier(spec.table)))
     return dict(cur.fetchall())
+
+
+def key_weights(cur, keys: list[str]) -> dict[str, int]:
+    """KEY_WEIGHT of each of ``keys``."""
+    cur.execute(sql.SQL("SELECT k, {} FROM unnest(%s::text[]) AS k").format(
+        sql.SQL(KEY_WEIGHT.format("k"))), (keys,))
+    return dict(cur.fetchall())
+
+
+def record_contributions(cur, pipeline: str, ta: TransactionAttempt) -> None:
+    """The commit's record of what ``ta`` adds to each count state (batch_contributions):
+    per sink, the keys it writes, the sum of its deltas and their digest (the sum of
+    key_weight(key) * delta), added up from the figures its groups staged
+    (staged_contributions). Sums add up over groups; a key can come from several groups, so
+    a sink fed by more than one group has its distinct keys counted in the staging."""
+    cur.execute(
+        """INSERT INTO batch_contributions (pipeline, txid, state_name, keys, total, digest)
+           SELECT c.pipeline, c.txid, c.state_name,
+                  CASE WHEN count(*) = 1 THEN sum(c.keys)
+                       ELSE (SELECT count(*) FROM (
+                                SELECT DISTINCT d.key FROM staged_deltas d
+                                WHERE d.pipeline = c.pipeline AND d.txid = c.txid
+                                  AND d.attempt = c.attempt
+                                  AND d.state_name = c.state_name) AS k) END,
+                  sum(c.total), sum(c.digest)
+           FROM staged_contributions c
+           WHERE c.pipeline = %(pipeline)s AND c.txid = %(txid)s AND c.attempt = %(attempt)s
+           GROUP BY c.pipeline, c.txid, c.attempt, c.state_name
+           ON CONFLICT (pipeline, txid, state_name) DO UPDATE
+           SET keys = EXCLUDED.keys, total = EXCLUDED.total, digest = EXCLUDED.digest""",
+        {"pipeline": pipeline, "txid": ta.txid, "attempt": ta.attempt})
+
+
+def totals(cur, spec: StateSpec) -> tuple[int, int, int]:
+    """(keys, sum of values, sum of key_weight(key) * value) of a count state's table: one
+    pass in SQL, what the contributions of every txid must add up to."""
+    cur.execute(sql.SQL("SELECT count(*), coalesce(sum(value), 0), "
+                        "coalesce(sum({}::numeric * value), 0) FROM {}").format(
+        sql.SQL(KEY_WEIGHT.format("key")), sql.Identifier(spec.table)))
+    keys, total, digest = cur.fetchone()
+    return keys, int(total), int(digest)
+
+
+def read_rows_where(cur, spec: StateSpec, first: int, last: int, keys: list[str]
+                    ) -> dict[str, tuple[int, int, int]]:
+    """read_rows for the keys last written by a txid in ``first..last`` and the keys
+    ``keys`` (what a range check needs: not the whole table)."""
+    prev = sql.SQL("prev_value" if spec.kind == "opaque" else "0")
+    cur.execute(sql.SQL("SELECT key, value, {}, txid FROM {} "
+                        "WHERE txid BETWEEN %s AND %s OR key = ANY(%s)").format(
+        prev, sql.Identifier(spec.table)), (first, last, keys))
+    return {key: (value, prev_value, txid) for key, value, prev_value, txid in cur.fetchall()}
+
+
+def contributions(cur, pipeline: str, first: int, last: int
+                  ) -> dict[tuple[int, str], tuple[int, int, int]]:
+    """(txid, sink) -> (keys, total, digest) as the commits of ``first..last`` recorded."""
+    cur.execute("""SELECT txid, state_name, keys, total, digest FROM batch_contributions
+                   WHERE pipeline = %s AND txid BETWEEN %s AND %s""", (pipeline, first, last))
+    return {(txid, state): (keys, int(total), int(digest))
+            for txid, state, keys, total, digest in cur.fetchall()}
+
+
+def contribution_sums(cur, pipeline: str) -> tuple[int, dict[str, tuple[int, int]]]:
+    """The first txid whose commit recorded its contributions, and per sink the sums of
+    total and digest over every committed txid's record."""
+    cur.execute("SELECT contributions_since FROM pipelines WHERE name = %s", (pipeline,))
+    since = cur.fetchone()[0]
+    cur.execute("""SELECT state_name, sum(total), sum(digest) FROM batch_contributions
+                   WHERE pipeline = %s GROUP BY state_name""", (pipeline,))
+    return since, {state: (int(total), int(digest)) for state, total, digest in cur.fetchall()}

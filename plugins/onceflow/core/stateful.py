@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 
 def stateful_bolts(pipeline: Pipeline, names: tuple[str, ...] | None = None) -> list:
-    """The pipeline topology's stateful bolts (spark_tasks.topology.Bolt); ``names``: only
+    """The pipeline topology's stateful bolts (onceflow.core.topology.Bolt); ``names``: only
     these (what an attempt prepared), refusing a name the topology no longer has."""
     bolts = pipeline.build_topology().stateful()
     if names is None:
@@ -39,35 +39,6 @@ def stateful_bolts(pipeline: Pipeline, names: tuple[str, ...] | None = None) -> 
             "topology no longer has them; restore them, or backfill the txid so that it is "
             "processed again with the current topology")
     return [by_name[n] for n in names]
-
-
-def open_state_provider(pipeline: Pipeline, coordinator_dsn: str):
-    from onceflow.kvstate import open_provider
-
-    return open_provider(pipeline.state_provider, pipeline.state_provider_config,
-                         coordinator_dsn=coordinator_dsn)
-
-
-def check_state_config(pipeline: Pipeline, coordinator_dsn: str) -> None:
-    """At start: a pipeline with stateful bolts must have a usable provider (ConfigError
-    naming state.provider / state.provider_config otherwise)."""
-    if stateful_bolts(pipeline):
-        open_checked_provider(pipeline, coordinator_dsn).close()
-
-
-def open_checked_provider(pipeline: Pipeline, coordinator_dsn: str):
-    """The provider of a pipeline that has stateful bolts, its settings checked first."""
-    if pipeline.groups != 1:
-        raise ConfigError(
-            f"pipeline.groups={pipeline.groups} is invalid for a pipeline with stateful bolts: "
-            "each processing group would hold every key's shard, so two groups could change "
-            "one key; use groups=1 (the bolt's shards run in parallel inside the group)")
-    if (pipeline.state_provider or "postgres") == "memory":
-        raise ConfigError(
-            "state.provider='memory' is invalid for a pipeline: it keeps state inside one "
-            "process, and Spark's Python workers and the Airflow tasks are separate "
-            "processes; use postgres (default) or redis")
-    return open_state_provider(pipeline, coordinator_dsn)
 
 
 def committed_check(conn, pipeline: str, cur=None):

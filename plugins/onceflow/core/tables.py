@@ -78,7 +78,7 @@ _DECIMAL = re.compile(r"^decimal(?:\((\d+)\s*(?:,\s*(\d+))?\))?$")
 
 
 def conversion_loss(kind: str, pg_type: str) -> str | None:
-    """Why a stream column of Spark type ``kind`` (spark_tasks.topology.column_types'
+    """Why a stream column of Spark type ``kind`` (onceflow.core.topology.column_types'
     spelling) cannot be stored as ``pg_type`` without losing what every value holds, or None.
 
     A string is parsed per record; a value out of the type's range (1780.25 in a
@@ -621,15 +621,19 @@ def apply_csv(cur, shape: Shape, opaque: bool, txid: int, rows_csv) -> int:
                        revert_absent=True)
 
 
-def read_table(cur, shape: Shape, opaque: bool = False) -> list[dict]:
-    """Every row of the state table: key columns, measures and txid (with ``opaque``, the
-    previous values too); an append table's columns and txid."""
+def read_table(cur, shape: Shape, opaque: bool = False, *, since: int = 0,
+               until: int | None = None) -> list[dict]:
+    """Every row of the state table (whose txid is in ``since..until``): key columns,
+    measures and txid (with ``opaque``, the previous values too); an append table's columns
+    and txid."""
     if shape.append:
         names = [c for c, _ in shape.columns] + ["txid"]
     else:
         names = [c for c, _ in shape.key] + [n for n, _ in shape.measures] + ["txid"]
         if opaque:
             names += ["prev_txid"] + [f"prev_{n}" for n, _ in shape.measures]
-    cur.execute(sql.SQL("SELECT {} FROM {}").format(
-        sql.SQL(", ").join(sql.Identifier(n) for n in names), sql.Identifier(shape.name)))
+    cur.execute(sql.SQL("SELECT {} FROM {} WHERE txid >= %s AND (%s::bigint IS NULL "
+                        "OR txid <= %s)").format(
+        sql.SQL(", ").join(sql.Identifier(n) for n in names), sql.Identifier(shape.name)),
+        (since, until, until))
     return [dict(zip(names, row, strict=True)) for row in cur.fetchall()]

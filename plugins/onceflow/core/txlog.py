@@ -359,6 +359,8 @@ class TxRow:
     lease_s: int | None
     holder: str | None = None
     permanent: bool = False  # failed so that retrying cannot help until the cause is fixed
+    # the current attempt's begin: lock wait, index, plan seconds (None: not recorded)
+    begin_s: tuple[float, float, float] | None = None
 
     @property
     def abandoned(self) -> bool:
@@ -384,35 +386,71 @@ _HISTORY = """
            EXTRACT(EPOCH FROM now() - t.heartbeat_at), t.lease_s, t.holder,
            t.state = 'failed' AND coalesce((SELECT a.permanent FROM transaction_attempts a
                WHERE a.pipeline = t.pipeline AND a.txid = t.txid AND a.attempt = t.attempt),
-               false)
+               false),
+           (SELECT ARRAY[a.begin_lock_s, a.begin_index_s, a.begin_plan_s]
+            FROM transaction_attempts a WHERE a.pipeline = t.pipeline AND a.txid = t.txid
+              AND a.attempt = t.attempt AND a.begin_plan_s IS NOT NULL)
     FROM transactions t WHERE t.pipeline = %(pipeline)s {where}
-    ORDER BY t.txid DESC LIMIT %(limit)s"""
+    ORDER BY t.txid {order} LIMIT %(limit)s"""
+
+# The states a history page filters on: a planned transaction whose attempt stopped reporting
+# for longer than its lease is "abandoned" (TxRow.abandoned), as the view and status say.
+PAGE_STATES = ("planned", "committed", "failed", "superseded", "abandoned")
+_SHOWN_STATE = """CASE WHEN t.state = 'planned' AND t.heartbeat_at
+                       < now() - make_interval(secs => t.lease_s)
+                  THEN 'abandoned' ELSE t.state END"""
+
+
+def _rows(cur) -> list[TxRow]:
+    rows = [TxRow(*row[:2], TxState(row[2]), *row[3:12],
+                  float(row[12]) if row[12] is not None else None, row[13], row[14],
+                  row[15], tuple(row[16]) if row[16] is not None else None)
+            for row in cur.fetchall()]
+    return sorted(rows, key=lambda r: r.txid)
 
 
 def history(cur, pipeline: str, limit: int = 50, *, open_only: bool = False) -> list[TxRow]:
     """The last ``limit`` transactions in txid (= commit) order; ``open_only``: uncommitted."""
     where = "AND t.state <> 'committed'" if open_only else ""
-    cur.execute(_HISTORY.format(where=where), {"pipeline": pipeline, "limit": limit})
-    rows = [TxRow(*row[:2], TxState(row[2]), *row[3:12],
-                  float(row[12]) if row[12] is not None else None, row[13], row[14],
-                  row[15])
-            for row in cur.fetchall()]
-    return sorted(rows, key=lambda r: r.txid)
+    cur.execute(_HISTORY.format(where=where, order="DESC"),
+                {"pipeline": pipeline, "limit": limit})
+    return _rows(cur)
+
+
+def history_page(cur, pipeline: str, limit: int, *, before: int | None = None,
+                 after: int | None = None, min_txid: int | None = None,
+                 max_txid: int | None = None, states: Sequence[str] = ()) -> list[TxRow]:
+    """Up to ``limit`` transactions in txid order, within ``min_txid``..``max_txid`` and in
+    ``states`` (PAGE_STATES; none: every state): the highest txids below ``before``, or with
+    ``after``, the lowest above it (the page just newer)."""
+    where, params = [], {"pipeline": pipeline, "limit": limit, "before": before,
+                         "after": after, "lo": min_txid, "hi": max_txid,
+                         "states": list(states)}
+    for key, condition in (("before", "t.txid < %(before)s"), ("after", "t.txid > %(after)s"),
+                           ("lo", "t.txid >= %(lo)s"), ("hi", "t.txid <= %(hi)s")):
+        if params[key] is not None:
+            where.append(f"AND {condition}")
+    if states:
+        where.append(f"AND {_SHOWN_STATE} = ANY(%(states)s)")
+    cur.execute(_HISTORY.format(where=" ".join(where), order="ASC" if after is not None
+                                else "DESC"), params)
+    return _rows(cur)
 
 
 # -- writing --------------------------------------------------------------------------------------
 def insert(cur, pipeline: str, txid: int, run_id: str, *, groups: int, records: int,
-           replayed: int, lease_s: int, holder: str | None = None) -> TransactionAttempt:
+           replayed: int, lease_s: int, holder: str | None = None,
+           backlog: int | None = None) -> TransactionAttempt:
     """A new transaction (attempt 1) and its run mapping. Its planned_at is the moment of
     this write under the coordinator's lock (clock_timestamp()), not the start of the
     PostgreSQL transaction (now()), which may precede a wait for that lock; committed_at
     likewise (mark_committed). So no transaction seems planned before the commit that freed
-    its place."""
+    its place. ``backlog``: the source's records past the batch's end when it was planned."""
     cur.execute(
         """INSERT INTO transactions (pipeline, txid, attempt, run_id, groups, records, replayed,
-                                     heartbeat_at, lease_s, holder, planned_at)
-           VALUES (%s, %s, 1, %s, %s, %s, %s, now(), %s, %s, clock_timestamp())""",
-        (pipeline, txid, run_id, groups, records, replayed, lease_s, holder),
+                                     heartbeat_at, lease_s, holder, planned_at, backlog)
+           VALUES (%s, %s, 1, %s, %s, %s, %s, now(), %s, %s, clock_timestamp(), %s)""",
+        (pipeline, txid, run_id, groups, records, replayed, lease_s, holder, backlog),
     )
     cur.execute(
         "INSERT INTO transaction_attempts (pipeline, txid, attempt, run_id) VALUES (%s, %s, 1, %s)",
@@ -424,8 +462,10 @@ def insert(cur, pipeline: str, txid: int, run_id: str, *, groups: int, records: 
 
 
 def store_ranges(cur, pipeline: str, txid: int, topic: str,
-                 ranges: Sequence[tuple[PartitionRange, int]]) -> None:
-    """The offset log's entry for ``txid`` (replacing a re-planned one)."""
+                 ranges: Sequence[tuple[PartitionRange, int]], *,
+                 backlog: int | None = None) -> None:
+    """The offset log's entry for ``txid`` (replacing a re-planned one); ``backlog``: the
+    source's records past its end now (kept as it was when None)."""
     cur.execute("DELETE FROM batch_ranges WHERE pipeline = %s AND txid = %s", (pipeline, txid))
     psycopg2.extras.execute_values(
         cur,
@@ -434,8 +474,26 @@ def store_ranges(cur, pipeline: str, txid: int, topic: str,
         [(pipeline, txid, topic, r.partition, g, r.start, r.end) for r, g in ranges],
     )
     cur.execute(
-        """UPDATE transactions SET records = %s WHERE pipeline = %s AND txid = %s""",
-        (sum(r.size for r, _ in ranges), pipeline, txid),
+        """UPDATE transactions SET records = %s, backlog = coalesce(%s, backlog)
+           WHERE pipeline = %s AND txid = %s""",
+        (sum(r.size for r, _ in ranges), backlog, pipeline, txid),
+    )
+
+
+def store_arrivals(cur, pipeline: str, txid: int, first, last) -> None:
+    """When the oldest and the newest record of ``txid``'s batch arrived (None: unknown)."""
+    cur.execute("""UPDATE transactions SET first_arrival = %s, last_arrival = %s
+                   WHERE pipeline = %s AND txid = %s""", (first, last, pipeline, txid))
+
+
+def record_begin(cur, pipeline: str, ta: TransactionAttempt,
+                 figures: tuple[float, float, float]) -> None:
+    """Where the begin of ``ta`` spent its time: (lock wait, index, plan) seconds."""
+    cur.execute(
+        """UPDATE transaction_attempts SET begin_lock_s = %s, begin_index_s = %s,
+                  begin_plan_s = %s
+           WHERE pipeline = %s AND txid = %s AND attempt = %s""",
+        (*figures, pipeline, ta.txid, ta.attempt),
     )
 
 
@@ -595,13 +653,28 @@ def mark_committed(cur, pipeline: str, ta: TransactionAttempt, *, rows: int, fai
 def planned_ends(cur, pipeline: str, reset_after_txid: int, before_txid: int | None
                  ) -> dict[int, int]:
     """Per partition, the end of the last planned (not superseded) range after the last
-    reset, of txids below ``before_txid`` (all when None)."""
+    reset, of txids below ``before_txid`` (all when None).
+
+    Every begin asks, so the cost must not grow with the committed history: the partitions
+    are walked on the (pipeline, partition, end_offset) index (a loose index scan), and per
+    partition the ranges from the highest end down until one qualifies (the first, but for
+    the few txids in flight past ``before_txid`` or ranges before a reset)."""
     cur.execute(
-        """SELECT br.partition, max(br.end_offset) FROM batch_ranges br
-           JOIN transactions t ON t.pipeline = br.pipeline AND t.txid = br.txid
-           WHERE br.pipeline = %(pipeline)s AND t.state <> 'superseded'
-             AND br.txid > %(reset)s AND (%(before)s::bigint IS NULL OR br.txid < %(before)s)
-           GROUP BY br.partition""",
+        """WITH RECURSIVE parts (p) AS (
+               SELECT min(partition) FROM batch_ranges WHERE pipeline = %(pipeline)s
+               UNION ALL
+               SELECT (SELECT min(partition) FROM batch_ranges
+                       WHERE pipeline = %(pipeline)s AND partition > parts.p)
+               FROM parts WHERE parts.p IS NOT NULL)
+           SELECT parts.p, last.end_offset FROM parts
+           CROSS JOIN LATERAL (
+               SELECT br.end_offset FROM batch_ranges br
+               JOIN transactions t ON t.pipeline = br.pipeline AND t.txid = br.txid
+               WHERE br.pipeline = %(pipeline)s AND br.partition = parts.p
+                 AND t.state <> 'superseded' AND br.txid > %(reset)s
+                 AND (%(before)s::bigint IS NULL OR br.txid < %(before)s)
+               ORDER BY br.end_offset DESC LIMIT 1) AS last
+           WHERE parts.p IS NOT NULL""",
         {"pipeline": pipeline, "reset": reset_after_txid, "before": before_txid},
     )
     return dict(cur.fetchall())
@@ -620,26 +693,43 @@ def lowest_open_starts(cur, topic: str) -> dict[int, int]:
     return dict(cur.fetchall())
 
 
-def committed_ranges(cur, pipeline: str) -> list[tuple[int, PartitionRange]]:
-    """(txid, range) of every committed transaction after the last reset, in txid order."""
+def committed_ranges(cur, pipeline: str, first: int = 1, last: int | None = None
+                     ) -> list[tuple[int, PartitionRange]]:
+    """(txid, range) of every committed transaction after the last reset (of txids
+    ``first..last`` only: an index range scan), in txid order."""
     cur.execute(
         """SELECT br.txid, br.partition, br.start_offset, br.end_offset FROM batch_ranges br
            JOIN transactions t ON t.pipeline = br.pipeline AND t.txid = br.txid
            JOIN pipelines p ON p.name = br.pipeline
            WHERE br.pipeline = %s AND t.state = 'committed' AND br.txid > p.reset_after_txid
-             AND br.end_offset > br.start_offset
+             AND br.end_offset > br.start_offset AND br.txid >= %s
+             AND (%s::bigint IS NULL OR br.txid <= %s)
            ORDER BY br.txid, br.partition""",
-        (pipeline,),
+        (pipeline, first, last, last),
     )
     return [(txid, PartitionRange(p, s, e)) for txid, p, s, e in cur.fetchall()]
 
 
-def committed_txids(cur, pipeline: str) -> list[int]:
-    """Every committed txid after the last reset, in order."""
+def committed_txids(cur, pipeline: str, first: int = 1, last: int | None = None
+                    ) -> list[int]:
+    """Every committed txid after the last reset (of ``first..last`` only), in order."""
     cur.execute(
         """SELECT t.txid FROM transactions t JOIN pipelines p ON p.name = t.pipeline
            WHERE t.pipeline = %s AND t.state = 'committed' AND t.txid > p.reset_after_txid
+             AND t.txid >= %s AND (%s::bigint IS NULL OR t.txid <= %s)
            ORDER BY t.txid""",
-        (pipeline,),
+        (pipeline, first, last, last),
     )
     return [t for (t,) in cur.fetchall()]
+
+
+def committed_span(cur, pipeline: str) -> tuple[int, int]:
+    """(first, last) committed txid after the last reset; first > last when there is none
+    (commits go in txid order, so every txid between them is committed)."""
+    cur.execute("SELECT reset_after_txid + 1, last_committed_txid FROM pipelines "
+                "WHERE name = %s", (pipeline,))
+    row = cur.fetchone()
+    if row is None:
+        raise NotInitialised(f"pipeline {pipeline!r} is not initialised: run `onceflow init` "
+                             "(or trigger its DAG: begin registers it)")
+    return row[0], row[1]

@@ -10,13 +10,15 @@ import os
 import sys
 from pathlib import Path
 
+from onceflow.core import settings
+
 CHECKOUT = Path(__file__).resolve().parents[3]  # plugins/onceflow/dev -> the checkout
 
 
 def project_dir() -> Path:
     """The project folder: ``ONCEFLOW_HOME`` (run.sh sets it to the checkout), else the
     current directory. ``.airflow/``, ``.pgdata/`` and ``.run/`` live there."""
-    return Path(os.environ.get("ONCEFLOW_HOME") or Path.cwd())
+    return Path(settings.get("home") or Path.cwd())
 
 
 def use_examples() -> list[str]:

@@ -25,7 +25,7 @@ def prepare_dag_test() -> bool:
     """Build Airflow's in-process execution API now, rather than in the first task of the
     first dag.test(), and import the modules the tasks import. dag.test() serves its tasks'
     calls from that API, whose first request generates every version of every route
-    (Cadwyn): 6-9 CPU s here, a third of a demo's first run. Called while the Spark server's
+    (Cadwyn): seconds of CPU, a large part of a demo's first run. Called while the Spark server's
     JVM starts (embedded_env(wait_spark=False)), it costs no wall time: the process would
     only wait. Airflow's own cache (supervisor.in_process_api_server) keeps the API for the
     runs. Returns whether it is built, routes and all; a failure only loses the head start
@@ -40,7 +40,7 @@ def prepare_dag_test() -> bool:
         # the first processing task would import the Spark Connect client itself
         import pyspark.sql.connect.session  # noqa: F401
 
-        import spark_tasks.processing  # noqa: F401
+        import onceflow.spark.processing  # noqa: F401
         return bool(getattr(api.app, "_cadwyn_initialized", False))
     except Exception as error:  # noqa: BLE001 (logged; the first task builds it then)
         log.info("building Airflow's in-process execution API ahead failed: %r", error)

@@ -12,10 +12,12 @@ import json
 import os
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 from psycopg2.extensions import parse_dsn
 
+from onceflow.core import settings
 from onceflow.dev import project_dir
 
 
@@ -63,6 +65,55 @@ def airflow_env(root: Path, dsn: str, connect_port: int | None = None) -> dict[s
     }
 
 
+def sqlalchemy_url(dsn: str) -> str:
+    """Airflow's metadata database URL (SQLAlchemy, psycopg2) for a libpq DSN."""
+    p = parse_dsn(dsn)
+    auth = p.get("user", "postgres") + (f":{p['password']}" if p.get("password") else "")
+    return f"postgresql+psycopg2://{auth}@{p.get('host', '127.0.0.1')}:" \
+           f"{p.get('port', 5432)}/{p['dbname']}"
+
+
+def served_airflow_env(*, meta_dsn: str, api_port: int, dsn: str, spark: str,
+                       executor: str = "LocalExecutor",
+                       log_level: str = "INFO") -> dict[str, str]:
+    """The settings an Airflow of separate processes (API server, scheduler, DAG processor,
+    triggerer: the tests' and benchmarks' deployments) needs beside its home folders: its
+    metadata database, its API for the task runners, heartbeats of a second so that a test
+    sees a change quickly, and onceflow's connections (``spark``: the ``spark_default``
+    connection's JSON)."""
+    return {
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        "AIRFLOW__CORE__EXECUTOR": executor,
+        "AIRFLOW__CORE__PARALLELISM": "6",
+        "AIRFLOW__CORE__DAGS_ARE_PAUSED_AT_CREATION": "False",
+        "AIRFLOW__DATABASE__SQL_ALCHEMY_CONN": sqlalchemy_url(meta_dsn),
+        "AIRFLOW__API__HOST": "127.0.0.1",
+        "AIRFLOW__API__PORT": str(api_port),
+        "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"http://127.0.0.1:{api_port}/execution/",
+        "AIRFLOW__SCHEDULER__SCHEDULER_HEARTBEAT_SEC": "1",
+        "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
+        "AIRFLOW__TRIGGERER__JOB_HEARTBEAT_SEC": "1",
+        "AIRFLOW__LOGGING__LOGGING_LEVEL": log_level,
+        "AIRFLOW_CONN_ONCEFLOW_PG": airflow_connection_json(dsn),
+        "AIRFLOW_CONN_SPARK_DEFAULT": spark,
+        "ONCEFLOW_PG_DSN": dsn,
+        "PYSPARK_PYTHON": sys.executable,
+    }
+
+
+def airflow_healthy(api_port: int) -> bool:
+    """Whether the Airflow answering on ``api_port`` says its metadata database, scheduler,
+    triggerer and DAG processor are healthy."""
+    try:
+        with urllib.request.urlopen(
+                f"http://127.0.0.1:{api_port}/api/v2/monitor/health", timeout=3) as r:
+            health = json.load(r)
+    except (OSError, ValueError):
+        return False
+    return all((health.get(c) or {}).get("status") == "healthy"
+               for c in ("metadatabase", "scheduler", "triggerer", "dag_processor"))
+
+
 def apply_env(env: dict[str, str]) -> None:
     for key, value in env.items():
         os.environ.setdefault(key, value)
@@ -105,9 +156,9 @@ def embedded_env(*, warm_spark: bool = True, wait_spark: bool = True) -> str:
     print(f"onceflow: PostgreSQL: using {how}", file=sys.stderr)
     port = None
     # a Spark connection given in the environment wins: no local server to start for it
-    if warm_spark and os.environ.get("ONCEFLOW_SPARK", "connect") == "connect" \
+    if warm_spark and settings.get("spark") == "connect" \
             and "AIRFLOW_CONN_SPARK_DEFAULT" not in os.environ:
-        from spark_tasks import localspark
+        from onceflow.spark import localspark
 
         _launched = localspark.launch(warm=wait_spark)
         port = _launched.port

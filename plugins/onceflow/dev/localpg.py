@@ -18,10 +18,11 @@ from pathlib import Path
 
 import psycopg2
 
+from onceflow.core import settings
 from onceflow.core.db import DEFAULT_DSN, with_database
 from onceflow.core.errors import ConfigError
 
-PRIVATE_PORT = int(os.environ.get("ONCEFLOW_PG_PORT", "54329"))
+PRIVATE_PORT = settings.get("pg_port")
 
 
 def _answers(dsn: str) -> bool:
@@ -104,8 +105,8 @@ def private_data_dir(project_dir: Path) -> Path:
 
 def ensure_postgres(project_dir: Path) -> tuple[str, str]:
     """(DSN, how it was found)."""
-    if os.environ.get("ONCEFLOW_PG_DSN"):
-        return os.environ["ONCEFLOW_PG_DSN"], "ONCEFLOW_PG_DSN"
+    if settings.get("pg_dsn"):
+        return settings.get("pg_dsn"), settings.env_name("pg_dsn")
     if _answers(DEFAULT_DSN):
         return DEFAULT_DSN, "the PostgreSQL server on 127.0.0.1:5432"
     data_dir = private_data_dir(project_dir)

@@ -63,9 +63,17 @@ from onceflow.kvstate.base import (
     StateBehind,
     check_json,
 )
-from onceflow.kvstate.config import PROVIDERS, REDIS_DEFAULTS, open_provider
+from onceflow.kvstate.config import (
+    PROVIDERS,
+    REDIS_DEFAULTS,
+    check_state_config,
+    open_checked_provider,
+    open_provider,
+    open_state_provider,
+)
 from onceflow.kvstate.view import KeyValueState
 
 __all__ = ["DELETED", "PROVIDERS", "REDIS_DEFAULTS", "Change", "KeyValueState", "NotPrepared",
            "Provider", "RecoveryNeeded", "RecoveryReport", "StaleBatch", "StateBehind",
-           "check_json", "open_provider"]
+           "check_json", "check_state_config", "open_checked_provider", "open_provider",
+           "open_state_provider"]

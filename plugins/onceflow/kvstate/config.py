@@ -12,9 +12,13 @@ from typing import Any
 import psycopg2
 from psycopg2.extensions import parse_dsn
 
-from onceflow.core.connections import safe_dsn
+from onceflow.core.connections import resolve_dsn, safe_dsn
 from onceflow.core.errors import ConfigError, Unreachable
+from onceflow.core.pipeline import Pipeline
+from onceflow.core.stateful import stateful_bolts
 from onceflow.kvstate.base import Provider, log
+from onceflow.kvstate.memory import MemoryProvider
+from onceflow.kvstate.postgres import PostgresProvider
 
 PROVIDERS = ("memory", "postgres", "redis")
 REDIS_DEFAULTS: dict[str, Any] = {
@@ -70,7 +74,6 @@ def open_provider(provider: str | None, config: Mapping | str | None = None, *,
             f"({', '.join(f'{k}={config[k]!r}' for k in unknown)}) for state.provider="
             f"{provider!r}: remove them; {provider} knows: {known}")
     if provider == "memory":
-        from onceflow.kvstate.memory import MemoryProvider
 
         log.info("kv state: in-memory provider (not durable: a process exit loses the state)")
         return MemoryProvider(coordinator_dsn)
@@ -81,8 +84,6 @@ def open_provider(provider: str | None, config: Mapping | str | None = None, *,
 
 # -- postgres -----------------------------------------------------------------------------------
 def _open_postgres(config: Mapping, coordinator_dsn: str) -> Provider:
-    from onceflow.kvstate.postgres import PostgresProvider
-
     dsn, conn_id = config.get("dsn"), config.get("conn_id")
     _check(not (dsn and conn_id), "conn_id", conn_id, "give dsn or conn_id, not both")
     _check(dsn is None or (isinstance(dsn, str) and dsn.strip()), "dsn", dsn,
@@ -116,8 +117,6 @@ def _same_database(dsn: str, other: str) -> bool:
 
 def _connection_dsn(conn_id: str) -> str:
     """The DSN of an Airflow connection (onceflow.core.connections)."""
-    from onceflow.core.connections import resolve_dsn
-
     return resolve_dsn(conn_id, setting="state.provider_config.conn_id")
 
 
@@ -128,10 +127,11 @@ def _open_redis(config: dict) -> Provider:
     except ImportError as missing:
         raise ConfigError("state_provider='redis' needs the redis client: "
                           "pip install 'onceflow[redis]'") from missing
+    # imported here: redis is the optional `redis` extra
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 
-    from onceflow.kvstate.redis_store import RedisProvider
+    from onceflow.kvstate.redis_store import RedisProvider  # imports redis: the extra's
 
     host, port = config["host"], config["port"]
     _check(isinstance(host, str) and bool(host), "host", host, "give a host name or address")
@@ -218,6 +218,7 @@ _ANNOUNCED: set[tuple] = set()
 
 def _persistence(client) -> str | None:
     """What the server persists ("aof", "rdb", "aof+rdb"), "" for nothing, None if unknown."""
+    # imported here: redis is the optional `redis` extra
     import redis
 
     try:
@@ -226,3 +227,32 @@ def _persistence(client) -> str | None:
     except redis.ResponseError:
         return None
     return "+".join(kind for kind, on in (("aof", aof), ("rdb", rdb)) if on)
+
+
+# A pipeline's provider: what processing and commit open (core.commit takes the opener, so
+# the transaction protocol does not depend on the stores).
+def open_state_provider(pipeline: Pipeline, coordinator_dsn: str) -> Provider:
+    return open_provider(pipeline.state_provider, pipeline.state_provider_config,
+                         coordinator_dsn=coordinator_dsn)
+
+
+def check_state_config(pipeline: Pipeline, coordinator_dsn: str) -> None:
+    """At start: a pipeline with stateful bolts must have a usable provider (ConfigError
+    naming state.provider / state.provider_config otherwise)."""
+    if stateful_bolts(pipeline):
+        open_checked_provider(pipeline, coordinator_dsn).close()
+
+
+def open_checked_provider(pipeline: Pipeline, coordinator_dsn: str):
+    """The provider of a pipeline that has stateful bolts, its settings checked first."""
+    if pipeline.groups != 1:
+        raise ConfigError(
+            f"pipeline.groups={pipeline.groups} is invalid for a pipeline with stateful bolts: "
+            "each processing group would hold every key's shard, so two groups could change "
+            "one key; use groups=1 (the bolt's shards run in parallel inside the group)")
+    if (pipeline.state_provider or "postgres") == "memory":
+        raise ConfigError(
+            "state.provider='memory' is invalid for a pipeline: it keeps state inside one "
+            "process, and Spark's Python workers and the Airflow tasks are separate "
+            "processes; use postgres (default) or redis")
+    return open_state_provider(pipeline, coordinator_dsn)

@@ -8,10 +8,8 @@ dag.test() (no scheduler needed).
 
 from __future__ import annotations
 
-import json
-import subprocess
 import time
-from datetime import UTC, datetime, timedelta
+from collections.abc import Callable
 
 from onceflow.core import txlog
 from onceflow.core.errors import BookkeepingDamaged
@@ -41,35 +39,21 @@ def damaged(conn, pipeline: str) -> list[str]:
     return [p.line() for p in book.problems]
 
 
-def trigger_airflow(dag_id: str, txid: int) -> str:
-    """Queue a run for the scheduler. Returns its run id."""
-    run_id = f"onceflow_backfill__txid_{txid}__{datetime.now(UTC):%Y%m%dT%H%M%S%f}"
-    from onceflow.airflow import airflow_cli
-
-    subprocess.run(
-        airflow_cli("dags", "trigger", dag_id, "--run-id", run_id,
-                    "--conf", json.dumps({"txid": txid})),
-        check=True, stdout=subprocess.DEVNULL,
-    )
-    return run_id
-
-
-def run_local(dag, txid: int, offset_s: int) -> tuple[str, str]:
-    """Run the DAG here with dag.test(). Returns (run id, state)."""
-    logical_date = datetime.now(UTC).replace(microsecond=0) + timedelta(seconds=offset_s)
-    dr = dag.test(logical_date=logical_date, run_conf={"txid": txid})
-    return dr.run_id, str(dr.state)
-
-
 def describe(t: TxRow) -> str:
     state = "abandoned" if t.abandoned else t.state
     return (f"txid={t.txid} state={state} attempt={t.attempt} run={t.run_id or '-'} "
             f"reason={t.reason or '-'}")
 
 
-def backfill(conn, pipeline: str, dag_id: str, via: str, dry_run: bool,
-             load_dag=None) -> list[tuple[int, str, str]]:
-    """Returns (txid, run id, state) for every run made; prints as it goes. Damaged
+# Starts the run of one txid (txid, its place in the backfill): returns (run id, state).
+StartRun = Callable[[int, int], tuple[str, str]]
+
+
+def backfill(conn, pipeline: str, start_run: StartRun, dry_run: bool
+             ) -> list[tuple[int, str, str]]:
+    """Returns (txid, run id, state) for every run made; prints as it goes. The runs are
+    started by ``start_run`` (onceflow.airflow.backfill: queued for the scheduler, or run
+    here with dag.test()). Damaged
     bookkeeping (a commit record changed by hand, offsets that disagree with the commit log)
     is printed and raises BookkeepingDamaged before anything is triggered, dry run or not."""
     todo = open_transactions(conn, pipeline)
@@ -93,13 +77,9 @@ def backfill(conn, pipeline: str, dag_id: str, via: str, dry_run: bool,
         print("dry run: nothing triggered")
         return []
     done = []
-    dag = load_dag() if via == "local" else None
     for i, t in enumerate(todo):
         started = time.monotonic()
-        if via == "airflow":
-            run_id, state = trigger_airflow(dag_id, t.txid), "queued"
-        else:
-            run_id, state = run_local(dag, t.txid, i)
+        run_id, state = start_run(t.txid, i)
         print(f"  txid {t.txid}: run {run_id} {state} ({time.monotonic() - started:.1f}s)")
         done.append((t.txid, run_id, state))
     return done

@@ -42,6 +42,8 @@ from onceflow.core.db import transaction
 from onceflow.core.errors import ConfigError
 from onceflow.core.pipeline import Pipeline
 from onceflow.ops import bookkeeping
+from onceflow.sources import landing_repair
+from onceflow.sources.landing import LandingFolder
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +117,6 @@ def repair(conn, pipeline: Pipeline, *, apply: bool = False, accept_changed=(),
            skip_changed=()) -> RepairReport:
     """``accept_changed`` / ``skip_changed``: changed landed files (paths, or names) to accept
     as they are now or to skip (see onceflow.sources.landing_repair)."""
-    from onceflow.sources.landing import LandingFolder
 
     if (accept_changed or skip_changed) and not isinstance(pipeline.source, LandingFolder):
         raise ConfigError(f"--accept-changed / --skip-changed are for a landing folder's "
@@ -244,7 +245,6 @@ def _check_bookkeeping(cur, name: str, report: RepairReport) -> None:
 def _landed(conn, pipeline: Pipeline, report: RepairReport, accept: list[str],
             skip: list[str]) -> None:
     """The landing folder's changed files (see the module docstring)."""
-    from onceflow.sources import landing_repair
 
     source = pipeline.source
     with transaction(conn) as cur:

@@ -28,7 +28,7 @@ from onceflow.core import backflow, offsets, txlog
 from onceflow.core.db import transaction
 from onceflow.core.errors import ConfigError
 from onceflow.core.planner import PartitionRange
-from onceflow.sources.base import Source
+from onceflow.core.source import Source
 
 log = logging.getLogger(__name__)
 

@@ -14,9 +14,11 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from onceflow.core import backflow, offsets, txlog
+from onceflow.core import backflow, freshness, offsets, txlog
+from onceflow.core.errors import NotInitialised
 from onceflow.core.txlog import TxRow, TxState
 from onceflow.ops import bookkeeping
+from onceflow.sources.landing import REPAIR_HINT
 
 WIDTH = 100
 
@@ -57,6 +59,8 @@ class PipelineStatus:
     dead_letters: dict[str, Any] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)  # damaged bookkeeping: onceflow repair
     source: list[dict[str, str]] = field(default_factory=list)  # what the source holds up
+    # arrival to commit over the last transactions, and the lag now (onceflow.core.freshness)
+    freshness: dict[str, Any] = field(default_factory=dict)
 
     def as_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), default=str, indent=2)
@@ -132,7 +136,6 @@ def _stuck(pipeline: str, rows: list[TxRow], last_committed: int,
     """Every open transaction: what holds it, and what frees it now. A planned one says what
     it is doing, names its holder and the command that frees it (refused while a task of it
     reports)."""
-    from onceflow.sources.landing import REPAIR_HINT
 
     backfill = f"onceflow backfill --pipeline {pipeline}"
     out = []
@@ -183,11 +186,13 @@ def pipeline_status(cur, source, pipeline: str, limit: int = 20, dead_letters: i
                             _stuck(pipeline, open_rows, coordinator[1],
                                    progress(cur, pipeline)))
     committed = offsets.committed(cur, pipeline)
-    for partition, position in sorted(source.positions(cur).items()):
+    positions = source.positions(cur)
+    for partition, position in sorted(positions.items()):
         done = committed.get(partition)
         status.partitions.append(PartitionLine(
             partition, position.log_start, position.head, done,
             position.head - (done if done is not None else position.log_start)))
+    status.freshness = freshness.measure(cur, pipeline, source, positions).as_dict()
     status.gaps = [dict(zip(("partition", "from", "to", "txid", "policy", "at"), g,
                             strict=True)) for g in offsets.gaps(cur, pipeline)]
     status.backflow = dataclasses.asdict(backflow.queue_sizes(cur, pipeline))
@@ -225,7 +230,6 @@ def _coordinator(cur, pipeline: str) -> tuple[str, int, int]:
                 (pipeline,))
     row = cur.fetchone()
     if row is None:
-        from onceflow.core.errors import NotInitialised
 
         raise NotInitialised(f"pipeline {pipeline!r} is not initialised: run `onceflow init`")
     return row
@@ -233,7 +237,6 @@ def _coordinator(cur, pipeline: str) -> tuple[str, int, int]:
 
 def _wrapped(text: str, indent: str) -> list[str]:
     """``text`` in lines of at most WIDTH columns (a command is never cut)."""
-    import textwrap
 
     return textwrap.wrap(text, WIDTH, subsequent_indent=indent, break_long_words=False,
                          break_on_hyphens=False)
@@ -280,6 +283,8 @@ def render(status: PipelineStatus) -> list[str]:
             if notice["fix"] != "-":
                 out += textwrap.wrap(notice["fix"], WIDTH, initial_indent="    -> ",
                                      subsequent_indent="       ", break_on_hyphens=False)
+    if status.freshness:
+        out += _wrapped(freshness.Freshness(**status.freshness).line(), "  ")
     out.append("partitions:")
     for p in status.partitions:
         committed = p.committed if p.committed is not None else "-"
@@ -312,7 +317,6 @@ def render(status: PipelineStatus) -> list[str]:
 
 def _render_problems(status: PipelineStatus) -> list[str]:
     """Damaged bookkeeping, wrapped (never cut: each problem says what to do)."""
-    import textwrap
 
     if not status.problems:
         return []

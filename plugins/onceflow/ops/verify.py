@@ -14,6 +14,27 @@ Batches whose records retention deleted cannot run again: then the check is part
 key last written by a batch that re-ran, ``value - prev_value`` equals that batch's delta, and
 no re-run batch after it touched the key), and the report says how many txids it covered.
 States fed by stateful bolts depend on key-value state and are left to ``--recount``.
+Each txid's commit recorded what it added to each count state (batch_contributions: keys,
+sum of deltas, digest); the re-run's are compared with them too.
+
+**Range** (``txids=(A, B)``; the CLI's ``--txids A..B`` and ``--last N``): only txids A..B
+run again (their ranges and replays, nothing else is read), and:
+
+- each one's contribution to each count state equals what its commit recorded (so the
+  commit applied exactly what its batch implies, whatever came later);
+- each key a re-run txid writes holds that txid or a later one; each key last written by a
+  txid of the range is written by its re-run and (opaque) holds value - prev_value = its
+  delta; a typed state likewise (an opaque one: previous values combined with the batch; an
+  append table: its rows of A..B as a multiset);
+- rejects of A..B, and where each record A..B fails went;
+- then, without reading any record, every count state's table against every recorded
+  contribution (sum(value) and sum(key_weight(key) * value) in SQL, one pass): a change no
+  commit made, anywhere. When the range's own checks are clean, that mismatch is reported as
+  outside the range (the range's batches do not explain it).
+
+State is cumulative: a range check does not prove the values before A (a key's prev_value
+is taken as it is), nor what txids outside A..B added (their recorded contributions are
+trusted; a check of their range proves them).
 
 **Recount** (``--recount``): the pipeline's independent recount function
 (``Pipeline.recompute``) over every record below the committed offsets: committed state +
@@ -24,6 +45,7 @@ ranges a policy skipped (offset_gaps) were never read and are left out.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -37,6 +59,7 @@ from onceflow.core.pipeline import Pipeline
 from onceflow.core.planner import PartitionRange
 from onceflow.core.registration import external_dsn
 from onceflow.ops import retention
+from onceflow.spark.ids import MAX_OFFSET, MAX_PARTITION, OFFSET_BITS
 
 Progress = Callable[[str], None]
 
@@ -45,7 +68,7 @@ Progress = Callable[[str], None]
 class VerifyReport:
     pipeline: str
     mode: str  # "re-run" | "recount"
-    txids: int = 0  # committed txids
+    txids: int = 0  # committed txids (of the range)
     txids_checked: int = 0  # re-run (the others lost records to retention)
     records: int = 0
     replays: int = 0
@@ -58,15 +81,22 @@ class VerifyReport:
     skipped_states: list[str] = field(default_factory=list)
     mismatches: list[str] = field(default_factory=list)  # what is printed: 5 a kind, "N more"
     found: int = 0  # mismatches found, the ones "N more" stands for included
+    span: tuple[int, int] | None = None  # a range check: the txids re-run, first..last
+    committed: tuple[int, int] = (0, 0)  # the committed txids after the last reset
+    contributions: int = 0  # committed txids whose recorded contributions were compared
+    totals: str = ""  # a range check: the state tables against every recorded contribution
+    outside: int = 0  # mismatches (of ``found``) that the range's batches do not explain
 
     @property
     def ok(self) -> bool:
         return not self.found and not self.mismatches
 
-    def add(self, found: list[str], limit: int = 5) -> None:
+    def add(self, found: list[str], limit: int = 5, *, outside: bool = False) -> None:
         """Keep ``found`` (mismatches of one kind): the first ``limit`` to print, then how
-        many more; every one counts in the summary."""
+        many more; every one counts in the summary. ``outside``: not in what the range's
+        batches added."""
         self.found += len(found)
+        self.outside += len(found) if outside else 0
         self.mismatches += (found if len(found) <= limit
                             else found[:limit] + [f"... and {len(found) - limit} more"])
 
@@ -74,8 +104,20 @@ class VerifyReport:
     def partial(self) -> bool:
         return self.txids_checked < self.txids
 
+    def _verdict(self) -> str:
+        if self.ok:
+            return "OK"
+        if self.span is None:
+            return f"FAILED ({self.found} mismatches)"
+        inside, txids = self.found - self.outside, f"txids {self.span[0]}..{self.span[1]}"
+        if not inside:
+            return (f"{txids} OK, FAILED outside them ({_count(self.outside, 'mismatch')} in "
+                    "the state tables that no re-run batch explains)")
+        return (f"FAILED ({_count(inside, 'mismatch')} in {txids}"
+                + (f", {self.outside} the range does not explain)" if self.outside else ")"))
+
     def line(self) -> str:
-        verdict = "OK" if self.ok else f"FAILED ({self.found} mismatches)"
+        verdict = self._verdict()
         states = ", ".join(f"{name} {n} keys" for name, n in self.keys.items()) or "no state"
         if self.mode == "recount":
             return (f"verify {self.pipeline} (recount): {verdict}: "
@@ -83,26 +125,46 @@ class VerifyReport:
                     f"{self.records} committed ({states}; {self.rejected_committed} rejected, "
                     f"expected {self.rejected_expected}) + {self.queued} queued for replay + "
                     f"{self.dead} dead letters")
-        cover = (f"{self.txids_checked} of {self.txids} committed txids re-run (the others' "
-                 "records are gone: partial check)" if self.partial
-                 else f"{self.txids} committed txids re-run")
+        what = "committed txids re-run"
+        if self.span is not None:
+            what = (f"committed txids re-run of {self.committed[0]}..{self.committed[1]}")
+            states = ", ".join(f"{name} {n} keys read" for name, n in self.keys.items())
+        cover = (f"{self.txids_checked} of {self.txids} {what} (the others' records are "
+                 "gone: partial check)" if self.partial else f"{self.txids} {what}")
         skipped = (f"; not checked (stateful bolts): {', '.join(self.skipped_states)}"
                    if self.skipped_states else "")
-        return (f"verify {self.pipeline} (re-run): {verdict}: {cover}, {self.records} records "
+        head = "re-run" if self.span is None else f"re-run of txids {self.span[0]}..{self.span[1]}"
+        tail = ""
+        if self.contributions:
+            tail += (f"; recorded contributions of {self.contributions} txids compared")
+        if self.totals:
+            tail += f"; state totals: {self.totals}"
+        return (f"verify {self.pipeline} ({head}): {verdict}: {cover}, {self.records} records "
                 f"+ {self.replays} replays; {states}; {self.rejected_committed} rejected "
                 f"(expected {self.rejected_expected}); {self.failed} failed: {self.queued} "
-                f"queued, {self.dead} dead letters, the rest replayed later{skipped}")
+                f"queued, {self.dead} dead letters, the rest replayed later{skipped}{tail}")
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}" + ("" if n == 1 else "es" if what.endswith("h") else "s")
 
 
 def _read_states(conn, pipeline: Pipeline, state_dsns: Mapping[str, str] | None,
                  reader=state_tables.read_rows) -> dict[str, dict]:
+    """Every state table: ``reader(cur, spec)`` for a count state, its rows for a typed one."""
+    return _each_state(conn, pipeline, state_dsns, lambda cur, spec: (
+        tables.read_table(cur, spec.shape(), spec.opaque) if spec.typed else reader(cur, spec)))
+
+
+def _each_state(conn, pipeline: Pipeline, state_dsns: Mapping[str, str] | None, read,
+                specs=None) -> dict:
+    """``read(cur, spec)`` of every state (of ``specs``), each in the database holding it."""
     states = {}
-    for spec in pipeline.states:
+    for spec in pipeline.states if specs is None else specs:
         other = connect(external_dsn(spec, state_dsns)) if spec.conn_id else None
         try:
             with (other or conn).cursor() as cur:
-                states[spec.name] = (tables.read_table(cur, spec.shape(), spec.opaque)
-                                     if spec.typed else reader(cur, spec))
+                states[spec.name] = read(cur, spec)
             (other or conn).commit()
         finally:
             if other is not None:
@@ -111,6 +173,42 @@ def _read_states(conn, pipeline: Pipeline, state_dsns: Mapping[str, str] | None,
 
 
 # -- re-run ---------------------------------------------------------------------------------------
+CHUNK_RECORDS = 500_000  # a re-run's Spark job reads at least this many records (or all)
+
+
+def resolve_range(cur, pipeline: str, *, txids: tuple[int, int] | None = None,
+                  last: int | None = None) -> tuple[int, int] | None:
+    """The txids a range check re-runs: ``txids`` (first, last) as given, or the newest
+    ``last`` committed ones (all of them when there are fewer); None for every committed
+    txid. Raises ConfigError naming the flag, the value and the fix."""
+    if txids is None and last is None:
+        return None
+    if txids is not None and last is not None:
+        raise ConfigError(f"--txids {txids[0]}..{txids[1]} and --last {last} both given: give "
+                          "one (--txids A..B re-runs txids A to B, --last N the newest N)")
+    given = f"--last {last}" if txids is None else f"--txids {txids[0]}..{txids[1]}"
+    first_c, last_c = txlog.committed_span(cur, pipeline)
+    if last_c < first_c:
+        raise ConfigError(f"{given}: pipeline {pipeline!r} has no committed txid"
+                          + (" since its last `onceflow reset`" if first_c > 1 else " yet")
+                          + ": nothing to verify until a transaction commits")
+    if txids is None:
+        return max(first_c, last_c - last + 1), last_c
+    a, b = txids
+    if a > b:
+        raise ConfigError(f"{given}: the range ends before it starts: give A..B with A <= B "
+                          f"(--txids {b}..{a})")
+    if b > last_c:
+        raise ConfigError(f"{given}: txid {b} is beyond the last committed txid {last_c} of "
+                          f"pipeline {pipeline!r}: give --txids {min(a, last_c)}..{last_c}, "
+                          "or --last N for the newest N")
+    if a < first_c:
+        raise ConfigError(f"{given}: txids up to {first_c - 1} of pipeline {pipeline!r} were "
+                          "committed before its last `onceflow reset` and are not re-run: "
+                          f"start at {first_c} (--txids {first_c}..{b})")
+    return a, b
+
+
 def _rounds(replays: list[tuple]) -> list[list[tuple]]:
     """Replays split so that a record appears at most once per round (a record replayed by
     several txids would otherwise share one root id in one Spark job)."""
@@ -125,12 +223,30 @@ def _rounds(replays: list[tuple]) -> list[list[tuple]]:
     return rounds
 
 
+def _chunks(intact: list[tuple[int, PartitionRange]], least: int
+            ) -> list[list[tuple[int, PartitionRange]]]:
+    """The committed ranges in txid order, cut at txid boundaries into about ten parts of at
+    least ``least`` records: a Spark job each, so progress is told as they end."""
+    total = sum(r.size for _, r in intact)
+    target = max(least, -(-total // 10))
+    out: list[list[tuple[int, PartitionRange]]] = [[]]
+    size = 0
+    for _, group in itertools.groupby(intact, key=lambda item: item[0]):
+        if size >= target:
+            out.append([])
+            size = 0
+        group = list(group)
+        out[-1] += group
+        size += sum(r.size for _, r in group)
+    return [chunk for chunk in out if chunk]
+
+
 def _run(pipeline: Pipeline, topology, source, txid_of):
     """Run the topology over ``source``; map each output to its txid with
     ``txid_of(partition, offset)``. Returns (deltas {(state, key): {txid: delta}}, rejected
     positions, failures [(partition, offset, txid, error)])."""
-    from spark_tasks.ids import MAX_OFFSET, MAX_PARTITION, OFFSET_BITS
-    from spark_tasks.runner import run_topology
+    # imported here: pyspark loads with it: only where Spark is used
+    from onceflow.spark.runner import run_topology
 
     out = run_topology(topology, source, attempt=1, acker=pipeline.acker,
                        tuple_timeout_ms=pipeline.tuple_timeout_ms,
@@ -155,7 +271,6 @@ def _run(pipeline: Pipeline, topology, source, txid_of):
 
 def _range_lookup(intact: list[tuple[int, PartitionRange]]):
     """txid_of(partition, offset) for the committed ranges (they tile each partition)."""
-    import bisect
 
     starts: dict[int, list[tuple[int, int, int]]] = {}
     for txid, r in intact:
@@ -174,50 +289,65 @@ def _range_lookup(intact: list[tuple[int, PartitionRange]]):
 
 
 def rerun(conn, dsn: str, pipeline: Pipeline, spark, *,
-          state_dsns: Mapping[str, str] | None = None, progress: Progress | None = None
+          state_dsns: Mapping[str, str] | None = None, progress: Progress | None = None,
+          txids: tuple[int, int] | None = None, chunk_records: int = CHUNK_RECORDS
           ) -> VerifyReport:
-    from spark_tasks.records import batch_records, replayed_records
+    """Re-run every committed txid, or with ``txids`` (first, last) those only (see the
+    module docstring for what each proves); ``progress`` is told as each Spark job ends."""
+    # imported here: pyspark loads with it: only where Spark is used
+    from onceflow.spark.records import batch_records, replayed_records
+    from onceflow.spark.session import ship_code
 
     say = progress or (lambda _: None)
     report = VerifyReport(pipeline.name, "re-run")
     with conn.cursor() as cur:
-        ranges = txlog.committed_ranges(cur, pipeline.name)
-        txids = txlog.committed_txids(cur, pipeline.name)
-        replays = backflow.committed_replays(cur, pipeline.name)
+        report.committed = txlog.committed_span(cur, pipeline.name)
+        span = resolve_range(cur, pipeline.name, txids=txids)
+        first, last = span or report.committed
+        report.span = span
+        ranges = txlog.committed_ranges(cur, pipeline.name, first, last)
+        committed = txlog.committed_txids(cur, pipeline.name, first, last)
+        replays = backflow.committed_replays(cur, pipeline.name, first, last)
+        # where a failed record of the range went: replayed by any later txid
+        later = (backflow.committed_replays(cur, pipeline.name, first, payloads=False)
+                 if span else replays)
         positions = pipeline.source.positions(cur)
         parked = {(p, o): kind for kind, p, o in backflow.parked(cur, pipeline.name)}
-        rejected = rejects.positions(cur, pipeline.name)
+        rejected = rejects.positions(cur, pipeline.name, first, last)
+        recorded = state_tables.contributions(cur, pipeline.name, first, last)
+        since, sums = state_tables.contribution_sums(cur, pipeline.name)
     conn.commit()
-    committed = _read_states(conn, pipeline, state_dsns)
     lost = {t for t, r in ranges
             if r.partition not in positions or r.start < positions[r.partition].log_start}
-    report.txids, report.txids_checked = len(txids), len(set(txids) - lost)
-    from spark_tasks.session import ship_code
-
+    report.txids, report.txids_checked = len(committed), len(set(committed) - lost)
     ship_code(pipeline.ref, pipeline.topology)
     topology, skipped = pipeline.build_topology().without_stateful()
     report.skipped_states = sorted(s.name for s in pipeline.states if s.source_name in skipped)
     intact = [(t, r) for t, r in ranges if t not in lost]
-    say(f"re-running {report.txids_checked} committed txids ({sum(r.size for _, r in intact)} "
-        f"records, {len(replays)} replays)")
+    replays = [r for r in replays if r[0] not in lost]
+    total = sum(r.size for _, r in intact)
+    what = f"txids {first}..{last}" if span else f"{report.txids_checked} committed txids"
+    say(f"re-running {what}: {report.txids_checked} batches, {total} records, "
+        f"{len(replays)} replays")
     expected: dict[tuple[str, str], dict[int, int]] = {}
     re_rejected: set[tuple[int, int]] = set()
     failures: list[tuple[int, int, int, str]] = []
     typed: dict[str, list[tuple[int, dict]]] = {}
     jobs = []
-    if intact:
-        source = batch_records(spark, dsn, pipeline.source, [r for _, r in intact])
-        jobs.append((source, _range_lookup(intact)))
-        report.records = sum(r.size for _, r in intact)
-    for i, rows in enumerate(_rounds([r for r in replays if r[0] not in lost])):
-        source = replayed_records(spark, pipeline.source,
-                                  [(p, o, payload, n) for _, p, o, n, payload in rows])
+    for chunk in _chunks(intact, chunk_records):
+        size = sum(r.size for _, r in chunk)
+        jobs.append((lambda chunk=chunk: batch_records(
+            spark, dsn, pipeline.source, [r for _, r in chunk]), _range_lookup(chunk),
+            f"txids {chunk[0][0]}..{chunk[-1][0]}", size))
+    for i, rows in enumerate(_rounds(replays)):
         mapping = {(p, o): t for t, p, o, _, _ in rows}
-        jobs.append((source, lambda p, o, m=mapping: m[(p, o)]))
+        jobs.append((lambda rows=rows: replayed_records(
+            spark, pipeline.source, [(p, o, payload, n) for _, p, o, n, payload in rows]),
+            lambda p, o, m=mapping: m[(p, o)], f"replay round {i + 1}", 0))
         report.replays += len(rows)
-        say(f"replay round {i + 1}: {len(rows)} records")
-    for source, txid_of in jobs:
-        deltas, rej, failed, typed_rows = _run(pipeline, topology, source, txid_of)
+    done = 0
+    for source, txid_of, label, size in jobs:
+        deltas, rej, failed, typed_rows = _run(pipeline, topology, source(), txid_of)
         for state, rows in typed_rows.items():
             typed.setdefault(state, []).extend(rows)
         for key, per in deltas.items():
@@ -226,11 +356,197 @@ def rerun(conn, dsn: str, pipeline: Pipeline, spark, *,
                 into[txid] = into.get(txid, 0) + delta
         re_rejected |= rej
         failures += failed
-    _compare_states(report, pipeline, committed, expected, lost)
-    _compare_typed(report, pipeline, committed, typed, lost)
+        done += size
+        report.records += size
+        say(f"{label} re-run: {done} of {total} records"
+            + (f" ({100 * done // total}%)" if total else ""))
+    _compare_contributions(conn, report, pipeline, recorded, expected,
+                           sorted(t for t in set(committed) - lost if t >= since))
+    if span:
+        _check_range(conn, report, pipeline, state_dsns, expected, typed, lost,
+                     since, sums)
+    else:
+        committed_rows = _read_states(conn, pipeline, state_dsns)
+        _compare_states(report, pipeline, committed_rows, expected, lost)
+        _compare_typed(report, pipeline, committed_rows, typed, lost)
     _compare_rejects(report, rejected, re_rejected, intact)
-    _account_failures(report, failures, parked, replays, lost)
+    _account_failures(report, failures, parked, later, lost, whole=not span)
     return report
+
+
+def _count_specs(pipeline: Pipeline, report: VerifyReport) -> list:
+    return [spec for spec in pipeline.states
+            if not spec.typed and spec.name not in report.skipped_states]
+
+
+def _compare_contributions(conn, report: VerifyReport, pipeline: Pipeline, recorded: dict,
+                           expected: dict, txids: list[int]) -> None:
+    """What each re-run txid adds to each count state against what its commit recorded
+    adding (batch_contributions): its keys, the sum of its deltas and their digest."""
+    sinks = sorted({spec.source_name for spec in _count_specs(pipeline, report)})
+    if not txids or not sinks:
+        return
+    wanted = set(txids)
+    by: dict[tuple[int, str], dict[str, int]] = {}
+    for (sink, key), per in expected.items():
+        if sink in sinks:
+            for txid, delta in per.items():
+                if txid in wanted:
+                    by.setdefault((txid, sink), {})[key] = delta
+    with conn.cursor() as cur:
+        weight = state_tables.key_weights(cur, sorted({k for per in by.values() for k in per}))
+    conn.commit()
+    out = []
+    for txid in txids:
+        for sink in sinks:
+            per_key = by.get((txid, sink), {})
+            want = (len(per_key), sum(per_key.values()),
+                    sum(weight[k] * d for k, d in per_key.items()))
+            got = recorded.get((txid, sink), (0, 0, 0))
+            if got != want:
+                same = (" (the same keys and total: spread over the keys differently)"
+                        if got[:2] == want[:2] else "")
+                out.append(f"txid {txid}: its commit recorded adding {got[1]} over {got[0]} "
+                           f"keys to {sink}, the re-run adds {want[1]} over {want[0]}{same}")
+    report.contributions = len(txids)
+    report.add(out)
+
+
+def _check_range(conn, report: VerifyReport, pipeline: Pipeline,
+                 state_dsns: Mapping[str, str] | None, expected: dict, typed: dict,
+                 lost: set[int], since: int, sums: dict) -> None:
+    """A range check's state comparisons: the keys the range's batches wrote or last
+    wrote, then every count state's table against every recorded contribution."""
+    first, last = report.span
+    count_specs = _count_specs(pipeline, report)
+    keys_of: dict[str, list[str]] = {}
+    for (sink, key) in expected:
+        keys_of.setdefault(sink, []).append(key)
+
+    def read(cur, spec):
+        if spec.typed:
+            shape = spec.shape()
+            return tables.read_table(cur, shape, spec.opaque, since=first,
+                                     until=last if shape.append else None)
+        return state_tables.read_rows_where(cur, spec, first, last,
+                                            keys_of.get(spec.source_name, []))
+
+    checked = [s for s in pipeline.states if s.name not in report.skipped_states]
+    rows = _each_state(conn, pipeline, state_dsns, read, checked)
+    for spec in count_specs:
+        report.keys[spec.name] = len(rows[spec.name])
+        report.add(_range_keys(spec, rows[spec.name], expected, first, last, lost))
+    for spec in pipeline.typed_states():
+        if spec.name in rows:
+            report.keys[spec.name] = len(rows[spec.name])
+            report.add(_range_typed(spec, rows[spec.name], typed, first, last, lost))
+    inside = report.found > 0  # the range's own mismatches (contributions, keys)
+    counts = [spec for spec in pipeline.states if not spec.typed]
+    if not counts:
+        return
+    if since > 1:
+        report.totals = (f"not checked (txids before {since} were committed before onceflow "
+                         "recorded what each adds)")
+        return
+    totals = _each_state(conn, pipeline, state_dsns, state_tables.totals, counts)
+    out = []
+    for spec in counts:
+        keys, total, digest = totals[spec.name]
+        want_total, want_digest = sums.get(spec.source_name, (0, 0))
+        if (total, digest) == (want_total, want_digest):
+            continue
+        how = (f"{spec.name}: its values add up to {total} over {keys} keys, the commits of "
+               f"txids 1..{report.committed[1]} recorded adding {want_total}"
+               + (" (the same sum: spread over the keys differently)"
+                  if total == want_total else ""))
+        out.append(how + (": a change no commit made, perhaps the mismatches above" if inside
+                          else f": a change no commit made, in keys a check of txids "
+                               f"{first}..{last} cannot locate (last written outside them, "
+                               "or their previous value changed too): run verify without "
+                               "--txids/--last to find them"))
+    report.totals = (f"{len(counts) - len(out)} of {len(counts)} tables add up to the "
+                     "recorded contributions" if out else
+                     f"every table adds up to what txids 1..{report.committed[1]} recorded")
+    report.add(out, outside=not inside)
+
+
+def _range_keys(spec, rows: dict, expected: dict, first: int, last: int,
+                lost: set[int]) -> list[str]:
+    """A count state's keys in a range check: each key a re-run txid writes holds that
+    txid or a later one; each key last written in the range is written by that txid's
+    re-run and (opaque) holds value - prev_value = its delta."""
+    want = {key: per for (sink, key), per in expected.items() if sink == spec.source_name}
+    out = []
+    for key in sorted(set(rows) | set(want)):
+        per = want.get(key, {})
+        stored = rows.get(key)
+        if per and (stored is None or stored[2] < max(per)):
+            where = "is missing" if stored is None else f"holds txid {stored[2]}"
+            out.append(f"{spec.name}[{key!r}]: txid {max(per)} writes it (re-run) but the "
+                       f"table {where}")
+            continue
+        if stored is None:
+            continue
+        value, prev, txid = stored
+        if not first <= txid <= last or txid in lost:
+            continue
+        if txid not in per:
+            if spec.kind != "opaque" or value != prev:  # value == prev: a replay put it back
+                out.append(f"{spec.name}[{key!r}]: the table holds txid {txid}, whose re-run "
+                           "does not write it")
+        elif spec.kind == "opaque" and value - prev != per[txid]:
+            out.append(f"{spec.name}[{key!r}]: txid {txid} added {value - prev} (value "
+                       f"{value}, prev_value {prev}), re-run {per[txid]}")
+    return out
+
+
+def _range_typed(spec, got_rows: list[dict], typed: dict, first: int, last: int,
+                 lost: set[int]) -> list[str]:
+    """A typed state in a range check: an append table's rows of the range's txids as a
+    multiset; a keyed one's keys as _range_keys does, an opaque one's measures as its
+    previous values combined with the txid's batch."""
+    shape = spec.shape()
+    rows = [(t, r) for t, r in typed.get(spec.source_name, []) if first <= t <= last]
+    if shape.append:
+        names = [c for c, _ in shape.columns]
+        want = Counter(tuple(r[c] for c in names) + (t,) for t, r in rows if t not in lost)
+        got = Counter(tuple(r[c] for c in names) + (r["txid"],) for r in got_rows
+                      if r["txid"] not in lost)
+        return [f"{spec.name}: row {row} committed {got[row]} time(s), re-run {want[row]}"
+                for row in sorted(set(want) | set(got), key=repr) if want[row] != got[row]]
+    key_of = [c for c, _ in shape.key]
+    per_key: dict[tuple, dict[int, list[dict]]] = {}
+    for txid, row in rows:
+        per_key.setdefault(tuple(row[c] for c in key_of), {}).setdefault(txid, []).append(row)
+    got = {tuple(r[c] for c in key_of): r for r in got_rows}
+    out = []
+    for key in sorted(set(per_key) | set(got), key=repr):
+        per, stored = per_key.get(key, {}), got.get(key)
+        if per and (stored is None or stored["txid"] < max(per)):
+            where = "is missing" if stored is None else f"holds txid {stored['txid']}"
+            out.append(f"{spec.name}[{key}]: txid {max(per)} writes it (re-run) but the "
+                       f"table {where}")
+            continue
+        if stored is None or not first <= stored["txid"] <= last or stored["txid"] in lost:
+            continue
+        txid = stored["txid"]
+        if txid not in per:
+            out.append(f"{spec.name}[{key}]: the table holds txid {txid}, whose re-run does "
+                       "not write it")
+            continue
+        if not spec.opaque:
+            continue
+        batch = sorted(per[txid], key=lambda r: r.get(tables.ORDER) or 0)
+        diff = {}
+        for name, measure in shape.measures:
+            want = _fold(measure, [stored[f"prev_{name}"],
+                                   _fold(measure, [r[name] for r in batch])])
+            if want != stored[name]:
+                diff[name] = (stored[name], want)
+        if diff:
+            out.append(f"{spec.name}[{key}]: txid {txid}: (committed, previous value combined "
+                       f"with the re-run) {diff}")
+    return out
 
 
 def _compare_states(report: VerifyReport, pipeline: Pipeline, committed: dict,
@@ -363,9 +679,12 @@ def _compare_rejects(report: VerifyReport, rejected: dict, re_rejected: set,
 
 
 def _account_failures(report: VerifyReport, failures: list, parked: dict, replays: list,
-                      lost: set[int]) -> None:
+                      lost: set[int], whole: bool = True) -> None:
+    """Each record the re-run fails is queued, dead, or replayed by a later committed txid
+    (``replays``: (txid, partition, offset, ...)); with ``whole`` (every committed txid
+    re-run), each queued or dead record is one the re-run fails."""
     replayed_after = {}
-    for txid, p, o, _, _ in replays:
+    for txid, p, o, *_ in replays:
         replayed_after.setdefault((p, o), []).append(txid)
     out = []
     failing = set()
@@ -378,7 +697,7 @@ def _account_failures(report: VerifyReport, failures: list, parked: dict, replay
     report.failed = len(failing)
     report.queued = sum(1 for kind in parked.values() if kind == "queued")
     report.dead = sum(1 for kind in parked.values() if kind == "dead")
-    if not lost:
+    if whole and not lost:
         out += [f"record p{p}:{o} is {kind} but the re-run never fails it"
                 for (p, o), kind in sorted(parked.items()) if (p, o) not in failing]
     report.add(out)

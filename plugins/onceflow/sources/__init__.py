@@ -3,6 +3,6 @@
 folder of JSON-lines, CSV or Parquet files (landing); a user's own PostgreSQL table read by
 its increasing key (table)."""
 
-from onceflow.sources.base import Position, Source
+from onceflow.core.source import Position, Source
 
 __all__ = ["Position", "Source"]

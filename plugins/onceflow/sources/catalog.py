@@ -16,7 +16,7 @@ from itertools import islice
 
 from onceflow.core.db import transaction
 from onceflow.core.errors import ConfigError
-from onceflow.sources.base import Position
+from onceflow.core.source import Position
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +50,19 @@ def positions(cur, topic: str) -> dict[int, Position]:
         (topic,),
     )
     return {p: Position(start, head) for p, start, head in cur.fetchall()}
+
+
+def at_points(cur, sql: str, topic: str, points: Iterable[tuple[int, int]]
+              ) -> dict[tuple[int, int], object]:
+    """``sql``'s (partition, offset, value) rows for ``points``, keyed by point; the statement
+    joins ``unnest(%(partitions)s::int[], %(offsets)s::bigint[]) AS w (p, o)`` and names
+    ``%(topic)s``. A point without a value is left out."""
+    points = sorted(set(points))
+    if not points:
+        return {}
+    cur.execute(sql, {"topic": topic, "partitions": [p for p, _ in points],
+                      "offsets": [o for _, o in points]})
+    return {(p, o): value for p, o, value in cur.fetchall() if value is not None}
 
 
 def move_log_start(cur, topic: str, below: Mapping[int, int]) -> None:

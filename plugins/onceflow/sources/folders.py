@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import socket
+from pathlib import PurePosixPath
 
 from onceflow.core.errors import ConfigError
 
@@ -30,6 +31,7 @@ def require_folder(folder: str, filesystem=None, *, field: str | None = None) ->
     if filesystem is None:
         visible = os.path.isdir(folder)
     else:
+        # imported here: pyarrow is heavy: it loads only where files are read or written
         from pyarrow import fs
 
         visible = filesystem.get_file_info(folder).type == fs.FileType.Directory
@@ -43,7 +45,6 @@ def require_roots(paths, levels: int = 1) -> None:
     """``require_folder`` for the folder ``levels`` up of each local path in ``paths`` (each
     folder once): the root a source's files lie under. A URI's file system is asked by
     whoever opens it."""
-    from pathlib import PurePosixPath
 
     roots = {str(PurePosixPath(p).parents[levels - 1]) for p in paths if "://" not in str(p)}
     for root in sorted(roots):

@@ -44,9 +44,10 @@ from typing import Annotated, Any
 import msgspec
 
 from onceflow.core.errors import ConfigError
+from onceflow.core.source import PROBLEM
+from onceflow.core.topology import TopologyError, column_types
 
 CORRUPT = "_corrupt_record"
-PROBLEM = "_problem"  # why the spout refuses a record (too large, NUL): set by the reader
 
 # Spark type -> (Python type msgspec checks, Arrow type name, integer bounds or None)
 _INTS = {"tinyint": 8, "smallint": 16, "int": 32, "bigint": 64}
@@ -66,8 +67,6 @@ class JsonRecords:
     columns: tuple[tuple[str, str], ...] = field(init=False, default=())
 
     def __post_init__(self) -> None:
-        from spark_tasks.topology import TopologyError, column_types
-
         if not isinstance(self.ddl, str) or not self.ddl.strip():
             raise ConfigError(f"source.json_schema={self.ddl!r} is invalid: give the records' "
                               "fields as Spark DDL, e.g. 'url string, flaky int'")
@@ -99,6 +98,7 @@ class JsonRecords:
         return [name for name, _ in self.columns]
 
     def arrow_schema(self):
+        # imported here: pyarrow is heavy: it loads only where files are read or written
         import pyarrow as pa
 
         return pa.schema([*(pa.field(name, _arrow_type(kind)) for name, kind in self.columns),
@@ -109,6 +109,7 @@ class JsonRecords:
         ``_corrupt_record`` (a dict by name), and ``_problem``, why the spout refuses a line:
         over ``max_bytes`` bytes (then nothing is decoded), or a NUL byte (PostgreSQL text
         cannot keep its payload; such a line is never valid JSON)."""
+        # imported here: pyarrow is heavy: it loads only where files are read or written
         import pyarrow as pa
 
         decode, empty = _decoder(self.columns)
@@ -123,6 +124,13 @@ class JsonRecords:
                                f"max_record_bytes={max_bytes})")
             kept = set(oversized)
             lines = [b"null" if i in kept else line for i, line in enumerate(lines)]
+
+        def refuse(i: int, line: bytes) -> None:
+            if b"\x00" in line:
+                problems[i] = "payload holds a NUL character, which PostgreSQL text cannot store"
+            else:
+                corrupt[i] = line
+
         # The lines are decoded by map in C; a line that fails stops it, is noted, and the
         # next map carries on after it, on the same iterator.
         remaining = iter(lines)
@@ -133,17 +141,26 @@ class JsonRecords:
             except errors:
                 i = len(rows)
                 rows.append(empty)
-                if i in problems:
+                if i not in problems:
+                    refuse(i, lines[i])
+        # msgspec checks UTF-8 only in what it decodes: invalid bytes inside a field the
+        # schema skips pass, where Spark's reader calls the whole line corrupt. One check of
+        # the batch's bytes, and of each line only when that fails.
+        try:
+            b"\n".join(lines).decode("utf-8")
+        except UnicodeDecodeError:
+            for i, line in enumerate(lines):
+                if i in problems or i in corrupt:
                     continue
-                if b"\x00" in lines[i]:
-                    problems[i] = ("payload holds a NUL character, which PostgreSQL text "
-                                   "cannot store")
-                else:
-                    corrupt[i] = lines[i]
+                try:
+                    line.decode("utf-8")
+                except UnicodeDecodeError:
+                    rows[i] = empty
+                    refuse(i, line)
         out = {}
         for n, (name, kind) in enumerate(self.columns):
             values = list(map(attrgetter(f"f{n}"), rows))
-            if kind == "string":  # (pyarrow converts to large_string ten times faster)
+            if kind == "string":  # pyarrow builds large_string from Python str faster
                 out[name] = pa.array(values, pa.large_string()).cast(pa.string())
             else:
                 out[name] = pa.array(values, _arrow_type(kind))
@@ -153,6 +170,7 @@ class JsonRecords:
 
 
 def _arrow_type(kind: str):
+    # imported here: pyarrow is heavy: it loads only where files are read or written
     import pyarrow as pa
 
     return {"string": pa.string(), "boolean": pa.bool_(), "tinyint": pa.int8(),
@@ -162,6 +180,7 @@ def _arrow_type(kind: str):
 
 def _sparse(n: int, values: dict[int, str]):
     """A string array of ``n`` nulls but at ``values``' positions."""
+    # imported here: pyarrow is heavy: it loads only where files are read or written
     import pyarrow as pa
 
     if not values:

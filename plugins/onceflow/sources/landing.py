@@ -40,6 +40,12 @@ is a range over the manifest.
 - Parquet: a file whose schema is not the declared ``schema`` is set aside
   (``on_mismatch="skip"``: recorded with its reason, indexed with no records, shown by
   status) or stops the pipeline (``on_mismatch="stop"``: begin fails naming the file).
+  With ``typed`` the records carry the declared columns (and ``_corrupt_record``, always
+  null) instead of ``payload``: Spark's Parquet reader then decodes only the columns the
+  topology uses, and no row is turned into JSON and parsed back. A replayed record comes
+  back from its payload (the row as JSON) through the same JsonRecords decoder as JSON
+  lines, so it sees the columns its first try saw. A typed row is refused only when a
+  float column holds NaN or an infinity (which its JSON payload cannot hold).
 """
 
 from __future__ import annotations
@@ -48,20 +54,28 @@ import fnmatch
 import functools
 import json
 import logging
+import os
 import posixpath
 import zlib
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from functools import reduce
 from typing import ClassVar, NamedTuple
 
+from onceflow.core import timings
+from onceflow.core.db import connection, transaction
 from onceflow.core.errors import ConfigError, SourceChanged, SourceShortfall
 from onceflow.core.planner import PartitionRange
+from onceflow.core.source import MAX_RECORD_BYTES, Position, Source
+from onceflow.core.tables import SPARK_JSON
+from onceflow.core.topology import column_types
 from onceflow.sources import catalog
-from onceflow.sources.base import MAX_RECORD_BYTES, Position, Source
 from onceflow.sources.folders import require_folder
-from onceflow.sources.json_records import PROBLEM, JsonRecords
+from onceflow.sources.json_records import CORRUPT, PROBLEM, JsonRecords
+from onceflow.sources.jvm import READER as JVM_READER
+from onceflow.sources.jvm import jvm_reader
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +88,7 @@ CHECK_BYTES = 8 << 20
 
 
 def _filesystem(path: str):
+    # imported here: pyarrow is heavy: it loads only where files are read or written
     from pyarrow import fs
 
     if "://" in path:
@@ -241,6 +256,7 @@ def _scan_parquet(filesystem, path: str) -> _Scan:
     number), each with the CRC-32 of its column chunks' bytes; the file's footer's CRC-32
     is its checksum. (One read of the file: Parquet files are written whole, but a rewrite
     in place under the same size and time would otherwise go unseen.)"""
+    # imported here: pyarrow is heavy: it loads only where files are read or written
     import pyarrow.parquet as pq
 
     with filesystem.open_input_file(path) as f:
@@ -284,7 +300,10 @@ def _line_array(data: bytes):
     Equal to ``_lines``: LF occurs in UTF-8 only as itself, so cutting bytes is cutting text;
     a CR before an LF can only end a line, so replacing CRLF by LF strips exactly one CR per
     line; a CR at the very end ends a last line that has no LF."""
+    # imported here: numpy is heavy: it loads only with the Arrow data it serves
     import numpy as np
+
+    # imported here: pyarrow is heavy: it loads only where files are read or written
     import pyarrow as pa
     import pyarrow.compute as pc
 
@@ -353,6 +372,8 @@ class LandingFolder(Source):
     records' fields as Spark DDL of simple types, decoded as the lines are read (the records
     then carry these columns and ``_corrupt_record`` instead of ``payload``); ``schema``
     (Parquet): the declared columns as Spark DDL, ``on_mismatch``: skip or stop;
+    ``typed`` (Parquet with a ``schema``): the records carry the schema's columns instead of
+    ``payload`` (see the module docstring);
     ``settle_s``: how long a file must stay untouched before it is looked at (0 for files
     appended to all the time, such as logs: their complete lines are indexed as they come);
     ``unterminated_s``: how long a file must stay untouched before a last line without a
@@ -369,6 +390,7 @@ class LandingFolder(Source):
     schema: str | None = None
     json_schema: str | None = None
     on_mismatch: str = "skip"
+    typed: bool = False
     settle_s: float = 1.0
     unterminated_s: float | None = None
 
@@ -401,11 +423,27 @@ class LandingFolder(Source):
                                   f"{self.format!r}: a JSON schema decodes JSON lines; use "
                                   "format='jsonl', or leave json_schema out")
             self.records  # noqa: B018 (compiles the schema: a bad one fails here, by name)
+        if self.typed:
+            if self.format != "parquet" or not self.schema:
+                raise ConfigError(f"source.typed=True needs format='parquet' and a schema "
+                                  f"(format={self.format!r}, schema={self.schema!r}): typed "
+                                  "records are a Parquet file's declared columns; for JSON "
+                                  "lines declare json_schema")
+            try:
+                self.records  # noqa: B018 (the schema as JSON records: simple types only)
+            except ConfigError as error:
+                raise ConfigError(f"source.schema={self.schema!r} cannot be typed: "
+                                  f"{error}".replace("source.json_schema: ", "")
+                                  + "; or leave typed out (the records carry payload)"
+                                  ) from None
 
     @functools.cached_property
     def records(self) -> JsonRecords | None:
-        """The decoder of ``json_schema`` (None: the records are payload strings)."""
-        return JsonRecords(self.json_schema) if self.json_schema is not None else None
+        """The decoder of ``json_schema``, or of a typed Parquet ``schema`` (its replays'
+        payloads are the rows as JSON); None: the records are payload strings."""
+        if self.json_schema is not None:
+            return JsonRecords(self.json_schema)
+        return JsonRecords(self.schema) if self.typed and self.schema else None
 
     @property
     def record_ddl(self) -> str:
@@ -414,6 +452,7 @@ class LandingFolder(Source):
     # -- the folder ------------------------------------------------------------------------
     def _listing(self):
         """(path, size, mtime) of every landed file, oldest first; settling ones left out."""
+        # imported here: pyarrow is heavy: it loads only where files are read or written
         from pyarrow import fs
 
         filesystem, root = _filesystem(self.path)
@@ -435,9 +474,8 @@ class LandingFolder(Source):
         """Why a Parquet file does not match the declared schema (None: it does)."""
         if self.format != "parquet" or not self.schema:
             return None
+        # imported here: pyarrow is heavy: it loads only where files are read or written
         import pyarrow.parquet as pq
-
-        from spark_tasks.topology import column_types
 
         with filesystem.open_input_file(path) as f:
             have = {field.name for field in pq.ParquetFile(f).schema_arrow}
@@ -451,7 +489,12 @@ class LandingFolder(Source):
         (``changed``), not indexed further. Returns how many files were looked at.
         ``enough()``: checked before the first step and after each (1, 2, 4, ... files);
         true, the rest waits for a later look (a batch does not wait for a backlog's index:
-        see positions_until)."""
+        see positions_until). Its time counts as a begin's indexing, the wait for the
+        partitions' lock as its lock wait (onceflow.core.timings)."""
+        with timings.phase("index"):
+            return self._index(cur, enough)
+
+    def _index(self, cur, enough) -> int:
         cur.execute("SELECT path, size, mtime, indexed_to, skipped IS NULL FROM landing_files "
                     "WHERE topic = %s", (self.topic,))
         seen = {p: (s, m, to, followed) for p, s, m, to, followed in cur.fetchall()}
@@ -462,9 +505,10 @@ class LandingFolder(Source):
         again = [f for f in todo if f[0] in seen]
         if not todo or (not again and enough is not None and enough()):
             return 0
-        cur.execute(
-            """SELECT partition, next_offset FROM source_partitions WHERE topic = %s
-               ORDER BY partition FOR UPDATE""", (self.topic,))
+        with timings.phase("lock_wait"):
+            cur.execute(
+                """SELECT partition, next_offset FROM source_partitions WHERE topic = %s
+                   ORDER BY partition FOR UPDATE""", (self.topic,))
         heads = dict(cur.fetchall())
         # Under the partitions' locks: what another look indexed meanwhile is seen now.
         known = self._known(cur, [path for path, _, _ in todo])
@@ -626,9 +670,9 @@ class LandingFolder(Source):
         for first, start, end, count, clean_to, crc in found.chunks:
             cur.execute(
                 """INSERT INTO landing_chunks (topic, file_no, first_offset, byte_start,
-                                               byte_end, records, clean_to, crc)
-                   VALUES (%s, %s, %s, %s, %s, %s, %s, %s)""",
-                (self.topic, number, base + first, start, end, count, clean_to, crc))
+                                               byte_end, records, clean_to, crc, landed_at)
+                   VALUES (%s, %s, %s, %s, %s, %s, %s, %s, to_timestamp(%s))""",
+                (self.topic, number, base + first, start, end, count, clean_to, crc, mtime))
         if found.records:
             heads[partition] = base + found.records
             cur.execute("UPDATE source_partitions SET next_offset = %s "
@@ -645,11 +689,55 @@ class LandingFolder(Source):
         self.index(cur)
         return catalog.positions(cur, self.topic)
 
+    arrival_by_sight = False
+
+    def heads(self, cur) -> dict[int, Position]:
+        """The heads of what is indexed (no look at the folder: ``unindexed`` does that)."""
+        return catalog.positions(cur, self.topic)
+
+    def unindexed(self, cur) -> tuple[int, datetime | None]:
+        """What landed since the last look, from a listing of the folder (names, sizes and
+        times; no file is read): new files and files that grew, as records at the bytes per
+        record indexed so far (a first file: 1), and the oldest one's modification time.
+        Changed files wait for `onceflow repair` and count for nothing."""
+        _, listing = self._listing()
+        if not listing:
+            return 0, None
+        cur.execute(
+            """SELECT coalesce(sum(l.size - coalesce(f.indexed_to, 0)), 0)::bigint, min(l.mtime)
+               FROM unnest(%s::text[], %s::bigint[], %s::float8[]) AS l (path, size, mtime)
+               LEFT JOIN landing_files f ON f.topic = %s AND f.path = l.path
+               WHERE f.path IS NULL OR (f.skipped IS NULL AND f.changed IS NULL
+                     AND f.refused IS NULL AND (f.size, f.mtime) <> (l.size, l.mtime)
+                     AND l.size > f.indexed_to)""",
+            ([p for p, _, _ in listing], [z for _, z, _ in listing],
+             [m for _, _, m in listing], self.topic))
+        new_bytes, oldest = cur.fetchone()
+        if not new_bytes:
+            return 0, None
+        cur.execute("""SELECT sum(indexed_to)::float8 / nullif(sum(records), 0)
+                       FROM landing_files WHERE topic = %s AND refused IS NULL""",
+                    (self.topic,))
+        per_record = cur.fetchone()[0] or 1.0
+        return max(1, int(new_bytes / per_record)), datetime.fromtimestamp(oldest, UTC)
+
+    def arrivals(self, cur, points) -> dict[tuple[int, int], datetime]:
+        """A record arrived when its file was last modified before the look that indexed
+        it (a chunk indexed before that was recorded: when its file was first indexed)."""
+        return catalog.at_points(cur, """
+            SELECT w.p, w.o, (SELECT coalesce(c.landed_at, f.indexed_at)
+                              FROM landing_chunks c JOIN landing_files f USING (topic, file_no)
+                              WHERE c.topic = %(topic)s AND f.partition = w.p
+                                AND c.first_offset <= w.o
+                              ORDER BY c.first_offset DESC LIMIT 1)
+            FROM unnest(%(partitions)s::int[], %(offsets)s::bigint[]) AS w (p, o)""",
+                                 self.topic, points)
+
     def positions_until(self, cur, enough) -> dict[int, Position]:
         """Positions once enough is indexed for ``enough(positions)``: a begin indexes what
         its batch needs and leaves a backlog's other files to later begins, which index them
-        while earlier batches process (ten 1M-line files took the first begin 3 s on two
-        cores, with no Spark work to overlap). Status, alerts and retention index them all."""
+        while earlier batches process: the first begin of a large backlog has no Spark work
+        to overlap. Status, alerts and retention index them all."""
         self.index(cur, enough=lambda: enough(catalog.positions(cur, self.topic)))
         return catalog.positions(cur, self.topic)
 
@@ -700,10 +788,11 @@ class LandingFolder(Source):
 
     def may_refuse(self, cur, ranges: Iterable[PartitionRange]) -> bool:
         """True when a chunk of ``ranges`` was not found clean up to today's
-        max_record_bytes when its file was indexed (see _scan_text; Parquet: always)."""
+        max_record_bytes when its file was indexed (see _scan_text; Parquet: always,
+        a typed one only when it has a float column)."""
         ranges = [r for r in ranges if r.size > 0]
-        if self.format == "parquet":
-            return True
+        if self.format == "parquet":  # typed: only a float column's NaN or infinity
+            return self.records is None or bool(_float_columns(self.records))
         if not ranges:
             return False
         cur.execute(
@@ -718,8 +807,6 @@ class LandingFolder(Source):
         return cur.fetchone()[0]
 
     def read(self, spark, dsn: str, ranges: Iterable[PartitionRange]):
-        from onceflow.core.db import connection, transaction
-
         ranges = [r for r in ranges if r.size > 0]
         with connection(dsn, application_name="onceflow-landing") as conn, \
                 transaction(conn) as cur:
@@ -734,16 +821,10 @@ class LandingFolder(Source):
         if not chunks:
             return spark.createDataFrame([], ddl)
         wanted = [(r.partition, r.start, r.end) for r in ranges]
-        from spark_tasks.jvm import READER as JVM_READER
-        from spark_tasks.jvm import jvm_reader
 
         if jvm_reader(spark) and "://" not in self.path:
-            # the JVM reads the chunks (spark_tasks/jvm): the same rows, one task per chunk
-            spec = {"chunks": [_jvm_chunk(c) for c in chunks],
-                    "wanted": wanted,
-                    "columns": list(map(list, self.records.columns)) if self.records else None,
-                    "max_record_bytes": self.max_record_bytes}
-            return spark.read.format(JVM_READER).option("spec", json.dumps(spec)).load()
+            # the JVM reads the chunks (onceflow.sources.jvm): the same rows, one task per chunk
+            return jvm_lines(spark, chunks, wanted, self.records, self.max_record_bytes)
         # One Spark task per chunk: task i reads chunks[i], which travel with the reader.
         # (A DataFrame of the chunks would be cut into as many tasks as the session's default
         # parallelism, 2 here: a batch's last task then held its next batch's final stage
@@ -756,14 +837,13 @@ class LandingFolder(Source):
     def _read_parquet(self, spark, ranges: list[PartitionRange], chunks: list[_Chunk],
                       bases: dict[str, int]):
         """Parquet files through Spark's own reader (in the JVM): a row's offset is its
-        file's base offset plus its row index in the file, its payload the row as JSON.
+        file's base offset plus its row index in the file, its payload the row as JSON
+        (typed: the declared columns, which Spark then reads only as the topology uses them).
         Each file's footer and the row groups the ranges hold are checked against their
         CRC-32s here first (Spark's reader reads them after the check)."""
-        from functools import reduce
 
+        # imported here: pyspark loads only where Spark is used
         from pyspark.sql import functions as F
-
-        from onceflow.core.tables import SPARK_JSON
 
         filesystem, _ = _filesystem(self.path)
         files: dict[str, list[_Chunk]] = {}
@@ -790,11 +870,25 @@ class LandingFolder(Source):
             keep = reduce(lambda a, b: a | b, [
                 (offset >= max(r.start, lo)) & (offset < min(r.end, hi)) for r in ranges
                 for lo, hi in held if r.partition == partition and r.start < hi and lo < r.end])
+            if self.records is not None:  # typed: the columns as they are (pruned by Spark)
+                # NaN and the infinities have no JSON form: such a row could not come back
+                # from its payload the same, so it is refused as a record over size is
+                problem = F.lit(None).cast("string")
+                for name in reversed(_float_columns(self.records)):
+                    value = F.col(f"`{name}`")
+                    problem = F.when(F.isnan(value) | (F.abs(value) == float("inf")), F.lit(
+                        f"column {name} holds NaN or an infinity, which the record's payload "
+                        "(its row as JSON) cannot hold")).otherwise(problem)
+                body = [*(F.col(f"`{name}`").cast(kind).alias(name)
+                          for name, kind in self.records.columns),
+                        F.lit(None).cast("string").alias(CORRUPT), problem.alias(PROBLEM)]
+            else:
+                body = [F.to_json(F.struct("*"), SPARK_JSON).alias("payload")]
             parts.append(df.select(
                 F.lit(partition).cast("int").alias("partition"), offset.alias("offset"),
-                F.to_json(F.struct("*"), SPARK_JSON).alias("payload")).where(keep))
+                *body).where(keep))
         if not parts:
-            return spark.createDataFrame([], "partition int, offset long, payload string")
+            return spark.createDataFrame([], self.read_ddl)
         return reduce(lambda a, b: a.unionByName(b), parts)
 
     def payloads(self, conn, ranges: Iterable[PartitionRange]
@@ -841,10 +935,32 @@ class LandingFolder(Source):
         return f"landing folder {self.path!r} ({self.format}, topic {self.topic!r})"
 
 
+def _float_columns(records: JsonRecords) -> list[str]:
+    return [name for name, kind in records.columns if kind in ("float", "double")]
+
+
 def _spark_path(root: str, path: str) -> str:
     """A manifest path as Spark reads it: local paths as they are, URIs with their scheme."""
     scheme = root.split("://", 1)[0] + "://" if "://" in root else ""
     return path if not scheme or path.startswith(scheme) else scheme + path
+
+
+def jvm_lines(spark, chunks: list[_Chunk], wanted: list[tuple[int, int, int]],
+              records: JsonRecords | None, max_bytes: int):
+    """The JVM reader (onceflow.spark.JsonLinesSource) over local ``chunks``: the records in
+    ``wanted`` ((partition, start, end)), decoded by ``records`` (None: payloads)."""
+    spec = {"chunks": [_jvm_chunk(c) for c in chunks], "wanted": [list(w) for w in wanted],
+            "columns": list(map(list, records.columns)) if records else None,
+            "max_record_bytes": max_bytes}
+    return spark.read.format(JVM_READER).option("spec", json.dumps(spec)).load()
+
+
+def file_chunk(path: str, records: int, partition: int = 0) -> _Chunk:
+    """A whole local file of ``records`` lines as one chunk of ``partition`` from offset 0,
+    checked by its size and mtime (no CRC-32): what the server's warm-up reads."""
+    stat = os.stat(path)
+    return _Chunk(path=path, size=stat.st_size, mtime=stat.st_mtime, first=0, start=0,
+                  end=stat.st_size, records=records, partition=partition, crc=None, void=None)
 
 
 def _jvm_chunk(chunk: _Chunk) -> list:
@@ -871,9 +987,11 @@ def _removed(path: str, filesystem) -> RuntimeError:
 
 def _read_chunk(filesystem, fmt: str, chunk: _Chunk):
     """The payloads of one chunk (an Arrow string array), its bytes checked."""
+    # imported here: pyarrow is heavy: it loads only where files are read or written
     import pyarrow as pa
 
     if fmt == "parquet":
+        # imported here: pyarrow is heavy: it loads only where files are read or written
         import pyarrow.parquet as pq
 
         _check_parquet(filesystem, [chunk])
@@ -908,6 +1026,7 @@ def _chunk_bytes(filesystem, chunk: _Chunk) -> bytes:
 def _check_parquet(filesystem, chunks: list[_Chunk]) -> None:
     """A Parquet file's footer and the row groups of ``chunks`` (all of one file) are the
     bytes indexed."""
+    # imported here: pyarrow is heavy: it loads only where files are read or written
     import pyarrow.parquet as pq
 
     first = chunks[0]
@@ -934,6 +1053,7 @@ def _check_parquet(filesystem, chunks: list[_Chunk]) -> None:
 
 def _check_unchanged(filesystem, chunk: _Chunk) -> None:
     """A chunk indexed before chunk checksums: its file's size and modification time."""
+    # imported here: pyarrow is heavy: it loads only where files are read or written
     from pyarrow import fs
 
     info = filesystem.get_file_info(chunk.path)
@@ -953,7 +1073,10 @@ def _chunk_reader(fmt: str, header: bool, root: str, chunks: list[_Chunk],
     With ``records`` each line is decoded (its columns, ``_corrupt_record`` and the spout's
     ``_problem``, see JsonRecords.decode) instead of being a payload."""
     def read(batches):
+        # imported here: numpy is heavy: it loads only with the Arrow data it serves
         import numpy as np
+
+        # imported here: pyarrow is heavy: it loads only where files are read or written
         import pyarrow as pa
 
         filesystem, _ = _filesystem(root)

@@ -18,14 +18,25 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import ClassVar
 
+import psycopg2
+
 from onceflow.core.errors import ConfigError, Permanent
 from onceflow.core.planner import PartitionRange
+from onceflow.core.source import Position, Source
 from onceflow.sources import catalog
-from onceflow.sources.base import Position, Source
 
 RECORD_SCHEMA = "partition int, offset long, payload string"
 CHUNK_SCHEMA = "chunk int, partition int, start long, end long"
 DEFAULT_CHUNK = 100_000
+# A record's arrival, and its payload, at (partition, offset) points (catalog.at_points).
+_ARRIVALS = """SELECT l.partition, l."offset", l.produced_at FROM source_log l
+    JOIN unnest(%(partitions)s::int[], %(offsets)s::bigint[]) AS w (p, o)
+      ON l.partition = w.p AND l."offset" = w.o
+    WHERE l.topic = %(topic)s"""
+_PAYLOADS = """SELECT l.partition, l."offset", l.payload FROM source_log l
+    JOIN unnest(%(partitions)s::int[], %(offsets)s::bigint[]) AS w (p, o)
+      ON l.partition = w.p AND l."offset" = w.o
+    WHERE l.topic = %(topic)s"""
 
 
 class BadRecord(Permanent, ValueError):
@@ -63,6 +74,7 @@ def copy_records(cur, statement: str):
     """In a Spark task: run one ``COPY (SELECT partition, offset, payload ...) TO STDOUT
     (FORMAT csv)`` and parse its CSV with Arrow. The records as an Arrow table, None when
     there are none."""
+    # imported here: pyarrow is heavy: it loads only where files are read or written
     import pyarrow as pa
     from pyarrow import csv as pacsv
 
@@ -83,8 +95,6 @@ def copy_records(cur, statement: str):
 
 def _copy_reader(dsn: str, topic: str):
     def read(batches: Iterator) -> Iterator:
-        import psycopg2
-
         conn = psycopg2.connect(dsn, application_name="onceflow-reader")
         try:
             with conn.cursor() as cur:
@@ -141,6 +151,12 @@ class PostgresLog(Source):
     def positions(self, cur) -> dict[int, Position]:
         return catalog.positions(cur, self.topic)
 
+    arrival_by_sight = False
+
+    def arrivals(self, cur, points: Iterable[tuple[int, int]]) -> dict[tuple[int, int], datetime]:
+        """A record arrived when it was inserted (``produced_at``)."""
+        return catalog.at_points(cur, _ARRIVALS, self.topic, points)
+
     def first_at(self, cur, partition: int, when: datetime, position: Position) -> int:
         cur.execute(
             """SELECT min("offset") FROM source_log
@@ -177,14 +193,7 @@ class PostgresLog(Source):
 
     def payloads_at(self, cur, positions: Iterable[tuple[int, int]]
                     ) -> dict[tuple[int, int], str]:
-        positions = sorted(set(positions))
-        cur.execute(
-            """SELECT l.partition, l."offset", l.payload FROM source_log l
-               JOIN unnest(%s::int[], %s::bigint[]) AS w(p, o)
-                 ON l.partition = w.p AND l."offset" = w.o
-               WHERE l.topic = %s""",
-            ([p for p, _ in positions], [o for _, o in positions], self.topic))
-        return {(p, o): payload for p, o, payload in cur.fetchall()}
+        return catalog.at_points(cur, _PAYLOADS, self.topic, positions)
 
     def retain(self, cur, below: Mapping[int, int]) -> int:
         deleted = 0

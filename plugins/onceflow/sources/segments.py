@@ -3,10 +3,26 @@
 Layout: ``ROOT/TOPIC/pPARTITION/BASEOFFSET.parquet`` (zero-padded names), each file holding
 consecutive offsets of one partition (columns partition, offset, payload, produced_at). The
 index is the ``source_segments`` table; heads are ``source_partitions`` (onceflow.sources.
-catalog) as for the PostgreSQL log. A producer writes and fsyncs a segment first, then records
-it and the new head in one PostgreSQL transaction: a crash in between leaves an unindexed
-file, never an indexed hole. Spark's own Parquet reader reads exactly the indexed segments
-that overlap the planned ranges, filtered to the ranges, in parallel in the JVM.
+catalog) as for the PostgreSQL log. A producer writes and fsyncs a segment first, then
+records it and the new head in one PostgreSQL transaction: a crash in between leaves an
+unindexed file, never an indexed hole. Spark's own Parquet reader reads exactly the indexed
+segments that overlap the planned ranges, filtered to the ranges, in parallel in the JVM.
+The index also keeps what the writer saw of each segment's payloads (``largest_bytes``: the
+longest, when none holds a NUL), so a batch is searched for records the spout refuses only
+when one of its segments may hold one.
+
+A segment is written in row groups of ROW_GROUP_ROWS consecutive offsets, with min/max
+statistics on partition and offset: the range filter is pushed down to
+the Parquet reader, which decodes only the row groups that meet a range, so a batch smaller
+than a segment does not decode the whole segment; ``payloads`` (Python) picks the row groups
+by the same statistics. A segment of one row group (as written before) reads the same way.
+
+With a declared ``json_schema`` each payload is decoded where it is read, by the rules of
+onceflow.sources.json_records, as a landing folder's JSON lines are: the records carry the
+declared columns and ``_corrupt_record`` instead of ``payload``, and the topology parses
+nothing. In the JVM when the session has onceflow's jar (``onceflow.spark.SegmentsSource``:
+the payload bytes of the row groups that meet the ranges go straight to the decoder), else
+in Python workers (pyarrow and msgspec); the two give the same rows.
 
 The root folder: the source's ``path``, else ``ONCEFLOW_SEGMENTS_DIR``, else
 ``$ONCEFLOW_HOME/.run/segments``. On a cluster it must be a folder every worker sees (a
@@ -15,44 +31,92 @@ shared mount, or any Hadoop file system URI Spark can read).
 
 from __future__ import annotations
 
+import functools
+import json
 import logging
 import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from functools import reduce
 from pathlib import Path
 from typing import Any, ClassVar
 
+from onceflow.core import settings
 from onceflow.core.db import connection, transaction
 from onceflow.core.errors import ConfigError, ImportConflict, SourceShortfall
 from onceflow.core.planner import PartitionRange
+from onceflow.core.source import Position, Source
 from onceflow.sources import catalog
-from onceflow.sources.base import Position, Source
 from onceflow.sources.folders import require_roots
+from onceflow.sources.json_records import PROBLEM, JsonRecords
+from onceflow.sources.jvm import SEGMENTS_READER, jvm_reader
 from onceflow.sources.pglog import check_payload
 
 log = logging.getLogger(__name__)
 
 def _schema():
+    # imported here: pyarrow is heavy: it loads only where files are read or written
     import pyarrow as pa
 
     return pa.schema([("partition", pa.int32()), ("offset", pa.int64()),
                       ("payload", pa.string()), ("produced_at", pa.timestamp("us", tz="UTC"))])
 
 
+SPARK_SCHEMA = "partition int, offset long, payload string"  # the columns a batch reads
+
+
 def segment_path(root: Path, topic: str, partition: int, base: int) -> Path:
     return root / topic / f"p{partition:05d}" / f"{base:020d}.parquet"
 
 
+# Rows per Parquet row group of a segment. A read of a sub-range decodes only the row groups
+# whose offset statistics meet it (Spark's Parquet filter pushdown, payloads() in Python), so
+# a batch smaller than a segment reads at most about its own size plus two row groups.
+ROW_GROUP_ROWS = 32_768
+
+
 def _write_segment(path: Path, table) -> None:
+    # imported here: pyarrow is heavy: it loads only where files are read or written
     import pyarrow.parquet as pq
 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    pq.write_table(table, tmp)
+    # min/max statistics per row group on partition and offset: what readers skip row groups
+    # by; no reader filters on the payload
+    pq.write_table(table, tmp, row_group_size=ROW_GROUP_ROWS,
+                   write_statistics=["partition", "offset"])
     with open(tmp, "rb+") as f:
         os.fsync(f.fileno())
     tmp.replace(path)
+
+
+def write_segment(path: Path, partition: int, base: int, records: list[str], now: datetime):
+    """One segment file of ``records`` at offsets ``base``... of ``partition``, not indexed
+    (produce_segments indexes it); returns its payloads as an Arrow array."""
+    # imported here: pyarrow is heavy: it loads only where files are read or written
+    import pyarrow as pa
+
+    payload = pa.array(records, pa.string())
+    _write_segment(path, pa.table({
+        "partition": pa.array([partition] * len(records), pa.int32()),
+        "offset": pa.array(range(base, base + len(records)), pa.int64()),
+        "payload": payload,
+        "produced_at": pa.array([now] * len(records), pa.timestamp("us", tz="UTC")),
+    }, schema=_schema()))
+    return payload
+
+
+def _largest(payloads) -> int | None:
+    """The byte length of the longest of ``payloads`` (an Arrow string array) when none holds
+    a NUL character, else None: what a batch's may_refuse compares with max_record_bytes
+    (the spout refuses a record over it, or one with a NUL)."""
+    # imported here: pyarrow is heavy: it loads only where files are read or written
+    import pyarrow.compute as pc
+
+    if not len(payloads) or pc.any(pc.match_substring(payloads, "\x00")).as_py():
+        return None
+    return pc.max(pc.binary_length(payloads)).as_py()
 
 
 def produce_segments(conn, root: Path, topic: str, payloads: Iterable[str], *,
@@ -60,7 +124,7 @@ def produce_segments(conn, root: Path, topic: str, payloads: Iterable[str], *,
     """Append ``payloads`` as segment files, one per partition per chunk, indexed in the same
     PostgreSQL transaction that advances the heads. Returns how many were written."""
 
-    import pyarrow as pa
+    # imported here: pyarrow is heavy: it loads only where files are read or written
 
     def write(cur, by_partition: dict[int, list[str]], heads: dict[int, int]) -> None:
         now = datetime.now(UTC)
@@ -69,16 +133,12 @@ def produce_segments(conn, root: Path, topic: str, payloads: Iterable[str], *,
                 continue
             base = heads[partition]
             path = segment_path(root, topic, partition, base)
-            _write_segment(path, pa.table({
-                "partition": pa.array([partition] * len(records), pa.int32()),
-                "offset": pa.array(range(base, base + len(records)), pa.int64()),
-                "payload": pa.array(records, pa.string()),
-                "produced_at": pa.array([now] * len(records), pa.timestamp("us", tz="UTC")),
-            }, schema=_schema()))
+            payload = write_segment(path, partition, base, records, now)
             cur.execute(
-                """INSERT INTO source_segments (topic, partition, base_offset, records, path)
-                   VALUES (%s, %s, %s, %s, %s)""",
-                (topic, partition, base, len(records), str(path)),
+                """INSERT INTO source_segments (topic, partition, base_offset, records, path,
+                                                largest_bytes)
+                   VALUES (%s, %s, %s, %s, %s, %s)""",
+                (topic, partition, base, len(records), str(path), _largest(payload)),
             )
 
     counter = iter(range(1, 1 << 62))
@@ -150,6 +210,7 @@ def _aligned(segment, base: int, offsets):
     ``offsets``, in their order (null where it holds none). A segment holds consecutive
     offsets from its base in order, so offset o is row o - base; a file that does not
     (not written by onceflow) is joined on offset instead."""
+    # imported here: pyarrow is heavy: it loads only where files are read or written
     import pyarrow.compute as pc
 
     low, high = pc.min(offsets).as_py() - base, pc.max(offsets).as_py() - base
@@ -159,6 +220,7 @@ def _aligned(segment, base: int, offsets):
                  else segment.take(pc.subtract(offsets, base)))
         if pc.all(pc.equal(taken.column("offset"), offsets)).as_py():
             return taken.column("payload")
+    # imported here: pyarrow is heavy: it loads only where files are read or written
     import pyarrow as pa
 
     mine = pa.table({"offset": offsets, "at": pa.array(range(len(offsets)), pa.int64())})
@@ -169,8 +231,12 @@ def _aligned(segment, base: int, offsets):
 def _differing(cur, topic: str, partition: int, rows):
     """Offsets of ``rows`` (below the head, at or above the log start) whose payload is not
     the one the log holds, ascending (a numpy array): each overlapping segment is read once
-    (offset and payload only) and compared with the rows it holds, column against column."""
+    (offset and payload only, the row groups that meet the rows' offsets) and compared with
+    the rows it holds, column against column."""
+    # imported here: numpy is heavy: it loads only with the Arrow data it serves
     import numpy as np
+
+    # imported here: pyarrow is heavy: it loads only where files are read or written
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
@@ -186,8 +252,16 @@ def _differing(cur, topic: str, partition: int, rows):
         mine = rows.filter(inside)
         if not mine.num_rows:
             continue
-        held = _aligned(pq.read_table(path, columns=["offset", "payload"]), base,
-                        mine.column("offset"))
+        mine_offsets = mine.column("offset")
+        span = PartitionRange(partition, pc.min(mine_offsets).as_py(),
+                              pc.max(mine_offsets).as_py() + 1)
+        with pq.ParquetFile(path) as f:
+            groups = row_groups(f.metadata, [span])
+            # the rows before the first row group read: where its offsets start
+            before = sum(f.metadata.row_group(g).num_rows for g in range(groups[0])) \
+                if groups else 0
+            segment = f.read_row_groups(groups, columns=["offset", "payload"])
+        held = _aligned(segment, base + before, mine_offsets)
         same = pc.fill_null(pc.equal(mine.column("payload"), held), False)
         found.append(mine.column("offset").filter(pc.invert(same)).to_numpy())
         outside = pc.invert(inside)
@@ -200,7 +274,10 @@ def _differing(cur, topic: str, partition: int, rows):
 def _unique_offsets(topic: str, partition: int, rows):
     """``rows`` (sorted by offset) with repeated records dropped; ImportConflict when the
     import holds two payloads for one offset (no flag can choose between them)."""
+    # imported here: numpy is heavy: it loads only with the Arrow data it serves
     import numpy as np
+
+    # imported here: pyarrow is heavy: it loads only where files are read or written
     import pyarrow as pa
     import pyarrow.compute as pc
 
@@ -237,7 +314,10 @@ def import_segments(conn, root: Path, topic: str, table, *, chunk_size: int = 40
     no "replace": a batch may have read those offsets, and a record read differently on a
     re-run would break exactly-once. Anything else wrong is refused (ConfigError naming the
     partition and the offsets). Every refusal comes before a file is written."""
+    # imported here: numpy is heavy: it loads only with the Arrow data it serves
     import numpy as np
+
+    # imported here: pyarrow is heavy: it loads only where files are read or written
     import pyarrow as pa
     import pyarrow.compute as pc
 
@@ -323,9 +403,11 @@ def import_segments(conn, root: Path, topic: str, table, *, chunk_size: int = 40
                 _write_segment(path, part.append_column("produced_at", pa.array(
                     [now] * part.num_rows, pa.timestamp("us", tz="UTC"))).cast(_schema()))
                 cur.execute(
-                    """INSERT INTO source_segments (topic, partition, base_offset, records, path)
-                       VALUES (%s, %s, %s, %s, %s)""",
-                    (topic, partition, offset, part.num_rows, str(path)))
+                    """INSERT INTO source_segments (topic, partition, base_offset, records,
+                                                    path, largest_bytes)
+                       VALUES (%s, %s, %s, %s, %s, %s)""",
+                    (topic, partition, offset, part.num_rows, str(path),
+                     _largest(part.column("payload").combine_chunks())))
                 out.segments += 1
             end = first + rows.num_rows
             cur.execute("""UPDATE source_partitions SET next_offset = %s,
@@ -351,6 +433,7 @@ def _has_segments(cur, topic: str, partition: int) -> bool:
 def read_export(paths: Iterable[str]):
     """Records with their partition and offset from Parquet or JSON-lines files (fields
     partition, offset, payload), as one Arrow table."""
+    # imported here: pyarrow is heavy: it loads only where files are read or written
     import pyarrow as pa
     import pyarrow.json as pajson
     import pyarrow.parquet as pq
@@ -372,11 +455,11 @@ def read_export(paths: Iterable[str]):
                             promote_options="permissive")
 
 
-def segments_for(cur, topic: str, ranges: Iterable[PartitionRange]) -> list[str]:
+def segments_for(cur, topic: str, ranges: Iterable[PartitionRange]) -> dict[str, int]:
     """Paths of the segments holding the ranges' offsets, each once (ranges of several txids,
-    as verify reads them, share segments: a path given to Spark twice is read twice);
-    SourceShortfall when the index does not cover a range whole."""
-    paths: dict[str, None] = {}
+    as verify reads them, share segments: a path given to Spark twice is read twice), with
+    their partitions; SourceShortfall when the index does not cover a range whole."""
+    paths: dict[str, int] = {}
     for r in ranges:
         if r.size <= 0:
             continue
@@ -392,12 +475,79 @@ def segments_for(cur, topic: str, ranges: Iterable[PartitionRange]) -> list[str]
             if base > covered:
                 break
             covered = max(covered, base + records)
-            paths[path] = None
+            paths[path] = r.partition
         if covered < r.end:
             raise SourceShortfall(
                 f"topic {topic!r} partition {r.partition}: no segment holds offsets "
                 f"[{covered}, {r.end}) of the planned range [{r.start}, {r.end})")
-    return list(paths)
+    return paths
+
+
+def _stats(meta, group: int, column: int) -> tuple[Any, Any] | None:
+    stats = meta.row_group(group).column(column).statistics
+    return (stats.min, stats.max) if stats is not None and stats.has_min_max else None
+
+
+def row_groups(meta, ranges: Iterable[PartitionRange]) -> list[int]:
+    """The row groups of a segment (its Parquet metadata) that may hold an offset of
+    ``ranges``, by their partition and offset statistics; a row group without statistics
+    (a file not written by onceflow) is kept, so a read of it filters every row."""
+    names = meta.schema.names
+    partition, offset = names.index("partition"), names.index("offset")
+    kept = []
+    for group in range(meta.num_row_groups):
+        p, o = _stats(meta, group, partition), _stats(meta, group, offset)
+        if any((p is None or p[0] <= r.partition <= p[1])
+               and (o is None or (r.start <= o[1] and o[0] < r.end)) for r in ranges):
+            kept.append(group)
+    return kept
+
+
+def read_ranges(path: str, ranges: Iterable[PartitionRange], columns: list[str]):
+    """The rows of the segment at ``path`` within ``ranges`` (``columns`` of them, as an Arrow
+    table in file order), decoding only the row groups whose statistics meet the ranges."""
+    # imported here: pyarrow is heavy: it loads only where files are read or written
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    ranges = list(ranges)
+    with pq.ParquetFile(path) as f:
+        wanted = sorted(set(columns) | {"partition", "offset"})
+        table = f.read_row_groups(row_groups(f.metadata, ranges), columns=wanted)
+    inside = [pc.and_(pc.equal(table.column("partition"), r.partition),
+                      pc.and_(pc.greater_equal(table.column("offset"), r.start),
+                              pc.less(table.column("offset"), r.end))) for r in ranges]
+    if not inside:
+        return table.slice(0, 0).select(columns)
+    return table.filter(reduce(pc.or_, inside)).select(columns)
+
+
+def _decoding_reader(segments: list[tuple[str, int]], ranges: list[PartitionRange],
+                     records: JsonRecords, max_bytes: int):
+    """The mapInArrow function reading ``segments`` ((path, partition)) by index (the ids of
+    spark.range): each one's records within ``ranges``, their payloads decoded by
+    ``records`` (the declared columns, ``_corrupt_record`` and the spout's ``_problem``),
+    a row group's worth at a time."""
+    def read(batches):
+        # imported here: pyarrow is heavy: it loads only where files are read or written
+        import pyarrow as pa
+
+        for batch in batches:
+            for index in batch.column("id").to_pylist():
+                path, partition = segments[index]
+                mine = [r for r in ranges if r.partition == partition]
+                table = read_ranges(path, mine, ["partition", "offset", "payload"])
+                for piece in table.to_batches(max_chunksize=ROW_GROUP_ROWS):
+                    # (a segment's payloads are never null: an empty one is corrupt)
+                    lines = [p or b"" for p in
+                             piece.column("payload").cast(pa.binary()).to_pylist()]
+                    columns, problems = records.decode(lines, max_bytes)
+                    columns[PROBLEM] = problems
+                    yield pa.RecordBatch.from_arrays(
+                        [piece.column("partition"), piece.column("offset"),
+                         *columns.values()], names=["partition", "offset", *columns])
+
+    return read
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -405,12 +555,16 @@ class FileSegments(Source):
     """Parquet segment files per partition, indexed in PostgreSQL (see the module docstring).
 
     ``topic``: its name; ``path``: the root folder (None: ONCEFLOW_SEGMENTS_DIR, else
-    $ONCEFLOW_HOME/.run/segments); ``partitions``: how many ``onceflow init`` creates.
+    $ONCEFLOW_HOME/.run/segments); ``partitions``: how many ``onceflow init`` creates;
+    ``json_schema``: the payloads' fields as Spark DDL of simple types, decoded as the
+    segments are read (the records then carry these columns and ``_corrupt_record`` instead
+    of ``payload``; see the module docstring).
     """
 
     kind: ClassVar[str] = "file-segments"
     path: str | None = None
     partitions: int = 4
+    json_schema: str | None = None
 
     def validate(self) -> None:
         super().validate()
@@ -419,14 +573,24 @@ class FileSegments(Source):
         if not isinstance(self.partitions, int) or self.partitions <= 0:
             raise ConfigError(f"source.partitions={self.partitions!r} is invalid: give a "
                               "positive number of partitions")
+        self.records  # noqa: B018 (compiles json_schema: a bad one fails here, by name)
+
+    @functools.cached_property
+    def records(self) -> JsonRecords | None:
+        """The decoder of ``json_schema``; None: the records are payload strings."""
+        return JsonRecords(self.json_schema) if self.json_schema is not None else None
+
+    @property
+    def record_ddl(self) -> str:
+        return self.records.record_ddl if self.records else super().record_ddl
 
     def root(self) -> Path:
         if self.path:
             return Path(self.path)
-        if os.environ.get("ONCEFLOW_SEGMENTS_DIR"):
-            return Path(os.environ["ONCEFLOW_SEGMENTS_DIR"])
-        if os.environ.get("ONCEFLOW_HOME"):
-            return Path(os.environ["ONCEFLOW_HOME"]) / ".run" / "segments"
+        if settings.get("segments_dir"):
+            return Path(settings.get("segments_dir"))
+        if settings.get("home"):
+            return Path(settings.get("home")) / ".run" / "segments"
         raise ConfigError("source.path=None and neither ONCEFLOW_SEGMENTS_DIR nor "
                           "ONCEFLOW_HOME is set: give the segments folder in the source's path")
 
@@ -440,12 +604,40 @@ class FileSegments(Source):
                 "path (or ONCEFLOW_SEGMENTS_DIR) at the segments folder")
         catalog.ensure_topic(conn, self.topic, self.partitions, create=create)
 
+    arrival_by_sight = False
+
+    def arrivals(self, cur, points: Iterable[tuple[int, int]]) -> dict[tuple[int, int], datetime]:
+        """A record arrived when its segment was indexed (written or imported)."""
+        return catalog.at_points(cur, """
+            SELECT w.p, w.o, (SELECT s.indexed_at FROM source_segments s
+                              WHERE s.topic = %(topic)s AND s.partition = w.p
+                                AND s.base_offset <= w.o
+                              ORDER BY s.base_offset DESC LIMIT 1)
+            FROM unnest(%(partitions)s::int[], %(offsets)s::bigint[]) AS w (p, o)""",
+                                 self.topic, points)
+
     def positions(self, cur) -> dict[int, Position]:
         return catalog.positions(cur, self.topic)
 
-    def read(self, spark, dsn: str, ranges: Iterable[PartitionRange]):
-        from functools import reduce
+    def may_refuse(self, cur, ranges: Iterable[PartitionRange]) -> bool:
+        """True when a segment of ``ranges`` was not found clean up to today's
+        max_record_bytes when it was written (``largest_bytes``: see _largest)."""
+        ranges = [r for r in ranges if r.size > 0]
+        if not ranges:
+            return False
+        cur.execute(
+            """SELECT coalesce(bool_or(s.largest_bytes IS NULL OR s.largest_bytes > %s), false)
+               FROM source_segments s
+               JOIN unnest(%s::int[], %s::bigint[], %s::bigint[]) AS r (part, lo, hi)
+                 ON s.partition = r.part AND s.base_offset < r.hi
+                    AND s.base_offset + s.records > r.lo
+               WHERE s.topic = %s""",
+            (self.max_record_bytes, [r.partition for r in ranges], [r.start for r in ranges],
+             [r.end for r in ranges], self.topic))
+        return cur.fetchone()[0]
 
+    def read(self, spark, dsn: str, ranges: Iterable[PartitionRange]):
+        # imported here: pyspark loads only where Spark is used
         from pyspark.sql import functions as F
 
         ranges = [r for r in ranges if r.size > 0]
@@ -454,33 +646,52 @@ class FileSegments(Source):
             paths = segments_for(cur, self.topic, ranges)
         require_roots(paths, 3)  # ROOT/TOPIC/pPARTITION/BASE.parquet
         if not paths:
-            return spark.createDataFrame([], "partition int, offset long, payload string")
+            return spark.createDataFrame([], self.read_ddl)
+        if self.records is not None:
+            return self._read_decoding(spark, list(paths.items()), ranges)
+        # pushed down to the Parquet reader: it skips the row groups whose partition and
+        # offset statistics miss every range; the schema given spares reading a footer on
+        # the driver
         wanted = reduce(lambda a, b: a | b, [
             (F.col("partition") == r.partition) & (F.col("offset") >= r.start)
             & (F.col("offset") < r.end) for r in ranges])
-        return (spark.read.parquet(*paths).where(wanted)
+        return (spark.read.schema(SPARK_SCHEMA).parquet(*paths).where(wanted)
                 .select("partition", "offset", "payload"))
+
+    def _read_decoding(self, spark, segments: list[tuple[str, int]],
+                       ranges: list[PartitionRange]):
+        """The records of ``segments`` within ``ranges``, their payloads decoded where they
+        are read: one Spark task per segment, in the JVM (local paths) or in Python
+        workers (the same rows)."""
+        if jvm_reader(spark) and not any("://" in path for path, _ in segments):
+            return jvm_segments(spark, segments, [(r.partition, r.start, r.end) for r in ranges],
+                                self.records, self.max_record_bytes)
+        tasks = spark.range(0, len(segments), 1, numPartitions=len(segments))
+        return tasks.mapInArrow(_decoding_reader(segments, ranges, self.records,
+                                                 self.max_record_bytes), self.read_ddl)
 
     def payloads(self, conn, ranges: Iterable[PartitionRange]
                  ) -> Iterator[tuple[int, int, str]]:
-        import pyarrow.parquet as pq
-
         ranges = [r for r in ranges if r.size > 0]
         with conn.cursor() as cur:
             paths = segments_for(cur, self.topic, ranges)
         require_roots(paths, 3)
-        by_partition: dict[int, list[PartitionRange]] = {}
-        for r in ranges:
-            by_partition.setdefault(r.partition, []).append(r)
         for path in paths:
-            table = pq.read_table(path, columns=["partition", "offset", "payload"])
-            for partition, offset, payload in zip(*(table.column(c).to_pylist() for c in
-                                                    ("partition", "offset", "payload")),
-                                                  strict=True):
-                if any(r.start <= offset < r.end for r in by_partition.get(partition, ())):
-                    yield partition, offset, payload
+            table = read_ranges(path, ranges, ["partition", "offset", "payload"])
+            yield from zip(*(table.column(c).to_pylist() for c in
+                             ("partition", "offset", "payload")), strict=True)
 
     def append(self, conn, payloads: Iterable[str], *, chunk_size: int = 400_000,
                progress=None) -> int:
         return produce_segments(conn, self.root(), self.topic, payloads, chunk_size=chunk_size,
                                 progress=progress)
+
+
+def jvm_segments(spark, segments: list[tuple[str, int]], wanted: list[tuple[int, int, int]],
+                 records: JsonRecords, max_bytes: int):
+    """The JVM reader (onceflow.spark.SegmentsSource) over local ``segments`` ((path,
+    partition)): the records in ``wanted`` ((partition, start, end)), decoded by
+    ``records``."""
+    spec = {"segments": [list(s) for s in segments], "wanted": [list(w) for w in wanted],
+            "columns": list(map(list, records.columns)), "max_record_bytes": max_bytes}
+    return spark.read.format(SEGMENTS_READER).option("spec", json.dumps(spec)).load()

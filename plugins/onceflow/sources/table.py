@@ -65,10 +65,8 @@ chunk with ``COPY (SELECT ... row_to_json(t) ...) TO STDOUT`` and parses it with
 (``mapInArrow``). The same code runs in local mode, on a cluster and through Spark Connect,
 whose sessions cannot load a JDBC driver that was not on their classpath when they started,
 and the payload is PostgreSQL's ``row_to_json`` wherever it is read (a batch, ``payloads_at``
-for the backflow, verify). Spark's JDBC reader (``spark.read.jdbc`` with the key as partition
-column, PostgreSQL's driver on the classpath) read 1.4-1.8 times as many rows per second on
-2 cores (10M rows of ~116 bytes of JSON: 1, 2, 4 tasks: COPY 220k, 300k, 446k rows/s; JDBC
-347k, 526k, 612k rows/s); building the JSON in PostgreSQL costs most of either.
+for the backflow, verify). Spark's JDBC reader reads more rows per second, but building the
+JSON in PostgreSQL costs most of either (the figures: docs/design.md).
 """
 
 from __future__ import annotations
@@ -82,12 +80,15 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import ClassVar
 
+import psycopg2
 from psycopg2 import sql
 
-from onceflow.core.db import connection
+from onceflow.core import timings
+from onceflow.core.connections import resolve_dsn
+from onceflow.core.db import connection, transaction
 from onceflow.core.errors import ConfigError
 from onceflow.core.planner import PartitionRange
-from onceflow.sources.base import Position, Source
+from onceflow.core.source import Position, Source
 from onceflow.sources.pglog import chunk_ranges, copy_records
 
 log = logging.getLogger(__name__)
@@ -163,7 +164,6 @@ class TableSource(Source):
         if self.dsn:
             return self.dsn
         if self.conn_id:
-            from onceflow.core.connections import resolve_dsn
 
             return resolve_dsn(self.conn_id, setting="source.conn_id")
         return coordinator_dsn
@@ -297,6 +297,11 @@ class TableSource(Source):
         return position, _holders(cur, table.sequence, None)
 
     def _wait(self, cur, table: _Table, holders: list[str]) -> list[str]:
+        """Wait up to wait_s for the writers in ``holders`` to end (a begin's lock wait)."""
+        with timings.phase("lock_wait"):
+            return self._wait_for(cur, table, holders)
+
+    def _wait_for(self, cur, table: _Table, holders: list[str]) -> list[str]:
         deadline = time.monotonic() + self.wait_s
         while holders and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -361,10 +366,56 @@ class TableSource(Source):
         # key: keys of rolled-back inserts leave holes, which are no gap.
         return {0: Position(min(lowest, head), head)}
 
+    def heads(self, cur) -> dict[int, Position]:
+        """The head as a begin would find it, without waiting and without writing: the
+        sequence's position, unless a begin keeps a candidate for writers still running
+        (then the head confirmed last)."""
+        with self._table_cursor(cur) as tcur:
+            table = self._check(tcur)
+            candidate, holders = self._candidate(tcur, table)
+            tcur.execute(sql.SQL("SELECT least({start}, min({key})) FROM {table}").format(
+                start=sql.Literal(table.start), key=table.key, table=table.name))
+            lowest = max(0, tcur.fetchone()[0])
+            cur.execute("SELECT head, pending_head, pending_on FROM table_source_bounds "
+                        "WHERE topic = %s", (self.topic,))
+            row = cur.fetchone()
+            head = row[0] if row else lowest
+            if holders and row and row[1] is not None:
+                # a begin keeps a candidate until the writers it waits for have ended
+                if not _holders(tcur, table.sequence, row[2]):
+                    head = max(head, row[1])
+            else:
+                # no writer, or none a begin knows of yet: a begin plans what is final of
+                # this and keeps the rest as its candidate (a begin with writers that do not
+                # end plans nothing once, then waits for them here)
+                head = max(head, candidate)
+        return {0: Position(min(lowest, head), head)}
+
+    @property
+    def arrival_by_sight(self) -> bool:
+        return self.time_column is None
+
+    def arrivals(self, cur, points) -> dict[tuple[int, int], datetime]:
+        """With ``time_column``: the row's time at or after each key; else when a head past
+        the key was first seen (the watcher's or a begin's look)."""
+        if self.time_column is None:
+            return super().arrivals(cur, points)
+        keys = sorted({o for _, o in points})
+        if not keys:
+            return {}
+        with self._table_cursor(cur) as tcur:
+            table = self._check(tcur)
+            tcur.execute(sql.SQL(
+                """SELECT w.o, (SELECT t.{time}::timestamptz FROM {table} AS t
+                                WHERE t.{key} >= w.o ORDER BY t.{key} LIMIT 1)
+                   FROM unnest({keys}::bigint[]) AS w (o)""").format(
+                time=table.time, table=table.name, key=table.key, keys=sql.Literal(keys)))
+            found = {o: at for o, at in tcur.fetchall() if at is not None}
+        return {(p, o): found[o] for p, o in points if o in found}
+
     def ensure(self, conn, *, create: bool = False) -> None:
         """Check the table, its key and its sequence; bind the topic to it and choose a first
         head. ``create`` creates nothing: the table is the user's."""
-        from onceflow.core.db import transaction
 
         with transaction(conn) as cur:
             self.positions(cur)
@@ -489,8 +540,6 @@ def _copy_reader(dsn: str):
     """The Spark task: each chunk row's COPY statement, its CSV parsed by Arrow."""
 
     def read(batches: Iterator) -> Iterator:
-        import psycopg2
-
         conn = psycopg2.connect(dsn, application_name="onceflow-table-reader")
         try:
             with conn.cursor() as cur:

@@ -9,6 +9,17 @@ Routes (under the mount):
 ``GET  /api/pipelines``                                    JSON: the overview
 ``GET  /api/pipelines/{name}``                             JSON: one pipeline (``?all_dead=1``:
                                                            every dead letter)
+``GET  /api/pipelines/{name}/timeline``                    JSON: a page of the commit timeline
+                                                           (``before``/``after`` a txid,
+                                                           ``min_txid``, ``max_txid``, ``state``,
+                                                           ``limit``), with each txid's runs and
+                                                           the paths of its tasks' logs
+``GET  /api/pipelines/{name}/series``                      JSON: per committed txid, what the
+                                                           charts plot (``last``, ``min_txid``,
+                                                           ``max_txid``)
+``GET  /api/pipelines/{name}/txid?run_id=R``               JSON: the txid of an Airflow run
+``GET  /static/{file}``                                    the React view's module (the
+                                                           ``react_apps`` bundle), no login
 ``POST /api/pipelines/{name}/dead-letters/replay``         put dead letters back in the backflow
 ``POST /api/pipelines/{name}/dead-letters/request-approval``  ask a person to approve a replay
                                                            (a pipeline with
@@ -38,15 +49,20 @@ need the header ``X-Requested-By`` (a cross-site form cannot send it) and a JSON
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from importlib.resources import files
 from typing import Annotated, Any
 
-from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from jinja2 import Environment, FileSystemLoader, select_autoescape
 from pydantic import BaseModel, Field
 
-from onceflow.airflow.ui import data
+from onceflow.airflow.ui import bundle, data
+from onceflow.core import txlog
+from onceflow.core.errors import ConfigError, Unreachable
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +79,7 @@ _SECURITY_HEADERS = {
 async def _user_or_none(
         request: Request,
         bearer: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]):
+    # imported here: Airflow's own modules: the UI plugin is loaded while Airflow starts
     from airflow.api_fastapi.core_api.security import get_user
 
     try:
@@ -93,6 +110,7 @@ def allowed(user, pipeline: str, method: str) -> bool:
 def allowed_dag(user, dag_id: str, method: str) -> bool:
     """Whether ``user`` may ``GET`` (read) or ``POST`` (trigger) the runs of ``dag_id``, by
     Airflow's auth manager."""
+    # imported here: Airflow's own modules: the UI plugin is loaded while Airflow starts
     from airflow.api_fastapi.app import get_auth_manager
     from airflow.api_fastapi.auth.managers.models.resource_details import (
         DagAccessEntity,
@@ -130,8 +148,6 @@ def _may_request(user, pipeline) -> bool:
 
 
 def _registered() -> dict[str, Any]:
-    from onceflow.core.errors import ConfigError
-
     try:
         return data.registered()
     except ConfigError as error:
@@ -149,8 +165,6 @@ def _guard_post(request: Request) -> None:
 
 
 def _failure(error: Exception) -> HTTPException:
-    from onceflow.core.errors import ConfigError, Unreachable
-
     if isinstance(error, Unreachable | ConfigError):
         return HTTPException(503, str(error))
     return HTTPException(500, f"{type(error).__name__}: {error}")
@@ -158,8 +172,6 @@ def _failure(error: Exception) -> HTTPException:
 
 # -- pages ----------------------------------------------------------------------------------------
 def _templates():
-    from jinja2 import Environment, FileSystemLoader, select_autoescape
-
     folder = files("onceflow.airflow.ui") / "templates"
     env = Environment(loader=FileSystemLoader(str(folder)), autoescape=select_autoescape(),
                       trim_blocks=True, lstrip_blocks=True)
@@ -188,6 +200,7 @@ def _error_page(request: Request, user, error: HTTPException) -> HTMLResponse:
 
 
 def _login(request: Request) -> RedirectResponse:
+    # imported here: Airflow's own modules: the UI plugin is loaded while Airflow starts
     from airflow.api_fastapi.app import get_auth_manager
 
     return RedirectResponse(get_auth_manager().get_url_login(next_url=str(request.url)),
@@ -243,6 +256,71 @@ def create_app() -> FastAPI:
             raise _failure(error) from error
         return {**view, "can_operate": allowed(user, name, "POST"),
                 "can_request_approval": _may_request(user, pipeline)}
+
+    @app.get("/api/pipelines/{name}/timeline")
+    def api_timeline(
+            name: str, user: User,
+            before: Annotated[int | None, Query(ge=1)] = None,
+            after: Annotated[int | None, Query(ge=0)] = None,
+            min_txid: Annotated[int | None, Query(ge=1)] = None,
+            max_txid: Annotated[int | None, Query(ge=1)] = None,
+            state: Annotated[list[str], Query()] = (),
+            limit: Annotated[int, Query(ge=1, le=data.PAGE_MAX)] = data.TIMELINE,
+    ) -> dict[str, Any]:
+        pipeline = _pipeline(name, user)
+        if before is not None and after is not None:
+            raise HTTPException(400, "give before or after, not both: before=N pages to older "
+                                     "txids, after=N to newer ones")
+        if min_txid is not None and max_txid is not None and min_txid > max_txid:
+            raise HTTPException(400, f"min_txid={min_txid} is above max_txid={max_txid}: "
+                                     "give the lower txid as min_txid")
+        states = _states(state)
+        try:
+            return data.timeline(pipeline, before=before, after=after, min_txid=min_txid,
+                                 max_txid=max_txid, states=states, limit=limit)
+        except Exception as error:
+            raise _failure(error) from error
+
+    @app.get("/api/pipelines/{name}/series")
+    def api_series(
+            name: str, user: User,
+            last: Annotated[int, Query(ge=1, le=data.SERIES_MAX)] = data.SERIES,
+            min_txid: Annotated[int | None, Query(ge=1)] = None,
+            max_txid: Annotated[int | None, Query(ge=1)] = None,
+    ) -> dict[str, Any]:
+        pipeline = _pipeline(name, user)
+        try:
+            return data.series(pipeline, last=last, min_txid=min_txid, max_txid=max_txid)
+        except Exception as error:
+            raise _failure(error) from error
+
+    @app.get("/api/pipelines/{name}/txid")
+    def api_txid_of_run(name: str, user: User,
+                        run_id: Annotated[str, Query(min_length=1, max_length=250)]
+                        ) -> dict[str, Any]:
+        pipeline = _pipeline(name, user)
+        try:
+            txid = data.txid_of_run(pipeline.name, run_id)
+        except Exception as error:
+            raise _failure(error) from error
+        if txid is None:
+            raise HTTPException(404, f"run {run_id!r} of {data.dag_id_of(pipeline.name)} has "
+                                     "no txid: it planned no transaction (see its begin "
+                                     "task's log)")
+        return {"pipeline": pipeline.name, "run_id": run_id, "txid": txid}
+
+    @app.get("/static/{file}", include_in_schema=False)
+    def static(file: str, request: Request):
+        # The React view's module: code without data, so no login. Asked for with its
+        # digest (the plugin's bundle_url), a browser may keep it: a new version has another.
+        body = bundle.read(file)
+        if body is None:
+            raise HTTPException(404, f"no file {file!r} among the onceflow view's static files")
+        version = request.query_params.get("v")
+        cache = ("public, max-age=31536000, immutable" if version == bundle.digest(file)
+                 else "no-cache")
+        return Response(body, media_type="text/javascript; charset=utf-8",
+                        headers={"Cache-Control": cache, "X-Content-Type-Options": "nosniff"})
 
     @app.post("/api/pipelines/{name}/dead-letters/replay")
     def api_replay(name: str, body: ReplayBody, request: Request,
@@ -359,12 +437,35 @@ def create_app() -> FastAPI:
             f"Triggered {len(runs)} run(s) of {dag_id}: " + ", ".join(
                 f"txid {r['txid']} ({r['run_id']})" for r in runs) + "." + note)}
 
+    @app.exception_handler(RequestValidationError)
+    async def _bad_request(request: Request, error: RequestValidationError):
+        # one sentence naming each field and the value given, not pydantic's structure
+        problems = []
+        for item in error.errors():
+            field = ".".join(str(p) for p in item.get("loc", ())[1:]) or "the request"
+            given = item.get("input")
+            value = ("" if given is None or isinstance(given, dict)
+                     else f"={given}" if isinstance(given, str) else f"={given!r}")
+            problems.append(f"{field}{value}: {item.get('msg', 'invalid')}")
+        return JSONResponse({"detail": "; ".join(problems)}, status_code=400,
+                            headers=_SECURITY_HEADERS)
+
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, error: HTTPException):
         return JSONResponse({"detail": error.detail}, status_code=error.status_code,
                             headers={**_SECURITY_HEADERS, **(error.headers or {})})
 
     return app
+
+
+def _states(given: Iterable[str]) -> list[str]:
+    """``state`` values (repeated, or comma-separated), each a state the timeline shows."""
+    states = [s.strip() for value in given for s in value.split(",") if s.strip()]
+    wrong = [s for s in states if s not in txlog.PAGE_STATES]
+    if wrong:
+        raise HTTPException(400, f"state={wrong[0]!r} is not a transaction state: choose from "
+                                 f"{', '.join(txlog.PAGE_STATES)}")
+    return list(dict.fromkeys(states))
 
 
 class ReplayBody(BaseModel):

@@ -15,14 +15,25 @@ from collections.abc import Iterable
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import Any
+from urllib.parse import quote
 
+from onceflow.core import freshness, txlog
+from onceflow.core.backflow import replay_dead_letters as replay
 from onceflow.core.connections import DEFAULT_CONN_ID, dsn_from_connection, resolve_dsn
+from onceflow.core.db import connection
+from onceflow.core.errors import NotInitialised
+from onceflow.core.registry import pipelines
+from onceflow.ops.backfill import open_transactions as find
+from onceflow.ops.status import activity, pipeline_status, progress
 
 log = logging.getLogger(__name__)
 
 APPLICATION_NAME = "onceflow-ui"
 TIMELINE = 50  # transactions on a pipeline's page
 DEAD_LETTERS = 20  # newest dead letters listed
+PAGE_MAX = 500  # transactions on one page of the timeline at most
+SERIES = 200  # committed transactions in the charts
+SERIES_MAX = 5000
 
 
 def dag_id_of(pipeline: str) -> str:
@@ -70,13 +81,15 @@ def server_dsn(conn_id: str = DEFAULT_CONN_ID, *, session=None) -> str:
 def cursor(*, readonly: bool = True, statement_timeout_ms: int = 15_000):
     """A cursor on the coordinator's database in one transaction (committed at the end, rolled
     back on an error); ``readonly``: a read-only transaction."""
-    from onceflow.core.db import connection
 
     with connection(server_dsn(), application_name=APPLICATION_NAME) as conn:
         conn.set_session(readonly=readonly)
         try:
             with conn.cursor() as cur:
                 cur.execute("SET LOCAL statement_timeout = %s", (statement_timeout_ms,))
+                # short indexed reads, asked for every few seconds: compiling them (JIT)
+                # costs more than running them
+                cur.execute("SET LOCAL jit = off")
                 yield cur
             conn.commit()
         except BaseException:
@@ -86,7 +99,6 @@ def cursor(*, readonly: bool = True, statement_timeout_ms: int = 15_000):
 
 def registered() -> dict[str, Any]:
     """The registered pipelines by name (entry points, ONCEFLOW_PIPELINES)."""
-    from onceflow.core.registry import pipelines
 
     return dict(sorted(pipelines().items()))
 
@@ -115,9 +127,6 @@ def pipeline_view(pipeline, *, timeline: int = TIMELINE, dead_letters: int = DEA
     with what holds each (``onceflow.ops.status.Stuck``), partitions and lag, gaps, backflow
     queues, dead letters by reason. ``initialised`` is False (and ``error`` says why) when its
     first begin has not run yet."""
-    from onceflow.core import txlog
-    from onceflow.core.errors import NotInitialised
-    from onceflow.ops.status import activity, pipeline_status, progress
 
     view: dict[str, Any] = {"pipeline": pipeline.name, "dag_id": dag_id_of(pipeline.name),
                             "dead_letter_approval": bool(pipeline.dead_letter_approval),
@@ -132,6 +141,8 @@ def pipeline_view(pipeline, *, timeline: int = TIMELINE, dead_letters: int = DEA
                                      dead_letters, all_dead)
             open_rows = txlog.history(cur, pipeline.name, 10_000, open_only=True)
             done = progress(cur, pipeline.name)
+            fresh = freshness.by_txid(cur, pipeline.name,
+                                      [r.txid for r in status.transactions])
     except NotInitialised as error:
         view["error"] = str(error)
         return view
@@ -151,6 +162,9 @@ def pipeline_view(pipeline, *, timeline: int = TIMELINE, dead_letters: int = DEA
                               if row.txid > status.last_committed + 1 else None)
         open_txs.append(entry)
     transactions = [_tx(r) for r in status.transactions]
+    for entry in transactions:  # how long its newest and oldest records waited for the commit
+        entry["fresh_newest_s"], entry["fresh_oldest_s"] = fresh.get(entry["txid"],
+                                                                     (None, None))
     waits = [t["commit_wait_s"] or 0.0 for t in transactions]
     view.update(
         initialised=True,
@@ -164,6 +178,10 @@ def pipeline_view(pipeline, *, timeline: int = TIMELINE, dead_letters: int = DEA
         backfillable=[t["txid"] for t in open_txs
                       if t["state"] in ("failed", "superseded", "abandoned")],
         partitions=[dataclasses.asdict(p) for p in status.partitions],
+        # arrival to commit (p50, p95, max over the last transactions' records) and the lag
+        # now in records and seconds (onceflow.core.freshness.Freshness)
+        freshness=status.freshness,
+        keep_up=bool(pipeline.keep_up),
         gaps=_jsonable(status.gaps),
         backflow=status.backflow,
         **behind(status),
@@ -172,6 +190,164 @@ def pipeline_view(pipeline, *, timeline: int = TIMELINE, dead_letters: int = DEA
                                               for r, c in status.dead_letters["by_reason"]]}),
     )
     return view
+
+
+def airflow_paths(pipeline, dag_id: str, run_id: str | None, groups: int) -> dict[str, Any]:
+    """Airflow UI paths (relative to its base URL) of a transaction run and of its tasks'
+    logs: begin, each mapped process task and commit, or the one task of a ``single`` DAG."""
+    if not run_id:
+        return {"run": None, "logs": []}
+    run = f"dags/{quote(dag_id, safe='')}/runs/{quote(run_id, safe='')}"
+    if getattr(pipeline, "dag_shape", "phases") == "single":
+        tasks = [("transaction", None)]
+    else:
+        tasks = [("begin", None), *(("process", i) for i in range(max(groups, 1))),
+                 ("commit", None)]
+    logs = [{"task": task if index is None else f"{task}[{index}]",
+             "path": f"{run}/tasks/{task}" + ("" if index is None else f"/mapped/{index}")}
+            for task, index in tasks]
+    return {"run": run, "logs": logs}
+
+
+def timeline(pipeline, *, before: int | None = None, after: int | None = None,
+             min_txid: int | None = None, max_txid: int | None = None,
+             states: Iterable[str] = (), limit: int = TIMELINE) -> dict[str, Any]:
+    """A page of the commit timeline, newest first (``txlog.history_page``: ``before`` or
+    ``after`` a txid, within ``min_txid``..``max_txid``, in ``states``), each transaction
+    with its attempts (which run made each, how it ended) and the Airflow paths of its run
+    and of its tasks' logs. ``older`` / ``newer``: whether more match past either end."""
+    states = tuple(states)
+    window = {"min_txid": min_txid, "max_txid": max_txid, "states": states}
+    dag_id = dag_id_of(pipeline.name)
+    with cursor() as cur:
+        cur.execute("SELECT 1 FROM pipelines WHERE name = %s", (pipeline.name,))
+        if cur.fetchone() is None:
+            raise NotInitialised(f"pipeline {pipeline.name!r} is not initialised: run "
+                                 "`onceflow init`")
+        rows = txlog.history_page(cur, pipeline.name, limit, before=before, after=after,
+                                  **window)
+        older = newer = False
+        if rows:
+            older = bool(txlog.history_page(cur, pipeline.name, 1, before=rows[0].txid,
+                                            **window))
+            newer = bool(txlog.history_page(cur, pipeline.name, 1, after=rows[-1].txid,
+                                            **window))
+        attempts = _attempts(cur, pipeline.name, [r.txid for r in rows])
+        groups = _groups(cur, pipeline.name, [r.txid for r in rows])
+    out = []
+    for row in reversed(rows):
+        entry = _tx(row)
+        entry.update(airflow_paths(pipeline, dag_id, row.run_id, groups.get(row.txid, 1)))
+        entry["attempts"] = [
+            {**a, **airflow_paths(pipeline, dag_id, a["run_id"], groups.get(row.txid, 1))}
+            for a in attempts.get(row.txid, [])]
+        out.append(entry)
+    return {"pipeline": pipeline.name, "dag_id": dag_id, "transactions": out,
+            "older": older, "newer": newer, "limit": limit, "before": before,
+            "after": after, **{k: list(v) if k == "states" else v for k, v in window.items()}}
+
+
+def _attempts(cur, pipeline: str, txids: list[int]) -> dict[int, list[dict[str, Any]]]:
+    cur.execute(
+        """SELECT txid, attempt, run_id, outcome, reason, started_at, ended_at
+           FROM transaction_attempts WHERE pipeline = %s AND txid = ANY(%s)
+           ORDER BY txid, attempt""", (pipeline, txids))
+    out: dict[int, list[dict[str, Any]]] = {}
+    for txid, attempt, run_id, outcome, reason, started, ended in cur.fetchall():
+        out.setdefault(txid, []).append(_jsonable({
+            "attempt": attempt, "run_id": run_id, "outcome": outcome, "reason": reason,
+            "started_at": started, "ended_at": ended}))
+    return out
+
+
+def _groups(cur, pipeline: str, txids: list[int]) -> dict[int, int]:
+    cur.execute("SELECT txid, groups FROM transactions WHERE pipeline = %s AND txid = ANY(%s)",
+                (pipeline, txids))
+    return dict(cur.fetchall())
+
+
+def txid_of_run(pipeline: str, run_id: str) -> int | None:
+    """The txid an Airflow run of the pipeline's DAG works on (any of its attempts)."""
+    with cursor() as cur:
+        cur.execute("SELECT txid FROM transaction_runs WHERE pipeline = %s AND run_id = %s",
+                    (pipeline, run_id))
+        row = cur.fetchone()
+    return row[0] if row else None
+
+
+# Per committed transaction, for the charts (one row per txid, in txid order; commits are in
+# txid order, so the txids committed by a moment are a prefix of them):
+# - records_per_s: its records (replayed ones too) over the time since the previous commit;
+# - commit_s: from its commit's request to the commit, commit_wait_s of it waiting for
+#   earlier txids; duration_s: from its planning to its commit;
+# - lag: the records of the source past the committed offsets when it was planned: the
+#   backlog begin left past its batch, plus the records of the txids planned and not committed
+#   then (its own among them);
+# - freshness_s: from the arrival of the batch's oldest record in the source to the commit,
+#   where the source records arrivals (a PostgreSQL log: its records' produced_at).
+_SERIES = """
+    WITH w AS (
+        SELECT t.txid, t.records, t.replayed, t.planned_at, t.commit_requested_at,
+               t.committed_at, t.commit_wait_s, t.backlog
+        FROM transactions t
+        WHERE t.pipeline = %(p)s AND t.state = 'committed'
+          AND t.txid >= coalesce(%(lo)s, 0) AND t.txid <= coalesce(%(hi)s, %(top)s)
+        ORDER BY t.txid DESC LIMIT %(last)s)
+    SELECT w.txid, w.planned_at, w.committed_at, w.records, w.replayed,
+           EXTRACT(EPOCH FROM w.committed_at - w.commit_requested_at), w.commit_wait_s,
+           EXTRACT(EPOCH FROM w.committed_at - w.planned_at),
+           EXTRACT(EPOCH FROM w.committed_at - coalesce(prev.committed_at, w.planned_at)),
+           (w.backlog + inflight.records)::bigint,
+           EXTRACT(EPOCH FROM w.committed_at - oldest.at)
+    FROM w
+    LEFT JOIN LATERAL (
+        SELECT p.committed_at FROM transactions p
+        WHERE p.pipeline = %(p)s AND p.txid < w.txid AND p.state = 'committed'
+        ORDER BY p.txid DESC LIMIT 1) prev ON true
+    LEFT JOIN LATERAL (
+        SELECT coalesce(sum(u.records), 0) AS records FROM transactions u
+        WHERE u.pipeline = %(p)s AND u.txid <= w.txid
+          AND u.txid > coalesce((SELECT c.txid FROM transactions c
+                                 WHERE c.pipeline = %(p)s AND c.txid < w.txid
+                                   AND c.state = 'committed' AND c.committed_at <= w.planned_at
+                                 ORDER BY c.txid DESC LIMIT 1), 0)) inflight ON true
+    LEFT JOIN LATERAL (
+        SELECT min(l.produced_at) AS at
+        FROM batch_ranges b JOIN source_log l
+          ON l.topic = b.topic AND l.partition = b.partition AND l."offset" = b.start_offset
+        WHERE %(arrivals)s AND b.pipeline = %(p)s AND b.txid = w.txid
+          AND b.end_offset > b.start_offset) oldest ON true
+    ORDER BY w.txid"""
+
+
+def series(pipeline, *, last: int = SERIES, min_txid: int | None = None,
+           max_txid: int | None = None) -> dict[str, Any]:
+    """The last ``last`` committed transactions (within ``min_txid``..``max_txid``) as the
+    charts plot them (see _SERIES for each figure). ``freshness``: what freshness_s measures
+    for this pipeline's source, or None where its records' arrivals are not recorded (then
+    freshness_s is null: a placeholder series)."""
+    arrivals = getattr(pipeline.source, "kind", None) == "postgres-log"
+    with cursor() as cur:
+        cur.execute(_SERIES, {"p": pipeline.name, "lo": min_txid, "hi": max_txid,
+                              "top": 2 ** 63 - 1, "last": last, "arrivals": arrivals})
+        rows = cur.fetchall()
+    points = []
+    for (txid, planned, committed, records, replayed, commit_s, wait_s, duration_s, since_s,
+         lag, freshness_s) in rows:
+        moved = records + replayed
+        points.append(_jsonable({
+            "txid": txid, "planned_at": planned, "committed_at": committed,
+            "records": moved, "records_per_s": round(moved / float(since_s), 1)
+            if since_s else None,
+            "commit_s": _secs(commit_s), "commit_wait_s": _secs(wait_s),
+            "duration_s": _secs(duration_s), "lag": lag, "freshness_s": _secs(freshness_s)}))
+    return {"pipeline": pipeline.name, "points": points,
+            "freshness": "from the arrival of the batch's oldest record in the source to "
+                         "the commit" if arrivals else None}
+
+
+def _secs(value) -> float | None:
+    return None if value is None else round(float(value), 3)
 
 
 def behind(status) -> dict[str, int]:
@@ -188,7 +364,8 @@ def summary(pipeline) -> dict[str, Any]:
     """The overview line of a pipeline (the index page)."""
     view = pipeline_view(pipeline, timeline=1, dead_letters=0)
     keep = ("pipeline", "dag_id", "description", "source", "initialised", "error", "topic",
-            "last_committed", "next_txid", "lag", "backflow_waiting", "behind", "backflow")
+            "last_committed", "next_txid", "lag", "backflow_waiting", "behind", "backflow",
+            "freshness", "keep_up")
     out = {k: view[k] for k in keep if k in view}
     if view["initialised"]:
         out.update(open=len(view["open"]), stuck=sum(1 for t in view["open"] if t["stuck"]),
@@ -233,9 +410,6 @@ def replay_dead_letters(pipeline: str, choice: Choice, *, apply: bool) -> int:
     replay-dead-letters`` does (``onceflow.core.backflow.replay_dead_letters`` under the
     pipeline's coordinator lock). ``apply=False``: the same in a transaction rolled back, to
     say how many it would move. Returns how many (would) move."""
-    from onceflow.core import txlog
-    from onceflow.core.backflow import replay_dead_letters as replay
-    from onceflow.core.db import connection
 
     with connection(server_dsn(), application_name=APPLICATION_NAME) as conn:
         try:
@@ -262,8 +436,6 @@ def replay_dead_letters(pipeline: str, choice: Choice, *, apply: bool) -> int:
 def open_transactions(pipeline: str) -> list[dict[str, Any]]:
     """Failed, superseded and abandoned transactions, lowest txid first
     (``onceflow.ops.backfill.open_transactions``)."""
-    from onceflow.core.db import connection
-    from onceflow.ops.backfill import open_transactions as find
 
     with connection(server_dsn(), application_name=APPLICATION_NAME) as conn:
         return [_tx(r) for r in find(conn, pipeline)]
@@ -279,6 +451,7 @@ def trigger_backfill(pipeline: str, txids: Iterable[int], user_name: str | None
     """One queued DAG run per txid with conf ``{"txid": N}`` (what the trigger form and
     ``onceflow backfill`` do), in txid order, through Airflow's own trigger (the metadata
     database of this server). Each run starts with a note saying what it is for."""
+    # imported here: Airflow's own modules: the UI plugin is loaded while Airflow starts
     from airflow.api.common.trigger_dag import trigger_dag
     from airflow.utils.types import DagRunTriggeredByType
 
@@ -296,6 +469,7 @@ def trigger_backfill(pipeline: str, txids: Iterable[int], user_name: str | None
 def trigger_approval(pipeline: str, choice: Choice, user_name: str | None) -> str:
     """A queued run of the pipeline's approval DAG with ``choice`` as its conf (what its
     trigger form takes), through Airflow's own trigger. Returns its run id."""
+    # imported here: Airflow's own modules: the UI plugin is loaded while Airflow starts
     from airflow.api.common.trigger_dag import trigger_dag
     from airflow.utils.types import DagRunTriggeredByType
 
@@ -311,6 +485,7 @@ def trigger_approval(pipeline: str, choice: Choice, user_name: str | None) -> st
 
 def dag_paused(dag_id: str) -> bool | None:
     """Whether the DAG is paused (its queued runs wait); None when Airflow does not know it."""
+    # imported here: Airflow's own modules: the UI plugin is loaded while Airflow starts
     from airflow.models.dag import DagModel
 
     model = DagModel.get_current(dag_id)

@@ -13,9 +13,10 @@ call for it), so it takes two halves:
    log says about its txid (the reason the failed attempt recorded, or the newer attempt
    that fenced it), and writes the run's note. A note a user wrote is kept, below.
 
-Notes look like::
+Notes look like (``fresh``: how long its newest and oldest records waited from their arrival
+in the source to the commit)::
 
-    txid 17 · committed · 20,000 records · 3 dead letters
+    txid 17 · committed · 20,000 records · fresh 2.1-6.4s · 3 dead letters
     txid 12 already committed (no-op)
     txid 18 failed: process: RuntimeError('...')
     superseded: txid 9 attempt 1 is fenced: attempt 2 is current
@@ -27,7 +28,16 @@ import logging
 import re
 from typing import Any
 
+import psycopg2
 from airflow.listeners import hookimpl
+from airflow.models.dagrun import DagRun, DagRunNote
+from airflow.models.xcom import XComModel
+from airflow.utils.session import create_session
+from sqlalchemy import select
+from sqlalchemy.orm import object_session
+
+from onceflow.airflow.ui.data import server_dsn
+from onceflow.core import txlog
 
 log = logging.getLogger(__name__)
 
@@ -57,11 +67,16 @@ def no_op(pipeline: str, txid: int) -> dict[str, Any]:
 
 
 def committed(pipeline: str, txid: int, attempt: int, *, records: int, failed: int = 0,
-              dead: int = 0, waited_s: float = 0.0, earlier_try: bool = False
-              ) -> dict[str, Any]:
+              dead: int = 0, waited_s: float = 0.0, earlier_try: bool = False,
+              fresh_s: tuple[float, float] | list[float] | None = None) -> dict[str, Any]:
     """The run committed its txid (``earlier_try``: on an earlier try of its commit task,
-    whose counts this try does not know)."""
+    whose counts this try does not know). ``fresh_s``: how long its newest and its oldest
+    record waited from their arrival in the source to this commit (onceflow.core.freshness)."""
     parts = [f"txid {txid}", "committed", f"{records:,} record{'s' if records != 1 else ''}"]
+    if fresh_s:
+        newest, oldest = fresh_s
+        parts.append(f"fresh {newest:.1f}s" if round(oldest, 1) == round(newest, 1)
+                     else f"fresh {newest:.1f}-{oldest:.1f}s")
     queued = failed - dead
     if queued > 0:
         parts.append(f"{queued:,} queued for replay")
@@ -107,9 +122,6 @@ def push(context, note: dict[str, Any]) -> None:
 
 # -- what the listener writes ---------------------------------------------------------------------
 def _run_notes(dag_run, session) -> list[dict[str, Any]]:
-    from airflow.models.xcom import XComModel
-    from sqlalchemy import select
-
     rows = session.scalars(
         select(XComModel).where(XComModel.dag_run_id == dag_run.id,
                                 XComModel.key == NOTE_KEY)
@@ -127,10 +139,6 @@ def _transaction_now(pipeline: str, txid: int, session=None):
     """What onceflow's transaction log says of ``txid`` now (its current attempt), or None
     when the coordinator cannot be asked quickly. ``session``: the caller's metadata-database
     session (for the connection onceflow_pg)."""
-    import psycopg2
-
-    from onceflow.airflow.ui.data import server_dsn
-    from onceflow.core import txlog
 
     try:
         conn = psycopg2.connect(server_dsn(session=session), connect_timeout=3,
@@ -181,7 +189,6 @@ def note_text(dag_id: str, run_id: str, failed: bool, notes: list[dict[str, Any]
 
 def set_note(dag_run, text: str) -> None:
     """Write ``text`` as the run's note; a note a user wrote stays, below it."""
-    from airflow.models.dagrun import DagRunNote
 
     current = dag_run.dag_run_note
     if current is None:
@@ -198,16 +205,12 @@ def set_note(dag_run, text: str) -> None:
 
 
 def _on_finished(dag_run, failed: bool) -> None:
-    from sqlalchemy.orm import object_session
-
     session = object_session(dag_run)
     if session is not None:  # the scheduler's (or the API's) session, committed by its caller
         _write(dag_run, session, failed)
         return
     # Detached: dag.test() closes the thread's session while its tasks run, and goes on with
     # the closed one. A session of our own, committed here.
-    from airflow.models.dagrun import DagRun
-    from airflow.utils.session import create_session
 
     with create_session(scoped=False) as own:
         live = own.get(DagRun, dag_run.id)

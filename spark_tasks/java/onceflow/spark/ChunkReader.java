@@ -114,8 +114,9 @@ final class ChunkReader implements PartitionReader<InternalRow> {
   }
 
   /** onceflow.sources.folders.require_folder's refusal, in the JVM: this executor does not
-   * see the landing folder at all (not mounted here), which is not a removed file. */
-  private static void requireFolder(Path folder) {
+   * see the landing folder (or segments root) at all (not mounted here), which is not a
+   * removed file. */
+  static void requireFolder(Path folder) {
     if (folder != null && !Files.isDirectory(folder)) {
       String host;
       try {

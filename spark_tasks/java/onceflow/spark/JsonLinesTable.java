@@ -1,23 +1,13 @@
 package onceflow.spark;
 
-import java.util.EnumSet;
-import java.util.Set;
-
 import org.apache.spark.sql.catalyst.InternalRow;
-import org.apache.spark.sql.connector.catalog.SupportsRead;
-import org.apache.spark.sql.connector.catalog.TableCapability;
-import org.apache.spark.sql.connector.read.Batch;
 import org.apache.spark.sql.connector.read.InputPartition;
 import org.apache.spark.sql.connector.read.PartitionReader;
 import org.apache.spark.sql.connector.read.PartitionReaderFactory;
-import org.apache.spark.sql.connector.read.Scan;
-import org.apache.spark.sql.connector.read.ScanBuilder;
 import org.apache.spark.sql.types.StructType;
-import org.apache.spark.sql.util.CaseInsensitiveStringMap;
 
 /** The table, scan and batch of one read: one input partition per chunk. */
-@SuppressWarnings("deprecation")  // Table.schema(): what Spark 4.2 still reads
-final class JsonLinesTable implements SupportsRead, Scan, ScanBuilder, Batch {
+final class JsonLinesTable extends OneReadTable {
   private final ReadSpec spec;
 
   JsonLinesTable(ReadSpec spec) {
@@ -35,33 +25,8 @@ final class JsonLinesTable implements SupportsRead, Scan, ScanBuilder, Batch {
   }
 
   @Override
-  public Set<TableCapability> capabilities() {
-    return EnumSet.of(TableCapability.BATCH_READ);
-  }
-
-  @Override
-  public ScanBuilder newScanBuilder(CaseInsensitiveStringMap options) {
-    return this;
-  }
-
-  @Override
-  public Scan build() {
-    return this;
-  }
-
-  @Override
-  public StructType readSchema() {
-    return spec.schema();
-  }
-
-  @Override
   public String description() {
     return "onceflow JSON lines: " + spec.chunks.size() + " chunk(s)";
-  }
-
-  @Override
-  public Batch toBatch() {
-    return this;
   }
 
   @Override

@@ -26,47 +26,73 @@ final class ReadSpec {
   }
 
   static ReadSpec parse(String json) {
-    if (json == null) {
-      throw new IllegalArgumentException("onceflow-jsonl: the spec option is missing");
+    JsonNode root = root(json, "onceflow-jsonl");
+    ReadSpec spec = new ReadSpec(columns(root), maxRecordBytes(root));
+    List<long[]> wanted = wanted(root);
+    for (JsonNode c : root.get("chunks")) {
+      // [path, crc, size, mtime, first, byte_start, byte_end, partition, records]
+      int partition = c.get(7).asInt();
+      long[][] mine = wantedIn(wanted, partition);
+      spec.chunks.add(new Chunk(c.get(0).asText(), c.get(1).isNull() ? -1 : c.get(1).asLong(),
+          c.get(2).isNull() ? -1 : c.get(2).asLong(), c.get(3).isNull() ? 0 : c.get(3).asDouble(),
+          c.get(4).asLong(), c.get(5).asLong(), c.get(6).asLong(), partition, c.get(8).asLong(),
+          mine));
     }
-    JsonNode root;
-    try {
-      root = new ObjectMapper().readTree(json);
-    } catch (java.io.IOException e) {
-      throw new IllegalArgumentException("onceflow-jsonl: the spec option is not JSON: " + e);
-    }
-    String[][] columns = null;
+    return spec;
+  }
+
+  /** The {@code columns} of a spec: [name, type] pairs, or null (payload records). */
+  static String[][] columns(JsonNode root) {
     JsonNode cols = root.get("columns");
-    if (cols != null && !cols.isNull()) {
-      columns = new String[cols.size()][];
-      for (int i = 0; i < cols.size(); i++) {
-        String name = cols.get(i).get(0).asText();
-        String type = cols.get(i).get(1).asText();
-        typeOf(type);  // refuses an unknown type here, on the driver
-        columns[i] = new String[] {name, type};
+    if (cols == null || cols.isNull()) {
+      return null;
+    }
+    String[][] columns = new String[cols.size()][];
+    for (int i = 0; i < cols.size(); i++) {
+      String name = cols.get(i).get(0).asText();
+      String type = cols.get(i).get(1).asText();
+      typeOf(type);  // refuses an unknown type here, on the driver
+      columns[i] = new String[] {name, type};
+    }
+    return columns;
+  }
+
+  /** The JSON of a reader's {@code spec} option; {@code source} names the reader in errors. */
+  static JsonNode root(String json, String source) {
+    if (json == null) {
+      throw new IllegalArgumentException(source + ": the spec option is missing");
+    }
+    try {
+      return new ObjectMapper().readTree(json);
+    } catch (java.io.IOException e) {
+      throw new IllegalArgumentException(source + ": the spec option is not JSON: " + e);
+    }
+  }
+
+  /** The [start, end) ranges of {@code wanted} ([partition, start, end] each) in one partition. */
+  static long[][] wantedIn(List<long[]> wanted, int partition) {
+    List<long[]> mine = new ArrayList<>();
+    for (long[] w : wanted) {
+      if (w[0] == partition) {
+        mine.add(new long[] {w[1], w[2]});
       }
     }
+    return mine.toArray(new long[0][]);
+  }
+
+  /** The {@code max_record_bytes} of a spec; -1: no limit. */
+  static long maxRecordBytes(JsonNode root) {
     JsonNode max = root.get("max_record_bytes");
-    ReadSpec spec = new ReadSpec(columns, max == null || max.isNull() ? -1 : max.asLong());
+    return max == null || max.isNull() ? -1 : max.asLong();
+  }
+
+  /** The {@code wanted} ranges of a spec: [partition, start, end] each. */
+  static List<long[]> wanted(JsonNode root) {
     List<long[]> wanted = new ArrayList<>();
     for (JsonNode w : root.get("wanted")) {
       wanted.add(new long[] {w.get(0).asLong(), w.get(1).asLong(), w.get(2).asLong()});
     }
-    for (JsonNode c : root.get("chunks")) {
-      // [path, crc, size, mtime, first, byte_start, byte_end, partition, records]
-      int partition = c.get(7).asInt();
-      List<long[]> mine = new ArrayList<>();
-      for (long[] w : wanted) {
-        if (w[0] == partition) {
-          mine.add(new long[] {w[1], w[2]});
-        }
-      }
-      spec.chunks.add(new Chunk(c.get(0).asText(), c.get(1).isNull() ? -1 : c.get(1).asLong(),
-          c.get(2).isNull() ? -1 : c.get(2).asLong(), c.get(3).isNull() ? 0 : c.get(3).asDouble(),
-          c.get(4).asLong(), c.get(5).asLong(), c.get(6).asLong(), partition, c.get(8).asLong(),
-          mine.toArray(new long[0][])));
-    }
-    return spec;
+    return wanted;
   }
 
   static DataType typeOf(String type) {
@@ -85,6 +111,11 @@ final class ReadSpec {
   }
 
   StructType schema() {
+    return schema(columns);
+  }
+
+  /** The rows' schema: partition, offset, then payload, or the columns, corrupt and problem. */
+  static StructType schema(String[][] columns) {
     List<StructField> fields = new ArrayList<>();
     fields.add(DataTypes.createStructField("partition", DataTypes.IntegerType, true));
     fields.add(DataTypes.createStructField("offset", DataTypes.LongType, true));

@@ -26,6 +26,16 @@ spout, Spark's ``Source``). The planner, the partition offsets, the commit and v
 - ``retain(cur, below)``: delete what lies below per-partition offsets (retention), optional;
   ``append(conn, payloads)``: add records, for logs onceflow itself keeps, optional.
 
+For keeping up (onceflow.core.keepup, docs/keep-up.md), all with defaults:
+
+- ``heads(cur)``: the positions as known now, cheaply: no indexing of files, no waiting for
+  writers (the source watcher looks every few seconds);
+- ``unindexed(cur)``: records the source holds that its heads do not count yet (a landing
+  folder's new files), estimated, and when the oldest of them arrived;
+- ``arrivals(cur, points)``: when the records at some ``(partition, offset)`` arrived. By
+  default, when a head past the offset was first seen (``source_sightings``, written by the
+  watcher and by begin for sources with ``arrival_by_sight``).
+
 Adding a source is one new module implementing this class; no engine module changes.
 """
 
@@ -39,7 +49,9 @@ from typing import TYPE_CHECKING, ClassVar
 
 from onceflow.core.errors import ConfigError
 from onceflow.core.planner import PartitionRange
-from onceflow.sources.json_records import PROBLEM
+
+# The column in which a reader says why the spout refuses a record (too large, NUL).
+PROBLEM = "_problem"
 
 if TYPE_CHECKING:  # pyspark is imported only where a batch is read
     from pyspark.sql import DataFrame, SparkSession
@@ -143,6 +155,28 @@ class Source(ABC):
         file). A wrong False is caught, not lost: the batch fails naming the record."""
         return True
 
+    # -- keeping up --------------------------------------------------------------------------
+    # Whether a record's arrival is when a head past it was first seen (the source keeps no
+    # time per record): then the watcher and begin record the heads they see.
+    arrival_by_sight: ClassVar[bool] = True
+
+    def heads(self, cur) -> dict[int, Position]:
+        """``positions(cur)`` as known now, without work a begin does (indexing, waiting for
+        writers). This default is positions."""
+        return self.positions(cur)
+
+    def unindexed(self, cur) -> tuple[int, datetime | None]:
+        """(about how many records, when the oldest arrived) the source holds that its heads
+        do not count yet; (0, None) for a source whose heads count everything (this
+        default)."""
+        return 0, None
+
+    def arrivals(self, cur, points: Iterable[tuple[int, int]]
+                 ) -> dict[tuple[int, int], datetime]:
+        """When the records at ``points`` ``(partition, offset)`` arrived, where known. This
+        default: when a head past the offset was first seen (see ``record_sightings``)."""
+        return sighted_arrivals(cur, self.topic, points)
+
     def retain(self, cur, below: Mapping[int, int]) -> int:
         raise ConfigError(f"retention is not supported by a {self.kind} source "
                           f"(topic {self.topic!r})")
@@ -153,3 +187,44 @@ class Source(ABC):
 
     def describe(self) -> str:
         return f"{self.kind} source {self.topic!r}"
+
+
+def record_sightings(cur, topic: str, heads: Mapping[int, int]) -> None:
+    """Record that ``heads`` (partition -> head) were seen now, where a head is new: the
+    arrival of a source that keeps no time per record. One statement."""
+    if not heads:
+        return
+    cur.execute(
+        """INSERT INTO source_sightings (topic, partition, head, seen_at)
+           SELECT %(topic)s, n.p, n.h, clock_timestamp()
+           FROM unnest(%(parts)s::int[], %(heads)s::bigint[]) AS n (p, h)
+           WHERE n.h > 0 AND NOT EXISTS (
+               SELECT 1 FROM source_sightings s WHERE s.topic = %(topic)s
+                 AND s.partition = n.p AND s.head >= n.h)
+           ON CONFLICT DO NOTHING""",
+        {"topic": topic, "parts": list(heads), "heads": list(heads.values())})
+
+
+def sighted_arrivals(cur, topic: str, points: Iterable[tuple[int, int]]
+                     ) -> dict[tuple[int, int], datetime]:
+    """Per ``(partition, offset)``, when a head past the offset was first seen."""
+    points = sorted(set(points))
+    if not points:
+        return {}
+    cur.execute(
+        """SELECT w.p, w.o, (SELECT s.seen_at FROM source_sightings s
+                             WHERE s.topic = %s AND s.partition = w.p AND s.head > w.o
+                             ORDER BY s.head LIMIT 1)
+           FROM unnest(%s::int[], %s::bigint[]) AS w (p, o)""",
+        (topic, [p for p, _ in points], [o for _, o in points]))
+    return {(p, o): at for p, o, at in cur.fetchall() if at is not None}
+
+
+def forget_sightings(cur, topic: str, below: Mapping[int, int]) -> None:
+    """Sightings of heads at or below ``below`` (partition -> offset; every pipeline on the
+    topic committed past it) tell the arrival of no record still to commit."""
+    if below:
+        cur.execute(
+            """DELETE FROM source_sightings s USING unnest(%s::int[], %s::bigint[]) AS b (p, o)
+               WHERE s.topic = %s AND s.partition = b.p AND s.head <= b.o""",
+            (list(below), list(below.values()), topic))

@@ -1,10 +1,12 @@
 """onceflow's JVM side: Spark classes of its own, in one jar that is built with the package
 (setup.py compiles spark_tasks/java with javac against pyspark's jars) and ships inside it,
-at spark_tasks/jars/onceflow-spark.jar. Nothing is compiled at run time.
+at onceflow/spark/jars/onceflow-spark.jar. Nothing is compiled at run time.
 
 What is in it: ``onceflow.spark.JsonLinesSource``, the landing folder's JSON-lines reader in
 the JVM (onceflow.sources.landing uses it when the session has the jar): the same rows as the
-Python reader, without a Python worker decoding lines and handing them over through Arrow.
+Python reader, without a Python worker decoding lines and handing them over through Arrow;
+and ``onceflow.spark.SegmentsSource``, the same decoding of the payloads of file segments
+that declare ``json_schema`` (onceflow.sources.segments), read from their Parquet row groups.
 
 The jar's manifest records the Spark version it was compiled against. A Spark of another
 major.minor version does not get it: the Spark onceflow starts here is checked before the jar
@@ -23,20 +25,26 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import logging
 import zipfile
 from importlib import metadata
 from pathlib import Path
 
-from spark_tasks.conf import env_flag
+from onceflow.core import settings
 
 log = logging.getLogger(__name__)
 
-JAR = Path(__file__).parent / "jars" / "onceflow-spark.jar"
-SOURCES = Path(__file__).parent / "java"  # in a checkout only: the wheel has the jar alone
+# The jar is package data of onceflow.spark (the checkout's spark_tasks/ folder): found by its
+# spec, without importing the Spark side into the sources.
+_SPARK = Path(importlib.util.find_spec("onceflow.spark").submodule_search_locations[0])
+JAR = _SPARK / "jars" / "onceflow-spark.jar"
+SOURCES = _SPARK / "java"  # in a checkout only: the wheel has the jar alone
 READER = "onceflow.spark.JsonLinesSource"
+SEGMENTS_READER = "onceflow.spark.SegmentsSource"  # decoding file segments' payloads
 ENABLED = "spark.onceflow.jvmReader"
-FALLBACK = "JSON lines are read by Python workers instead: the same rows, more CPU"
+FALLBACK = ("JSON lines are read by Python workers instead (decoded file segments too): the "
+            "same rows, more CPU")
 FIX = ("run a Spark of the jar's major.minor version, or build onceflow's wheel against your "
        "pyspark (`pip wheel --no-deps --no-build-isolation` of onceflow's source, with that "
        "pyspark and a JDK installed: docs/deployment.md); ONCEFLOW_JVM_READER=off silences "
@@ -135,7 +143,7 @@ def installed_spark() -> str | None:
 
 
 def _turned_off() -> bool:
-    return not env_flag("ONCEFLOW_JVM_READER", True)
+    return not settings.get("jvm_reader")
 
 
 def jvm_conf(conf: dict[str, str] | None = None) -> dict[str, str]:

@@ -8,13 +8,31 @@ always with one line saying what to change.
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
+import re
 import sys
 import time
 
-from onceflow.core import db
+from onceflow.airflow.backfill import starter
+from onceflow.core import db, settings, txlog
+from onceflow.core.backflow import replay_dead_letters
+from onceflow.core.db import transaction
 from onceflow.core.errors import ConfigError, OnceflowError, Permanent
+from onceflow.core.registration import external_dsns, register, reset_offsets
+from onceflow.core.registry import get_pipeline, pipelines
+from onceflow.core.txlog import TxState
+from onceflow.kvstate import check_state_config
+from onceflow.ops import retention, verify
+from onceflow.ops.backfill import backfill
+from onceflow.ops.repair import repair
+from onceflow.ops.status import pipeline_status, release_command, render
+from onceflow.sources import catalog
+from onceflow.sources.jvm import ENABLED, JAR, built_for, installed_spark, unusable
+from onceflow.sources.pglog import PostgresLog
+from onceflow.sources.segments import FileSegments, import_segments, read_export
+from onceflow.spark import localspark
 
 EPILOG = """\
 Pipelines are found by entry point (group onceflow.pipelines) and by module:attribute
@@ -51,14 +69,11 @@ def _refs(args) -> tuple[str, ...]:
 
 
 def _known(args) -> dict:
-    from onceflow.core.registry import pipelines
-
     return pipelines(_refs(args))
 
 
 def _pipeline(args):
     """The pipeline --pipeline names; without it, the only registered one."""
-    from onceflow.core.registry import get_pipeline
 
     name = getattr(args, "pipeline", None)
     if name is None:
@@ -91,12 +106,28 @@ def positive_int(text: str) -> int:
     return value
 
 
+def txid_range(text: str) -> tuple[int, int]:
+    """An argparse type: ``A..B`` (or one txid ``N``, read as N..N), 1 <= A <= B."""
+    match = re.fullmatch(r"\s*(\d+)\s*(?:\.\.\s*(\d+)\s*)?", text)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a txid range: give A..B (e.g. "
+                                         "2..5) or one txid")
+    first = int(match.group(1))
+    last = int(match.group(2)) if match.group(2) is not None else first
+    if first < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: txids start at 1: give 1..{max(1, last)}"
+                                         " or higher")
+    if first > last:
+        raise argparse.ArgumentTypeError(f"{text!r} ends before it starts: give A..B with "
+                                         f"A <= B ({last}..{first})")
+    return first, last
+
+
 def _checkout(module: str, what: str, instead: str):
     """``onceflow.dev.<module>``: the helpers of onceflow's checkout (a local PostgreSQL, its
     Airflow environment, the demo's DAG runner), importable in the checkout's editable
     install only; the package has none of them. Without them: a ConfigError saying ``what``
     needs the checkout, and ``instead``."""
-    import importlib
 
     try:
         return importlib.import_module(f"onceflow.dev.{module}")
@@ -114,6 +145,7 @@ def cmd_pg(args) -> int:
         "localpg", "`onceflow pg` (find or start a throwaway PostgreSQL for the demo and the "
         "tests)", "Point onceflow at your PostgreSQL with ONCEFLOW_PG_DSN, e.g. "
         "postgresql://user@host:5432/onceflow, then `onceflow init`")
+    # imported here: onceflow.dev is the checkout's own (not in the wheel)
     from onceflow.dev import project_dir
 
     if args.stop:
@@ -126,9 +158,6 @@ def cmd_pg(args) -> int:
 
 
 def cmd_init(args) -> int:
-    from onceflow.core.registration import external_dsns, register
-    from onceflow.core.stateful import check_state_config
-
     dsn = db.dsn_from_env()
     if db.ensure_database(dsn):
         print(f"created database {db.database_name(dsn)}")
@@ -220,8 +249,6 @@ def cmd_produce(args) -> int:
 
 
 def cmd_import(args) -> int:
-    from onceflow.sources.segments import FileSegments, import_segments, read_export
-
     pipeline = _pipeline(args)
     if not isinstance(pipeline.source, FileSegments):
         raise ConfigError(f"pipeline {pipeline.name!r} reads {pipeline.source.describe()}: "
@@ -245,8 +272,6 @@ def cmd_import(args) -> int:
 
 
 def cmd_status(args) -> int:
-    from onceflow.ops.status import pipeline_status, render
-
     pipeline = _pipeline(args)
     with db.connection() as conn, conn.cursor() as cur:
         status = pipeline_status(cur, pipeline.source, pipeline.name, args.limit,
@@ -259,22 +284,37 @@ def cmd_status(args) -> int:
 
 
 def cmd_verify(args) -> int:
-    from onceflow.core.registration import external_dsns
-    from onceflow.ops import verify
-
+    ranged = [f"--txids {args.txids[0]}..{args.txids[1]}" if args.txids else None,
+              f"--last {args.last}" if args.last is not None else None]
+    ranged = [flag for flag in ranged if flag]
+    if len(ranged) == 2:
+        raise ConfigError(f"{ranged[0]} and {ranged[1]} both given: give one (--txids A..B "
+                          "re-runs txids A to B, --last N the newest N)")
+    if ranged and args.recount:
+        raise ConfigError(f"--recount counts every record below the committed offsets and "
+                          f"takes no {ranged[0]}: drop {ranged[0].split()[0]}, or drop "
+                          "--recount to re-run those txids")
     pipeline = _pipeline(args)
     dsn = db.dsn_from_env()
     with db.connection(dsn) as conn:
         if args.recount:
             report = verify.recount(conn, pipeline, external_dsns(pipeline))
         else:
-            from spark_tasks.session import get_spark
+            # imported here: pyspark loads with it: only where Spark is used
+            from onceflow.spark.session import get_spark
 
+            with db.transaction(conn) as cur:  # a bad range is refused before Spark starts
+                span = verify.resolve_range(cur, pipeline.name, txids=args.txids,
+                                            last=args.last)
             progress = Progress(f"verify {pipeline.name}")
+            if args.last is not None and span[1] - span[0] + 1 < args.last:
+                progress(f"--last {args.last}: only {span[1] - span[0] + 1} committed "
+                         f"txid(s): re-running txids {span[0]}..{span[1]}")
             progress("starting Spark")
             spark = get_spark("onceflow-verify")
             report = verify.rerun(conn, dsn, pipeline, spark,
-                                  state_dsns=external_dsns(pipeline), progress=progress)
+                                  state_dsns=external_dsns(pipeline), progress=progress,
+                                  txids=span)
             progress.done()
     for mismatch in report.mismatches:
         print("  " + mismatch)
@@ -283,8 +323,6 @@ def cmd_verify(args) -> int:
 
 
 def cmd_reset(args) -> int:
-    from onceflow.core.registration import reset_offsets
-
     pipeline = _pipeline(args)
     if not args.force_from_start:
         print("onceflow reset: nothing done: pass --force-from-start to forget the committed "
@@ -297,9 +335,6 @@ def cmd_reset(args) -> int:
 
 
 def _source_of_topic(args, topic: str):
-    from onceflow.sources import catalog
-    from onceflow.sources.pglog import PostgresLog
-
     for p in _known(args).values():
         if p.topic == topic:
             return p.source
@@ -312,8 +347,6 @@ def _source_of_topic(args, topic: str):
 
 
 def cmd_retention(args) -> int:
-    from onceflow.ops import retention
-
     source = _source_of_topic(args, args.topic)
     by_name = {p.name: p for p in _known(args).values()}
     with db.connection() as conn:
@@ -328,8 +361,6 @@ def cmd_retention(args) -> int:
 
 
 def cmd_backfill(args) -> int:
-    from onceflow.ops.backfill import backfill
-
     pipeline = _pipeline(args)
     dag_id = args.dag_id or f"onceflow_{pipeline.name}"
     load = None
@@ -344,15 +375,11 @@ def cmd_backfill(args) -> int:
         def load():
             return demo.load_dag(localenv.project_dir() / "dags", dag_id)
     with db.connection() as conn:
-        done = backfill(conn, pipeline.name, dag_id, args.via, args.dry_run, load)
+        done = backfill(conn, pipeline.name, starter(args.via, dag_id, load), args.dry_run)
     return 0 if all(state in ("success", "queued") for _, _, state in done) else 1
 
 
 def cmd_replay_dead_letters(args) -> int:
-    from onceflow.core import txlog
-    from onceflow.core.backflow import replay_dead_letters
-    from onceflow.core.db import transaction
-
     pipeline = _pipeline(args)
     positions = None
     if args.record:
@@ -376,8 +403,6 @@ def cmd_replay_dead_letters(args) -> int:
 
 
 def cmd_repair(args) -> int:
-    from onceflow.ops.repair import repair
-
     pipeline = _pipeline(args)
     with db.connection() as conn:
         report = repair(conn, pipeline, apply=args.yes, accept_changed=args.accept_changed or (),
@@ -387,11 +412,6 @@ def cmd_repair(args) -> int:
 
 
 def cmd_release(args) -> int:
-    from onceflow.core import txlog
-    from onceflow.core.db import transaction
-    from onceflow.core.txlog import TxState
-    from onceflow.ops.status import release_command
-
     pipeline = _pipeline(args)
     fresh = pipeline.lease_s
     reason = (f"released by `onceflow release{' --force' if args.force else ''}` "
@@ -419,8 +439,6 @@ def cmd_release(args) -> int:
 
 
 def cmd_spark(args) -> int:
-    from spark_tasks import localspark
-
     args.port = args.port or localspark.DEFAULT_PORT
     if args.action == "start":
         print(f"starting a Spark Connect server on 127.0.0.1:{args.port}...", file=sys.stderr)
@@ -429,7 +447,6 @@ def cmd_spark(args) -> int:
         stopped = localspark.stop(args.port)
         print("stopped" if stopped else "not running")
     elif args.action == "jar":
-        from spark_tasks.jvm import ENABLED, JAR, built_for, installed_spark, unusable
 
         problem = unusable(installed_spark())
         if problem is not None:
@@ -511,9 +528,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print it as JSON")
     p.add_argument("--all", action="store_true", help="list every dead letter")
     p = add("verify", cmd_verify, "check the committed state: re-run the topology over every "
-            "committed batch and compare (exit 1 on a mismatch)")
+            "committed batch and compare (exit 1 on a mismatch); --txids or --last re-run "
+            "only some (what each proves: docs/import-verify-repair.md)")
     p.add_argument("--recount", action="store_true",
                    help="compare with the pipeline's own recount function instead")
+    p.add_argument("--txids", type=txid_range, metavar="A..B",
+                   help="re-run only txids A to B: what they added, the keys they last "
+                        "wrote, and the state tables against every commit's record")
+    p.add_argument("--last", type=positive_int, metavar="N",
+                   help="re-run only the newest N committed txids (as --txids)")
     p = add("reset", cmd_reset,
             "forget a pipeline's committed offsets: partitions start again by start_policy")
     p.add_argument("--force-from-start", action="store_true", help="yes, really")
@@ -578,8 +601,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.pipelines:
-        os.environ["ONCEFLOW_PIPELINES"] = ",".join(
-            filter(None, [os.environ.get("ONCEFLOW_PIPELINES"), *args.pipelines]))
+        # in the environment: the processes a command starts (Airflow, Spark) find them too
+        os.environ[settings.env_name("pipelines")] = ",".join(
+            filter(None, [settings.get("pipelines"), *args.pipelines]))
         args.pipelines = ()
     return run_command(f"onceflow {args.command}", args.func, args)
 

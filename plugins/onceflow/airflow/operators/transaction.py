@@ -25,24 +25,51 @@ import os
 import sys
 import time
 from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from airflow.providers.apache.spark.hooks.spark_connect import SparkConnectHook
 from airflow.providers.apache.spark.operators.spark_submit import SparkSubmitOperator
-from airflow.sdk import BaseOperator
+from airflow.sdk import BaseHook, BaseOperator
 
+from onceflow.airflow.assets import emit, no_events
 from onceflow.airflow.compat import AirflowFailException, AirflowSkipException
-from onceflow.core.connections import DEFAULT_CONN_ID, resolve_dsn
-from spark_tasks.conf import processing_conf
+from onceflow.airflow.hooks import OnceflowHook
+from onceflow.airflow.triggers import CommitTurnTrigger, TurnListener, look_for_turn
+from onceflow.core import freshness, settings, txlog
+from onceflow.core.begin import begin, mark_failed
+from onceflow.core.commit import commit
+from onceflow.core.connections import DEFAULT_CONN_ID
+from onceflow.core.db import connection, transaction
+from onceflow.core.errors import (
+    BlockedByEarlierTxid,
+    ConfigError,
+    Fenced,
+    MaxPendingReached,
+    NothingToPlan,
+    OnceflowError,
+    Permanent,
+    StagingIncomplete,
+    is_permanent,
+)
+from onceflow.core.lease import AttemptLease, report
+from onceflow.core.pipeline import check
+from onceflow.core.registration import ensure_ready, external_dsns
+from onceflow.core.registry import get_pipeline, reference_of
+from onceflow.core.txlog import TransactionAttempt
+from onceflow.kvstate import open_state_provider
+from onceflow.sources.jvm import jvm_conf
+from onceflow.spark.conf import processing_conf
 
-# The spark-submit application: the installed spark_tasks package's entry point file.
+# The spark-submit application: the installed onceflow.spark package's entry point file.
 PROCESS_ENTRY_POINT = str(
-    Path(importlib.util.find_spec("spark_tasks").origin).parent / "process_batch.py"
+    Path(importlib.util.find_spec("onceflow.spark").origin).parent / "process_batch.py"
 )
 
-# onceflow's processing settings (spark_tasks.conf); INFO logging only costs time.
+# onceflow's processing settings (onceflow.spark.conf); INFO logging only costs time.
 SPARK_DEFAULTS = {
     **processing_conf(),
     "spark.ui.enabled": "false",
@@ -53,20 +80,13 @@ SPARK_DEFAULTS = {
 @contextmanager
 def airflow_outcomes():
     """onceflow's errors as Airflow outcomes (see the module docstring)."""
-    from onceflow.core.errors import (
-        BlockedByEarlierTxid,
-        Fenced,
-        MaxPendingReached,
-        Permanent,
-        StagingIncomplete,
-    )
 
     try:
         yield
     except Fenced as fenced:
         raise AirflowSkipException(f"superseded, nothing to do: {fenced}") from fenced
-    except MaxPendingReached as full:
-        raise AirflowSkipException(str(full)) from full
+    except (MaxPendingReached, NothingToPlan) as nothing:
+        raise AirflowSkipException(str(nothing)) from nothing
     except (Permanent, BlockedByEarlierTxid, StagingIncomplete) as error:
         raise AirflowFailException(f"{type(error).__name__}: {error}") from error
 
@@ -98,9 +118,15 @@ def noting_skips(context, pipeline: str, ta=None):
         raise
 
 
+def started_by_watcher(context) -> bool:
+    """Whether this task's run was started by an Asset event (a keep-up pipeline's source
+    watcher, onceflow.airflow.triggers.source_watch), not by a person, a backfill or a schedule."""
+    run = (context or {}).get("dag_run")
+    return str(getattr(run, "run_type", "") or "") == "asset_triggered"
+
+
 def load_pipeline(name: str, refs: Iterable[str] = (), **settings: Any):
     """The pipeline ``name`` (registry lookup), with trigger-form settings applied."""
-    from onceflow.core.registry import get_pipeline
 
     overrides = {k: int(v) for k, v in settings.items() if v not in (None, "")}
     return get_pipeline(name, tuple(refs), **overrides)
@@ -108,7 +134,6 @@ def load_pipeline(name: str, refs: Iterable[str] = (), **settings: Any):
 
 def attempt_of(batch: Mapping[str, Any] | list):
     """The attempt of begin's result: one group's entry, or the list of all of them."""
-    from onceflow.core.txlog import TransactionAttempt
 
     if isinstance(batch, list):
         batch = batch[0]
@@ -127,9 +152,6 @@ def _batch_of(context) -> Mapping[str, Any] | None:
 def mark_transaction_failed(context) -> None:
     """on_failure_callback of process and commit (after their last retry): mark the attempt's
     transaction failed so the next run adopts it. Fenced: a zombie attempt marks nothing."""
-    from onceflow.core.begin import mark_failed
-    from onceflow.core.db import connection
-    from onceflow.core.errors import OnceflowError, is_permanent
 
     task = context["task"]
     batch = _batch_of(context)
@@ -140,7 +162,7 @@ def mark_transaction_failed(context) -> None:
     what = f"{type(cause).__name__}: {cause}" if isinstance(cause, OnceflowError) \
         else repr(error)
     reason = f"{task.task_id} failed in run {context['run_id']}: {what}"
-    dsn = resolve_dsn(getattr(task, "postgres_conn_id", DEFAULT_CONN_ID))
+    dsn = OnceflowHook(getattr(task, "postgres_conn_id", DEFAULT_CONN_ID)).dsn()
     with connection(dsn) as conn:
         mark_failed(conn, batch["pipeline"], attempt_of(batch), reason,
                     permanent=is_permanent(error))
@@ -150,7 +172,6 @@ def lease_for_retry(context) -> None:
     """on_retry_callback of process, commit and transaction: the attempt waits for the retry
     with the hand-over lease (at least the retry's delay and a lease), so the next run does
     not adopt its txid meanwhile. Fenced: an attempt no longer current is left alone."""
-    from onceflow.core.lease import report
 
     task = context["task"]
     batch = _batch_of(context)
@@ -159,44 +180,16 @@ def lease_for_retry(context) -> None:
     pipeline = load_pipeline(batch["pipeline"], getattr(task, "pipeline_refs", ()))
     delay = getattr(task, "retry_delay", None)
     wait = int(delay.total_seconds()) if isinstance(delay, timedelta) else 0
-    report(resolve_dsn(getattr(task, "postgres_conn_id", DEFAULT_CONN_ID)), pipeline.name,
+    report(OnceflowHook(getattr(task, "postgres_conn_id", DEFAULT_CONN_ID)).dsn(), pipeline.name,
            attempt_of(batch), max(pipeline.handoff_lease_s, wait + pipeline.lease_s))
 
 
-def inject_fault(point: str, txid: int, try_number: int) -> None:
-    """Testing hook: ONCEFLOW_INJECT_FAULTS="POINT:TXID[:TRIES],..." makes ``POINT``
-    (process.before, process.before.groupG, commit.after) raise for ``TXID`` on its first
-    TRIES tries (all by default). Unset in normal operation."""
-    for entry in filter(None, os.environ.get("ONCEFLOW_INJECT_FAULTS", "").split(",")):
-        name, _, rest = entry.partition(":")
-        want_txid, _, tries = rest.partition(":")
-        if name == point and int(want_txid) == txid and (not tries or try_number <= int(tries)):
-            raise RuntimeError(f"injected fault {point} for txid {txid} (try {try_number})")
-
-
-def hold_point(point: str, txid: int, try_number: int) -> None:
-    """Testing hook: ONCEFLOW_HOLD_AT="POINT:TXID:PATH" makes ``POINT`` wait on its first try
-    until the file PATH exists, after creating PATH.reached: a test orders runs by files, not
-    by timing windows. Unset in normal operation."""
-    spec = os.environ.get("ONCEFLOW_HOLD_AT", "")
-    if not spec or try_number != 1:
-        return
-    name, want_txid, path = spec.split(":", 2)
-    if name != point or int(want_txid) != txid:
-        return
-    Path(path + ".reached").touch()
-    deadline = time.time() + 600
-    while not Path(path).exists() and time.time() < deadline:
-        time.sleep(0.2)
-
-
-def seconds_setting(name: str, value: Any, env: str, default: float) -> float:
-    """A number of seconds >= 0: ``value``, else the environment variable ``env``, else
-    ``default``; a ConfigError naming where a bad one came from."""
-    from onceflow.core.pipeline import check
+def seconds_setting(name: str, value: Any, setting: str) -> float:
+    """A number of seconds >= 0: ``value``, else onceflow's setting ``setting``
+    (onceflow.core.settings); a ConfigError naming where a bad one came from."""
 
     if value is None:
-        name, value = env, os.environ.get(env, default)
+        return float(settings.get(setting))
     try:
         seconds = float(value)
     except (TypeError, ValueError):
@@ -210,7 +203,6 @@ def plan_setting(name: str, value: Any, where: str) -> int | None:
     None (empty: the pipeline's own, the next txid). Anything else is refused with a
     ConfigError naming the setting and where it came from: a run never goes on with another
     value than the one it was given."""
-    from onceflow.core.errors import ConfigError
 
     if value is None or value == "":
         return None
@@ -245,7 +237,7 @@ class _PipelineTask:
         return load_pipeline(self.pipeline, self.pipeline_refs, **settings)
 
     def _dsn(self) -> str:
-        return resolve_dsn(self.postgres_conn_id)
+        return OnceflowHook(self.postgres_conn_id).dsn()
 
     @contextmanager
     def _holding(self, pipeline, dsn: str, ta, *, handoff: bool):
@@ -253,7 +245,6 @@ class _PipelineTask:
         lease / 4 (onceflow.core.lease). ``handoff``: the run goes on in another task after
         a block that ends well, so the attempt is left with the hand-over lease. Inside a
         block that holds it already, that lease goes on."""
-        from onceflow.core.lease import AttemptLease
 
         held = getattr(self, "_lease", None)
         if held is not None:
@@ -287,15 +278,10 @@ class _Begins(_PipelineTask):
         self.batch_size = batch_size
         self.txid = txid
         self.groups = groups
-        self.wait_for_slot = seconds_setting("wait_for_slot", wait_for_slot,
-                                             "ONCEFLOW_BEGIN_WAIT_S", 300.0)
+        self.wait_for_slot = seconds_setting("wait_for_slot", wait_for_slot, "begin_wait_s")
         self.poll_interval = poll_interval
 
     def _begin(self, context) -> list[dict[str, Any]]:
-        from onceflow.core.begin import begin
-        from onceflow.core.db import connection
-        from onceflow.core.registration import ensure_ready
-
         try:
             with airflow_outcomes():
                 form = context.get("params") or {}
@@ -306,12 +292,14 @@ class _Begins(_PipelineTask):
                 pipeline = self._pipeline(batch_size=setting["batch_size"],
                                           groups=setting["groups"])
                 txid = setting["txid"]
+                # a run the source watcher started plans no transaction of no records
+                skip_empty = started_by_watcher(context)
                 with connection(self._dsn()) as conn:
                     ensure_ready(conn, pipeline)
                     batch = self._begin_when_free(pipeline, lambda: begin(
                         conn, pipeline, context["run_id"], txid=txid,
-                        lease_s=self._first_lease(pipeline)))
-        except AirflowSkipException as skip:  # max_pending
+                        lease_s=self._first_lease(pipeline), skip_empty=skip_empty))
+        except AirflowSkipException as skip:  # max_pending, or nothing to read
             why = str(skip)
             run_note(context, lambda notes: notes.nothing_planned(self.pipeline, why))
             raise
@@ -342,8 +330,6 @@ class _Begins(_PipelineTask):
         """``attempt()`` (begin); while it finds ``max_pending`` transactions open, wait for
         a commit (LISTEN on the announcements, a look every poll_interval) and try again,
         for up to ``wait_for_slot`` seconds; then MaxPendingReached goes up (a skip)."""
-        from onceflow.airflow.triggers import TurnListener
-        from onceflow.core.errors import MaxPendingReached
 
         until = time.monotonic() + self.wait_for_slot
         started, listener = time.monotonic(), None
@@ -385,7 +371,7 @@ class BeginBatchOperator(_Begins, BaseOperator):
         else the next one.
     :param wait_for_slot: seconds a run past the pipeline's ``max_pending`` waits here for a
         transaction to commit (woken by the commit's announcement) before it ends as skipped
-        (0: at once). Default: ONCEFLOW_BEGIN_WAIT_S, else 300.
+        (0: at once). Default: the setting ONCEFLOW_BEGIN_WAIT_S (300).
     :param poll_interval: seconds between looks while waiting, besides the announcements.
 
     The first begin of a pipeline applies onceflow's migrations and registers it. Past the
@@ -426,12 +412,10 @@ def module_root(ref: str | None) -> str | None:
 def spark_connect_url(conn_id: str) -> str | None:
     """The Spark Connect URL of connection ``conn_id`` when its type is ``spark_connect``;
     None for a ``spark`` connection (spark-submit to its master)."""
-    from airflow.sdk import BaseHook
 
     conn = BaseHook.get_connection(conn_id)
     if conn.conn_type != "spark_connect":
         return None
-    from airflow.providers.apache.spark.hooks.spark_connect import SparkConnectHook
 
     return SparkConnectHook(conn_id).get_connection_url().rstrip("/")
 
@@ -439,12 +423,9 @@ def spark_connect_url(conn_id: str) -> str | None:
 class _Processes(_PipelineTask):
     """The processing phase (ProcessBatchOperator, TransactionOperator)."""
 
-    def _ready_to_process(self, context, pipeline, dsn: str, ta, group: int) -> bool:
+    def _ready_to_process(self, pipeline, dsn: str, ta) -> bool:
         """The fence, checked before any Spark work: False when the txid is committed
         already (nothing to do); Fenced when ``ta`` is not its current attempt."""
-        from onceflow.core import txlog
-        from onceflow.core.db import connection, transaction
-        from onceflow.core.errors import Fenced
 
         with airflow_outcomes():
             with connection(dsn) as conn, transaction(conn) as cur:
@@ -455,15 +436,13 @@ class _Processes(_PipelineTask):
                 return False
             if state is not txlog.TxState.PLANNED:
                 raise Fenced(f"{ta} of {pipeline.name} is {state}: not processed")
-        hold_point("process.before", ta.txid, context["ti"].try_number)
-        inject_fault("process.before", ta.txid, context["ti"].try_number)
-        inject_fault(f"process.before.group{group}", ta.txid, context["ti"].try_number)
         return True
 
     def _process_here(self, url: str, pipeline, dsn: str, ta, group: int) -> None:
-        from spark_tasks.localspark import revive
-        from spark_tasks.processing import process_batch
-        from spark_tasks.session import SHARED_SESSION_KEY, connect_session
+        # imported here: pyspark loads with it: only where Spark is used
+        from onceflow.spark.localspark import revive
+        from onceflow.spark.processing import process_batch
+        from onceflow.spark.session import SHARED_SESSION_KEY, connect_session
 
         started = time.monotonic()
         # the local server onceflow started died (killed mid-batch, say): started again here
@@ -528,7 +507,7 @@ class ProcessBatchOperator(_Processes, SparkSubmitOperator):
             self._process_held(context, pipeline, dsn, ta, group)
 
     def _process_held(self, context, pipeline, dsn: str, ta, group: int) -> None:
-        if not self._ready_to_process(context, pipeline, dsn, ta, group):
+        if not self._ready_to_process(pipeline, dsn, ta):
             return
         url = spark_connect_url(self._conn_id)
         if url is not None:
@@ -536,7 +515,6 @@ class ProcessBatchOperator(_Processes, SparkSubmitOperator):
             return
         with airflow_outcomes():  # a declaration error fails here, once, not in the driver
             pipeline.build_topology()
-        from onceflow.core.registry import reference_of
 
         ref = reference_of(pipeline)
         refs = [*self.pipeline_refs, *([ref] if ref and ref not in self.pipeline_refs else [])]
@@ -548,13 +526,12 @@ class ProcessBatchOperator(_Processes, SparkSubmitOperator):
         path = [p for p in (module_root(r) for r in refs) if p]
         self.env_vars = {
             **(self.env_vars or {}),
-            "ONCEFLOW_PG_DSN": dsn,
+            settings.env_name("pg_dsn"): dsn,
             "PYSPARK_PYTHON": os.environ.get("PYSPARK_PYTHON", sys.executable),
             "PYSPARK_DRIVER_PYTHON": os.environ.get("PYSPARK_DRIVER_PYTHON", sys.executable),
             **({"PYTHONPATH": os.pathsep.join(
                 [*path, *filter(None, [os.environ.get("PYTHONPATH")])])} if path else {}),
         }
-        from spark_tasks.jvm import jvm_conf
 
         # onceflow's JVM reader travels with the application (added to the conf's jars)
         self.conf = jvm_conf(self.conf)
@@ -589,7 +566,7 @@ class _Commits(_PipelineTask):
         if out["status"] != "already_committed":
             return notes.committed(self.pipeline, out["txid"], out["attempt"], records=records,
                                    failed=out["failed"], dead=out["dead"],
-                                   waited_s=out["waited_s"])
+                                   waited_s=out["waited_s"], fresh_s=out.get("fresh_s"))
         if any(b.get("committed") for b in batch):  # begin found it committed
             return notes.no_op(self.pipeline, out["txid"])
         # this attempt committed it, on an earlier try of this task
@@ -599,7 +576,6 @@ class _Commits(_PipelineTask):
     def _waited_here(self, dsn: str, pipeline: str, ta, deadline: float) -> bool:
         """Wait in the task for the turn (see the class docstring), up to ``wait_in_task``
         seconds. Returns whether it waited (then commit is tried again)."""
-        from onceflow.airflow.triggers import TurnListener, look_for_turn
 
         if self.wait_in_task <= 0:
             return False
@@ -619,12 +595,6 @@ class _Commits(_PipelineTask):
         return True
 
     def _commit_turn(self, deadline: float, context=None) -> dict[str, Any]:
-        from onceflow.airflow.triggers import CommitTurnTrigger
-        from onceflow.core.commit import commit
-        from onceflow.core.db import connection
-        from onceflow.core.errors import BlockedByEarlierTxid
-        from onceflow.core.registration import external_dsns
-
         ta = attempt_of(self.batch)
         with airflow_outcomes():
             pipeline = self._pipeline()
@@ -632,15 +602,20 @@ class _Commits(_PipelineTask):
             with self._holding(pipeline, dsn, ta, handoff=False) as lease, \
                     connection(dsn) as conn:
                 result = commit(conn, pipeline, ta, state_dsns=external_dsns(pipeline),
-                                coordinator_dsn=dsn)
+                                coordinator_dsn=dsn, open_state=open_state_provider)
                 if result.status == "waiting" and not result.blocker.hopeless \
                         and self._waited_here(dsn, pipeline.name, ta, deadline):
                     result = commit(conn, pipeline, ta, state_dsns=external_dsns(pipeline),
-                                    coordinator_dsn=dsn)
+                                    coordinator_dsn=dsn, open_state=open_state_provider)
                 if result.status == "waiting" and not result.blocker.hopeless \
                         and time.time() < deadline:
                     # deferred: the triggerer holds the attempt from here on
                     lease.hand_over(pipeline.handoff_lease_s)
+                fresh = None
+                if result.status == "committed":  # for the run's note
+                    with conn.cursor() as cur:
+                        fresh = freshness.of_txid(cur, pipeline.name, ta.txid)
+                    conn.rollback()
             if result.status == "waiting":
                 blocker = result.blocker
                 if blocker.hopeless:
@@ -665,18 +640,16 @@ class _Commits(_PipelineTask):
                 method_name="execute_complete", kwargs={"batch": self.batch},
             )
         if context and "outlet_events" in context:
-            from onceflow.airflow.assets import emit, no_events
 
             if result.status == "committed":
                 emit(context, pipeline, txid=ta.txid, table_rows=result.table_rows,
                      ranges=result.ranges)
             else:  # committed before (this run's earlier try, or another run): no event
                 no_events(self)
-        if context and "ti" in context:
-            inject_fault("commit.after", ta.txid, context["ti"].try_number)
         return {"txid": ta.txid, "attempt": ta.attempt, "status": result.status,
                 "rows_applied": result.rows_applied, "waited_s": result.waited_s,
-                "failed": result.failed, "dead": result.dead}
+                "failed": result.failed, "dead": result.dead,
+                "fresh_s": list(fresh) if fresh else None}
 
 
 class CommitBatchOperator(_Commits, BaseOperator):
@@ -692,16 +665,15 @@ class CommitBatchOperator(_Commits, BaseOperator):
     :param wait_in_task: seconds a commit waits for its turn in the task before it defers
         (0: defer at once).
 
-    While an earlier txid is uncommitted and alive (processing or committing, reporting
-    within its lease), the task first waits for its turn here, up to ``wait_in_task``
-    seconds, woken by the commit announcements: the earlier batch is usually seconds from
-    its commit, and a deferral costs a trigger, a new task process and the scheduler's
-    delays (measured under load: a deferred commit resumed 9 s after its turn came). Past
-    that it defers (no worker slot is held) to CommitTurnTrigger, which keeps this attempt's
-    lease alive. A DAG lets ``max_pending`` + 1 runs in flight, so the waits hold a bounded
-    few slots. When the earlier txid failed or its run died, it fails at once, naming the
-    txid to backfill. Committing an already committed txid is a logged no-op; a fenced
-    attempt ends as skipped.
+    While an earlier txid is uncommitted and alive (processing or committing, reporting within
+    its lease), the task first waits for its turn here, up to ``wait_in_task`` seconds, woken by
+    the commit announcements: the earlier batch is usually seconds from its commit, and a
+    deferral costs a trigger, a new task process and the scheduler's delays, seconds under load
+    (docs/design.md). Past that it defers (no worker slot is held) to CommitTurnTrigger, which
+    keeps this attempt's lease alive. A DAG lets ``max_pending`` + 1 runs in flight, so the
+    waits hold a bounded few slots. When the earlier txid failed or its run died, it fails at
+    once, naming the txid to backfill. Committing an already committed txid is a logged no-op; a
+    fenced attempt ends as skipped.
     """
 
     template_fields = ("batch",)
@@ -738,15 +710,14 @@ class TransactionOperator(_Begins, _Processes, _Commits, BaseOperator):
     :param commit_timeout, wait_in_task: as CommitBatchOperator's.
     :param poll_interval: seconds between looks while waiting for a place or the turn.
 
-    The phases are the three operators' own, in order, with the same fences, outcomes, run
-    notes and log lines (BEGIN, PROCESSED, COMMIT), so the transaction is as exactly once as
-    in three tasks; what changes is what Airflow sees: one task per run. A run costs Airflow
-    one task process instead of three and no scheduling hop between the phases (measured on
-    two cores: 10 runs of no-op phases took 9.7 s and 5 CPU s of Airflow in one task each,
-    20-24 s and 15-20 CPU s in three). A retry starts again at begin, which gives the run a
-    new attempt of its own txid (the old one is fenced). Groups are processed side by side
-    on the one Spark session. Waiting for the turn to commit defers the task as the commit
-    task does; it resumes at the commit, the batch carried in the deferral.
+    The phases are the three operators' own, in order, with the same fences, outcomes, run notes
+    and log lines (BEGIN, PROCESSED, COMMIT), so the transaction is as exactly once as in three
+    tasks; what changes is what Airflow sees: one task per run. A run costs Airflow one task
+    process instead of three and no scheduling hop between the phases (figures in
+    bench/RESULTS.md). A retry starts again at begin, which gives the run
+    a new attempt of its own txid (the old one is fenced). Groups are processed side by side on
+    the one Spark session. Waiting for the turn to commit defers the task as the commit task
+    does; it resumes at the commit, the batch carried in the deferral.
     """
 
     template_fields = ("batch_size", "txid", "groups")
@@ -778,8 +749,6 @@ class TransactionOperator(_Begins, _Processes, _Commits, BaseOperator):
         return None  # processing and commit follow in this task
 
     def _transact(self, context, pipeline, dsn: str, ta) -> dict[str, Any]:
-        from onceflow.core.errors import ConfigError
-
         with noting_skips(context, self.pipeline, ta), airflow_outcomes():
             url = spark_connect_url(self.conn_id)
             if url is None:
@@ -789,11 +758,10 @@ class TransactionOperator(_Begins, _Processes, _Commits, BaseOperator):
                     f"(spark-connect://host:15002), or declare pipeline {self.pipeline!r} "
                     "with dag_shape='phases' to spark-submit each batch")
             groups = [int(entry["group"]) for entry in self.batch]
-            ready = [g for g in groups if self._ready_to_process(context, pipeline, dsn, ta, g)]
+            ready = groups if self._ready_to_process(pipeline, dsn, ta) else []
             if len(ready) == 1:
                 self._process_here(url, pipeline, dsn, ta, ready[0])
             elif ready:
-                from concurrent.futures import ThreadPoolExecutor
 
                 with ThreadPoolExecutor(len(ready), thread_name_prefix="onceflow-group") as pool:
                     for done in [pool.submit(self._process_here, url, pipeline, dsn, ta, g)

@@ -7,10 +7,17 @@ can import it.
 from __future__ import annotations
 
 import asyncio
+import select
 import time
 from typing import Any
 
 from airflow.triggers.base import BaseTrigger, TriggerEvent
+from psycopg2 import sql
+
+from onceflow.airflow.hooks import OnceflowHook
+from onceflow.core import txlog
+from onceflow.core.db import connect, transaction
+from onceflow.core.lease import this_process
 
 
 def look_for_turn(dsn: str, pipeline: str, txid: int, attempt: int,
@@ -18,9 +25,6 @@ def look_for_turn(dsn: str, pipeline: str, txid: int, attempt: int,
     """(last committed txid, whether the blocking txid cannot commit without a new run),
     reporting the waiting attempt alive on the way (``lease_s``: the lease it gives; None
     keeps the one it has)."""
-    from onceflow.core import txlog
-    from onceflow.core.db import connect, transaction
-    from onceflow.core.lease import this_process
 
     conn = connect(dsn, application_name="onceflow-trigger")
     try:
@@ -41,19 +45,12 @@ class TurnListener:
     is not missed."""
 
     def __init__(self, dsn: str):
-        from psycopg2 import sql
-
-        from onceflow.core import txlog
-        from onceflow.core.db import connect
-
         self.conn = connect(dsn, application_name="onceflow-trigger-listen")
         self.conn.autocommit = True
         with self.conn.cursor() as cur:
             cur.execute(sql.SQL("LISTEN {}").format(sql.Identifier(txlog.TURN_CHANNEL)))
 
     def wait(self, timeout: float) -> None:
-        import select
-
         if not self.conn.notifies:
             select.select([self.conn], [], [], timeout)
         self.conn.poll()
@@ -93,9 +90,7 @@ class CommitTurnTrigger(BaseTrigger):
         )
 
     async def run(self):
-        from onceflow.core.connections import resolve_dsn_async
-
-        dsn = await resolve_dsn_async(self.postgres_conn_id)
+        dsn = await OnceflowHook.adsn(self.postgres_conn_id)
         listener = await asyncio.to_thread(TurnListener, dsn)
         try:
             while True:

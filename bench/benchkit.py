@@ -1,0 +1,31 @@
+"""Pieces the bench scripts share: the load average, a migrated database of a script's own,
+a timer."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from onceflow.core import db
+from onceflow.dev.localpg import recreate_database
+
+
+def loadavg() -> str:
+    """The 1, 5 and 15 minute load averages (the machine must be quiet for figures to mean
+    anything)."""
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
+def migrated_database(server_dsn: str, name: str) -> str:
+    """A fresh database ``name`` (dropped first) with onceflow's schema; its DSN."""
+    dsn = recreate_database(server_dsn, name, migrate=False)
+    with db.connection(dsn) as conn:
+        db.migrate(conn)
+    return dsn
+
+
+def timed(fn):
+    """(seconds, fn()) ."""
+    started = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - started, result
