@@ -4,13 +4,14 @@ verdict per root, the per-record time budget, and declarations refused with a fi
 from __future__ import annotations
 
 import time
+import uuid
 
 import pytest
 from pyspark.sql import functions as F
 
-from spark_tasks.ids import root_id
-from spark_tasks.runner import run_topology
-from spark_tasks.topology import ANCHORS, SPOUT, Topology, TopologyError
+from onceflow.core.topology import ANCHORS, SPOUT, Topology, TopologyError
+from onceflow.spark.ids import root_id
+from onceflow.spark.runner import run_topology
 
 
 def records(spark, payloads, replays=0):
@@ -121,7 +122,8 @@ def test_a_failure_seen_on_a_later_pass_still_fails_its_record_whole(spark, tmp_
 
     def why(word):
         marks = len(list(seen.glob(f"{word}.*")))
-        (seen / f"{word}.{marks}").touch()
+        # a unique name per sighting: two Python workers may see the same word at once
+        (seen / f"{word}.{uuid.uuid4().hex}").touch()
         if word == "bad" or (word == "late" and marks == 1):
             return f"{word} on sighting {marks + 1}"
         return None
@@ -198,7 +200,7 @@ def test_a_dataframe_bolt_fails_tuples_with_fail_column(spark):
 def test_root_ids_keep_the_origin(spark):
     df = spark.createDataFrame([(5, 123456789, True), (4_000_000, (1 << 40) - 1, False)],
                                "partition int, offset long, replayed boolean")
-    from spark_tasks.ids import origin
+    from onceflow.spark.ids import origin
 
     rows = df.select(root_id("partition", "offset", "replayed").alias("_root")) \
         .select("_root", *origin()).collect()
@@ -289,7 +291,7 @@ def test_a_typed_value_that_cannot_be_stored_fails_its_record_alone(spark):
 
 
 def test_a_record_rejected_twice_is_staged_once_with_the_least_reason(spark):
-    from spark_tasks.processing import staging_of
+    from onceflow.spark.processing import staging_of
 
     def split(df):
         return {"too_short": df.where(F.length("payload") < 3).select(
