@@ -44,7 +44,7 @@ from typing import Annotated, Any
 import msgspec
 
 from onceflow.core.errors import ConfigError
-from onceflow.core.source import PROBLEM
+from onceflow.core.source import PROBLEM, Source
 from onceflow.core.topology import TopologyError, column_types
 
 CORRUPT = "_corrupt_record"
@@ -167,6 +167,48 @@ class JsonRecords:
         out[CORRUPT] = _sparse(len(rows), {i: line.decode("utf-8", "replace")
                                            for i, line in corrupt.items()})
         return out, _sparse(len(rows), problems)
+
+    def decode_batches(self, table, max_bytes: int | None = None, max_rows: int = 32_768):
+        """``table`` (Arrow: partition, offset, payload) as record batches of ``max_rows``
+        rows at most: partition, offset, the payloads decoded (the declared columns and
+        ``_corrupt_record``) and ``_problem`` (see ``decode``): what a decoding source's
+        reader task yields."""
+        # imported here: pyarrow is heavy: it loads only where files are read or written
+        import pyarrow as pa
+
+        for piece in table.to_batches(max_chunksize=max_rows):
+            # (a payload is never null where onceflow keeps it: one that is, is corrupt)
+            lines = [p or b"" for p in piece.column("payload").cast(pa.binary()).to_pylist()]
+            columns, problems = self.decode(lines, max_bytes)
+            columns[PROBLEM] = problems
+            yield pa.RecordBatch.from_arrays(
+                [piece.column("partition"), piece.column("offset"), *columns.values()],
+                names=["partition", "offset", *columns])
+
+
+@dataclass(frozen=True, kw_only=True)
+class JsonSchemaSource(Source):
+    """A source whose payloads may be decoded where they are read: ``json_schema``, the
+    payloads' fields as Spark DDL of simple types. With it the records carry these columns
+    and ``_corrupt_record`` instead of ``payload`` (by the rules of this module), the reader
+    says why the spout refuses a record in ``_problem``, and the topology parses nothing.
+    ``payloads`` stays the payload strings: verify and the backflow's replays decode them
+    with the same ``records``."""
+
+    json_schema: str | None = None
+
+    def validate(self) -> None:
+        super().validate()
+        self.records  # noqa: B018 (compiles json_schema: a bad one fails here, by name)
+
+    @functools.cached_property
+    def records(self) -> JsonRecords | None:
+        """The decoder of ``json_schema``; None: the records are payload strings."""
+        return JsonRecords(self.json_schema) if self.json_schema is not None else None
+
+    @property
+    def record_ddl(self) -> str:
+        return self.records.record_ddl if self.records else super().record_ddl
 
 
 def _arrow_type(kind: str):
