@@ -1,12 +1,14 @@
 """Typed records from JSON lines: each line decoded against a declared schema, in C.
 
 A source whose records are JSON objects, one per line, may declare their schema
-(``LandingFolder(json_schema="url string, flaky int")``). Its records then reach the topology
-as typed columns instead of a ``payload`` string: the bolts read ``url`` and ``flaky``, and
-nobody calls ``from_json``. The decoding happens where the lines are read, in the Spark task
-that reads them: in the JVM when the session has onceflow's jar (spark_tasks/java: Jackson's
-streaming parser under these rules, ``onceflow.spark.LineDecoder``), else in a Python worker
-with msgspec (a JSON decoder written in C that checks types as it parses; this module). The
+(``LandingFolder(json_schema="url string, flaky int")``; file segments, the PostgreSQL log and
+a table source, whose payloads are JSON objects, through ``JsonSchemaSource``). Its records
+then reach the topology as typed columns instead of a ``payload`` string: the bolts read
+``url`` and ``flaky``, and nobody calls ``from_json``. The decoding happens where the lines
+are read, in the Spark task that reads them: in the JVM when the session has onceflow's jar
+and the source has a JVM reader (spark_tasks/java: Jackson's streaming parser under these
+rules, ``onceflow.spark.LineDecoder``), else in a Python worker with msgspec (a JSON decoder
+written in C that checks types as it parses; this module). The
 two are held equal by tests (tests/test_jvm_reader.py), and both cost well under Spark's
 ``from_json`` on the same lines.
 
