@@ -179,8 +179,10 @@ class JsonRecords:
         import pyarrow as pa
 
         for piece in table.to_batches(max_chunksize=max_rows):
-            # (a payload is never null where onceflow keeps it: one that is, is corrupt)
-            lines = [p or b"" for p in piece.column("payload").cast(pa.binary()).to_pylist()]
+            payloads = piece.column("payload")
+            lines = payloads.cast(pa.binary()).to_pylist()
+            if payloads.null_count:  # (none where onceflow keeps them: a null one is corrupt)
+                lines = [line or b"" for line in lines]
             columns, problems = self.decode(lines, max_bytes)
             columns[PROBLEM] = problems
             yield pa.RecordBatch.from_arrays(
