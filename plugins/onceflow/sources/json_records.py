@@ -8,9 +8,8 @@ then reach the topology as typed columns instead of a ``payload`` string: the bo
 are read, in the Spark task that reads them: in the JVM when the session has onceflow's jar
 and the source has a JVM reader (spark_tasks/java: Jackson's streaming parser under these
 rules, ``onceflow.spark.LineDecoder``), else in a Python worker with msgspec (a JSON decoder
-written in C that checks types as it parses; this module). The
-two are held equal by tests (tests/test_jvm_reader.py), and both cost well under Spark's
-``from_json`` on the same lines.
+written in C that checks types as it parses; this module). The two are held equal by tests
+(tests/test_jvm_reader.py), and both cost well under Spark's ``from_json`` on the same lines.
 
 **The rules** (one definition; ``reference_decode`` states it in plain Python and a property
 test holds the two equal):

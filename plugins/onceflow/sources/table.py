@@ -11,9 +11,9 @@ record's payload is the row as JSON (``row_to_json``: column names as keys, numb
 numbers, timestamps as ISO text); a topology parses it with ``from_json``, or the source
 decodes it as it reads it (``json_schema``, e.g. ``"url string, amount double"``: the records
 then carry these columns and ``_corrupt_record``; a value that breaks its declared type, a
-text column declared int, makes the record corrupt). One partition is
-enough: a range is read by several Spark tasks at once (``read_chunk`` key values each), so
-splitting keys over partitions by ``key % N`` would add heads to keep and nothing to speed.
+text column declared int, makes the record corrupt). One partition is enough: a range is
+read by several Spark tasks at once (``read_chunk`` key values each), so splitting keys over
+partitions by ``key % N`` would add heads to keep and nothing to speed.
 
 **The head: a bound no late commit can fall under.** Writers commit out of order: a row with
 a smaller key can become visible after one with a larger key, so ``max(key) + 1`` is not a
