@@ -31,8 +31,9 @@ FileSegments.append: the files `onceflow import` writes too; their payloads deco
 are read, ``json_schema``, as the JSON lines folder's lines are), ``landing-json`` (the JSON
 lines folder), ``landing-csv`` and ``landing-parquet`` (the same events as rows,
 ``peers.event_rows``, in CSV and Parquet files of a landing folder each), ``table`` (the
-rows in a PostgreSQL table, keyed by an identity column) and ``pglog`` (the JSON payloads
-in the PostgreSQL log). ``connect`` and ``airflow`` run once per source (all sources'
+rows in a PostgreSQL table, keyed by an identity column, each row's JSON decoded as read,
+``json_schema``) and ``pglog`` (the JSON payloads in the PostgreSQL log, decoded as read,
+``json_schema``). ``connect`` and ``airflow`` run once per source (all sources'
 pipelines on one Airflow, one after the other); ``raw``, ``streaming-json``, ``library``
 and ``airflow-phases`` read the JSON lines only and run with ``landing-json``. Structured
 Streaming reads the equivalent files: JSON lines for ``landing-json``, CSV and Parquet for
@@ -114,8 +115,9 @@ ABOUT = {
     "landing-json": "JSON lines files in a landing folder",
     "landing-csv": "CSV files (the events as rows) in a landing folder",
     "landing-parquet": "Parquet files (the events as rows) in a landing folder",
-    "table": "a PostgreSQL table (the events as rows, an identity key)",
-    "pglog": "the PostgreSQL log (the JSON payloads)",
+    "table": "a PostgreSQL table (the events as rows, an identity key; rows decoded as "
+             "read, json_schema)",
+    "pglog": "the PostgreSQL log (the JSON payloads, decoded as read, json_schema)",
 }
 SS_READS = {"landing-csv": "the same CSV files", "landing-parquet": "the same Parquet files",
             "landing-json": "the same JSON lines files"}

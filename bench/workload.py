@@ -15,10 +15,10 @@ bench/peers.py (tweets_example.topology.parse).
   ``landing-csv`` and ``landing-parquet`` read the events as rows (``EVENT_DDL``) from CSV
   and Parquet files in landing folders beside ``W``'s (Parquet ``typed``: the rows' columns,
   as a Structured Streaming user reads them); ``table`` reads them as rows of a
-  PostgreSQL table (``TABLE``, keyed by an identity column); ``pglog`` reads the JSON
-  payloads from the PostgreSQL log (parsed by from_json), ``segments`` from file segments
-  (under ``SEGMENTS``), which decode them as they are read (``json_schema``, as ``W``'s
-  landing folder does).
+  PostgreSQL table (``TABLE``, keyed by an identity column), each row's JSON decoded as it is
+  read (``json_schema``: its url column); ``pglog`` reads the JSON payloads from the
+  PostgreSQL log, ``segments`` from file segments (under ``SEGMENTS``), both decoding them
+  as they are read (``json_schema``, as ``W``'s landing folder does).
   A row form holds a malformed event as a row without a url: counted nowhere, as the JSON
   form's rejected event is.
 
@@ -103,11 +103,10 @@ def _rows(url):
     return parse
 
 
-# CSV lines (the landing folder's payload is the line), and rows as JSON objects (a Parquet
-# row, a table's row_to_json)
+# CSV lines (the landing folder's payload is the line), and typed rows (a Parquet row's
+# columns, a table row's JSON decoded by the source)
 _parse_csv = _rows(lambda F: F.from_csv("payload", EVENT_DDL).getField("url"))
-_parse_row_json = _rows(lambda F: F.from_json("payload", "url string").getField("url"))
-_parse_typed_row = _rows(lambda F: F.col("url"))  # a typed Parquet row: its columns
+_parse_typed_row = _rows(lambda F: F.col("url"))
 
 
 def topology(pipeline=None, parse=_parse) -> Topology:
@@ -127,10 +126,6 @@ def topology_payload(pipeline=None) -> Topology:
 
 def topology_csv(pipeline=None) -> Topology:
     return topology(pipeline, _parse_csv)
-
-
-def topology_row_json(pipeline=None) -> Topology:
-    return topology(pipeline, _parse_row_json)
 
 
 def topology_typed_row(pipeline=None) -> Topology:
@@ -187,10 +182,11 @@ SOURCES = {
         "bench_w_parquet", path=PARQUET_FOLDER, format="parquet", schema=EVENT_DDL,
         typed=True), "workload:topology_typed_row", "wq_", "from Parquet files"),
     "table": _variant("bench_w_table", TableSource(
-        topic="bench_w_table", table=TABLE, key=TABLE_KEY), "workload:topology_row_json",
-        "wt_", "from a PostgreSQL table"),
-    "pglog": _variant("bench_w_pglog", PostgresLog(topic="bench_w_pglog", partitions=2),
-                      "workload:topology_payload", "wl_", "from the PostgreSQL log"),
+        topic="bench_w_table", table=TABLE, key=TABLE_KEY, json_schema="url string"),
+        "workload:topology_typed_row", "wt_", "from a PostgreSQL table"),
+    "pglog": _variant("bench_w_pglog", PostgresLog(
+        topic="bench_w_pglog", partitions=2, json_schema=TWEET),
+        "workload:topology", "wl_", "from the PostgreSQL log"),
 }
 
 PIPELINES = (W, W_PHASES, W_IDNA, *(p for p in SOURCES.values() if p is not W))

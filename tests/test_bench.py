@@ -59,8 +59,9 @@ def test_the_peer_comparison_runs_every_system_and_checks_it(tmp_path, dsn, monk
     assert all(float(cpu) > 0 for cpu, _, _ in rows.values()), out
     # the table's Structured Streaming is the JSON lines run, said so
     assert rows["table", ss] == rows["landing-json", ss], out
-    assert ("source table: a PostgreSQL table (the events as rows, an identity key); "
-            "Structured Streaming reads the same events from the JSON lines files") in out, out
+    assert ("source table: a PostgreSQL table (the events as rows, an identity key; rows "
+            "decoded as read, json_schema); Structured Streaming reads the same events from "
+            "the JSON lines files") in out, out
     # Structured Streaming's JVM start, apart, and the ratios with and without it
     jvm = [line for line in out.splitlines()
            if line.startswith("Structured Streaming's JVM and session start: ")]

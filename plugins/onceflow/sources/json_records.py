@@ -1,14 +1,15 @@
 """Typed records from JSON lines: each line decoded against a declared schema, in C.
 
 A source whose records are JSON objects, one per line, may declare their schema
-(``LandingFolder(json_schema="url string, flaky int")``). Its records then reach the topology
-as typed columns instead of a ``payload`` string: the bolts read ``url`` and ``flaky``, and
-nobody calls ``from_json``. The decoding happens where the lines are read, in the Spark task
-that reads them: in the JVM when the session has onceflow's jar (spark_tasks/java: Jackson's
-streaming parser under these rules, ``onceflow.spark.LineDecoder``), else in a Python worker
-with msgspec (a JSON decoder written in C that checks types as it parses; this module). The
-two are held equal by tests (tests/test_jvm_reader.py), and both cost well under Spark's
-``from_json`` on the same lines.
+(``LandingFolder(json_schema="url string, flaky int")``; file segments, the PostgreSQL log and
+a table source, whose payloads are JSON objects, through ``JsonSchemaSource``). Its records
+then reach the topology as typed columns instead of a ``payload`` string: the bolts read
+``url`` and ``flaky``, and nobody calls ``from_json``. The decoding happens where the lines
+are read, in the Spark task that reads them: in the JVM when the session has onceflow's jar
+and the source has a JVM reader (spark_tasks/java: Jackson's streaming parser under these
+rules, ``onceflow.spark.LineDecoder``), else in a Python worker with msgspec (a JSON decoder
+written in C that checks types as it parses; this module). The two are held equal by tests
+(tests/test_jvm_reader.py), and both cost well under Spark's ``from_json`` on the same lines.
 
 **The rules** (one definition; ``reference_decode`` states it in plain Python and a property
 test holds the two equal):
@@ -44,7 +45,7 @@ from typing import Annotated, Any
 import msgspec
 
 from onceflow.core.errors import ConfigError
-from onceflow.core.source import PROBLEM
+from onceflow.core.source import PROBLEM, Source
 from onceflow.core.topology import TopologyError, column_types
 
 CORRUPT = "_corrupt_record"
@@ -167,6 +168,50 @@ class JsonRecords:
         out[CORRUPT] = _sparse(len(rows), {i: line.decode("utf-8", "replace")
                                            for i, line in corrupt.items()})
         return out, _sparse(len(rows), problems)
+
+    def decode_batches(self, table, max_bytes: int | None = None, max_rows: int = 32_768):
+        """``table`` (Arrow: partition, offset, payload) as record batches of ``max_rows``
+        rows at most: partition, offset, the payloads decoded (the declared columns and
+        ``_corrupt_record``) and ``_problem`` (see ``decode``): what a decoding source's
+        reader task yields."""
+        # imported here: pyarrow is heavy: it loads only where files are read or written
+        import pyarrow as pa
+
+        for piece in table.to_batches(max_chunksize=max_rows):
+            payloads = piece.column("payload")
+            lines = payloads.cast(pa.binary()).to_pylist()
+            if payloads.null_count:  # (none where onceflow keeps them: a null one is corrupt)
+                lines = [line or b"" for line in lines]
+            columns, problems = self.decode(lines, max_bytes)
+            columns[PROBLEM] = problems
+            yield pa.RecordBatch.from_arrays(
+                [piece.column("partition"), piece.column("offset"), *columns.values()],
+                names=["partition", "offset", *columns])
+
+
+@dataclass(frozen=True, kw_only=True)
+class JsonSchemaSource(Source):
+    """A source whose payloads may be decoded where they are read: ``json_schema``, the
+    payloads' fields as Spark DDL of simple types. With it the records carry these columns
+    and ``_corrupt_record`` instead of ``payload`` (by the rules of this module), the reader
+    says why the spout refuses a record in ``_problem``, and the topology parses nothing.
+    ``payloads`` stays the payload strings: verify and the backflow's replays decode them
+    with the same ``records``."""
+
+    json_schema: str | None = None
+
+    def validate(self) -> None:
+        super().validate()
+        self.records  # noqa: B018 (compiles json_schema: a bad one fails here, by name)
+
+    @functools.cached_property
+    def records(self) -> JsonRecords | None:
+        """The decoder of ``json_schema``; None: the records are payload strings."""
+        return JsonRecords(self.json_schema) if self.json_schema is not None else None
+
+    @property
+    def record_ddl(self) -> str:
+        return self.records.record_ddl if self.records else super().record_ddl
 
 
 def _arrow_type(kind: str):

@@ -7,6 +7,10 @@ with Arrow's CSV reader (``mapInArrow``), so the rows reach the JVM as Arrow bat
 code runs in local mode, on a cluster and through Spark Connect. Offsets are dense below the
 head, so a chunk that returns fewer rows than its range holds was cut short (records deleted
 under the batch): the task fails with SourceShortfall instead of reading a short batch.
+
+With a declared ``json_schema`` the reader task decodes each chunk's payloads as it reads
+them (onceflow.sources.json_records): the records carry the declared columns and
+``_corrupt_record`` instead of ``payload``, and the topology parses nothing.
 """
 
 from __future__ import annotations
@@ -22,10 +26,10 @@ import psycopg2
 
 from onceflow.core.errors import ConfigError, Permanent
 from onceflow.core.planner import PartitionRange
-from onceflow.core.source import Position, Source
+from onceflow.core.source import Position
 from onceflow.sources import catalog
+from onceflow.sources.json_records import JsonRecords, JsonSchemaSource
 
-RECORD_SCHEMA = "partition int, offset long, payload string"
 CHUNK_SCHEMA = "chunk int, partition int, start long, end long"
 DEFAULT_CHUNK = 100_000
 # A record's arrival, and its payload, at (partition, offset) points (catalog.at_points).
@@ -93,7 +97,18 @@ def copy_records(cur, statement: str):
     )
 
 
-def _copy_reader(dsn: str, topic: str):
+def copied_batches(table, records: JsonRecords | None, max_bytes: int) -> Iterator:
+    """The record batches a reader task yields for one COPY's records (``copy_records``):
+    as read, or with ``records`` their payloads decoded (JsonRecords.decode_batches)."""
+    if table is None:
+        return iter(())
+    return table.to_batches() if records is None else records.decode_batches(table, max_bytes)
+
+
+def _copy_reader(dsn: str, topic: str, records: JsonRecords | None, max_bytes: int):
+    """The Spark task: each chunk row's records, read by COPY, checked whole (a shortfall
+    fails the task), decoded with ``records`` (see copied_batches)."""
+
     def read(batches: Iterator) -> Iterator:
         conn = psycopg2.connect(dsn, application_name="onceflow-reader")
         try:
@@ -116,8 +131,7 @@ def _copy_reader(dsn: str, topic: str):
                                 f"SourceShortfall: topic {topic!r} partition {partition} "
                                 f"offsets [{start}, {end}) returned {rows} of {end - start} "
                                 "records: records were deleted under a planned batch")
-                        if table is not None:
-                            yield from table.to_batches()
+                        yield from copied_batches(table, records, max_bytes)
             conn.rollback()
         finally:
             conn.close()
@@ -126,11 +140,14 @@ def _copy_reader(dsn: str, topic: str):
 
 
 @dataclass(frozen=True, kw_only=True)
-class PostgresLog(Source):
+class PostgresLog(JsonSchemaSource):
     """A partitioned log in the coordinator's PostgreSQL database (``source_log``).
 
     ``topic``: its name; ``partitions``: how many partitions ``onceflow init`` creates;
-    ``max_record_bytes``: a larger payload is rejected (kept with its position and reason).
+    ``max_record_bytes``: a larger payload is rejected (kept with its position and reason);
+    ``json_schema``: the payloads' fields as Spark DDL of simple types, decoded as the
+    chunks are read (the records then carry these columns and ``_corrupt_record`` instead
+    of ``payload``; see the module docstring).
     """
 
     kind: ClassVar[str] = "postgres-log"
@@ -172,7 +189,8 @@ class PostgresLog(Source):
         # No repartition: the local rows are already spread over the default parallelism (the
         # cores), and each reader task takes its chunks one after the other.
         chunks = spark.createDataFrame(rows, CHUNK_SCHEMA)
-        return chunks.mapInArrow(_copy_reader(dsn, self.topic), RECORD_SCHEMA)
+        return chunks.mapInArrow(
+            _copy_reader(dsn, self.topic, self.records, self.max_record_bytes), self.read_ddl)
 
     def payloads(self, conn, ranges: Iterable[PartitionRange]
                  ) -> Iterator[tuple[int, int, str]]:

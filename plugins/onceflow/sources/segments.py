@@ -31,7 +31,6 @@ shared mount, or any Hadoop file system URI Spark can read).
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import os
@@ -46,10 +45,10 @@ from onceflow.core import settings
 from onceflow.core.db import connection, transaction
 from onceflow.core.errors import ConfigError, ImportConflict, SourceShortfall
 from onceflow.core.planner import PartitionRange
-from onceflow.core.source import Position, Source
+from onceflow.core.source import Position
 from onceflow.sources import catalog
 from onceflow.sources.folders import require_roots
-from onceflow.sources.json_records import PROBLEM, JsonRecords
+from onceflow.sources.json_records import JsonRecords, JsonSchemaSource
 from onceflow.sources.jvm import SEGMENTS_READER, jvm_reader
 from onceflow.sources.pglog import check_payload
 
@@ -529,29 +528,18 @@ def _decoding_reader(segments: list[tuple[str, int]], ranges: list[PartitionRang
     ``records`` (the declared columns, ``_corrupt_record`` and the spout's ``_problem``),
     a row group's worth at a time."""
     def read(batches):
-        # imported here: pyarrow is heavy: it loads only where files are read or written
-        import pyarrow as pa
-
         for batch in batches:
             for index in batch.column("id").to_pylist():
                 path, partition = segments[index]
                 mine = [r for r in ranges if r.partition == partition]
                 table = read_ranges(path, mine, ["partition", "offset", "payload"])
-                for piece in table.to_batches(max_chunksize=ROW_GROUP_ROWS):
-                    # (a segment's payloads are never null: an empty one is corrupt)
-                    lines = [p or b"" for p in
-                             piece.column("payload").cast(pa.binary()).to_pylist()]
-                    columns, problems = records.decode(lines, max_bytes)
-                    columns[PROBLEM] = problems
-                    yield pa.RecordBatch.from_arrays(
-                        [piece.column("partition"), piece.column("offset"),
-                         *columns.values()], names=["partition", "offset", *columns])
+                yield from records.decode_batches(table, max_bytes, ROW_GROUP_ROWS)
 
     return read
 
 
 @dataclass(frozen=True, kw_only=True)
-class FileSegments(Source):
+class FileSegments(JsonSchemaSource):
     """Parquet segment files per partition, indexed in PostgreSQL (see the module docstring).
 
     ``topic``: its name; ``path``: the root folder (None: ONCEFLOW_SEGMENTS_DIR, else
@@ -564,7 +552,6 @@ class FileSegments(Source):
     kind: ClassVar[str] = "file-segments"
     path: str | None = None
     partitions: int = 4
-    json_schema: str | None = None
 
     def validate(self) -> None:
         super().validate()
@@ -573,16 +560,6 @@ class FileSegments(Source):
         if not isinstance(self.partitions, int) or self.partitions <= 0:
             raise ConfigError(f"source.partitions={self.partitions!r} is invalid: give a "
                               "positive number of partitions")
-        self.records  # noqa: B018 (compiles json_schema: a bad one fails here, by name)
-
-    @functools.cached_property
-    def records(self) -> JsonRecords | None:
-        """The decoder of ``json_schema``; None: the records are payload strings."""
-        return JsonRecords(self.json_schema) if self.json_schema is not None else None
-
-    @property
-    def record_ddl(self) -> str:
-        return self.records.record_ddl if self.records else super().record_ddl
 
     def root(self) -> Path:
         if self.path:

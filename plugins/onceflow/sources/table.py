@@ -8,9 +8,12 @@ an increasing integer key fed by a sequence (an identity or serial column).
 ``start <= key < end``. Keys need not be dense (rolled-back inserts, INCREMENT > 1 leave
 holes), so ``batch_size`` counts key values, not rows, and a batch may hold fewer rows. Each
 record's payload is the row as JSON (``row_to_json``: column names as keys, numbers as
-numbers, timestamps as ISO text); a topology parses it with ``from_json``. One partition is
-enough: a range is read by several Spark tasks at once (``read_chunk`` key values each), so
-splitting keys over partitions by ``key % N`` would add heads to keep and nothing to speed.
+numbers, timestamps as ISO text); a topology parses it with ``from_json``, or the source
+decodes it as it reads it (``json_schema``, e.g. ``"url string, amount double"``: the records
+then carry these columns and ``_corrupt_record``; a value that breaks its declared type, a
+text column declared int, makes the record corrupt). One partition is enough: a range is
+read by several Spark tasks at once (``read_chunk`` key values each), so splitting keys over
+partitions by ``key % N`` would add heads to keep and nothing to speed.
 
 **The head: a bound no late commit can fall under.** Writers commit out of order: a row with
 a smaller key can become visible after one with a larger key, so ``max(key) + 1`` is not a
@@ -65,8 +68,10 @@ chunk with ``COPY (SELECT ... row_to_json(t) ...) TO STDOUT`` and parses it with
 (``mapInArrow``). The same code runs in local mode, on a cluster and through Spark Connect,
 whose sessions cannot load a JDBC driver that was not on their classpath when they started,
 and the payload is PostgreSQL's ``row_to_json`` wherever it is read (a batch, ``payloads_at``
-for the backflow, verify). Spark's JDBC reader reads more rows per second, but building the
-JSON in PostgreSQL costs most of either (the figures: docs/design.md).
+for the backflow, verify; with ``json_schema`` the reader task decodes it, and the backflow
+and verify decode the same payloads by the same rules). Spark's JDBC reader reads more rows
+per second, but building the JSON in PostgreSQL costs most of either (the figures:
+docs/design.md).
 """
 
 from __future__ import annotations
@@ -88,12 +93,12 @@ from onceflow.core.connections import resolve_dsn
 from onceflow.core.db import connection, transaction
 from onceflow.core.errors import ConfigError
 from onceflow.core.planner import PartitionRange
-from onceflow.core.source import Position, Source
-from onceflow.sources.pglog import chunk_ranges, copy_records
+from onceflow.core.source import Position
+from onceflow.sources.json_records import JsonRecords, JsonSchemaSource
+from onceflow.sources.pglog import chunk_ranges, copied_batches, copy_records
 
 log = logging.getLogger(__name__)
 
-RECORD_SCHEMA = "partition int, offset long, payload string"
 CHUNK_SCHEMA = "chunk int, copy string"
 MAX_OFFSET = 1 << 40  # spark_tasks/ids.py: record ids hold offsets below 2^40
 INTEGER_TYPES = ("smallint", "integer", "bigint")
@@ -117,7 +122,7 @@ class _Table:
 
 
 @dataclass(frozen=True, kw_only=True)
-class TableSource(Source):
+class TableSource(JsonSchemaSource):
     """A user's own PostgreSQL table, read by an increasing key (see the module docstring).
 
     ``table``: ``schema.table`` (or ``table``, found on the search path); ``key``: the key
@@ -125,7 +130,9 @@ class TableSource(Source):
     database (neither: the coordinator's); ``read_chunk``: key values per Spark reader task;
     ``wait_s``: how long choosing a head waits for writers in flight before it keeps the
     candidate for a later look; ``time_column``: a timestamp column, for the start policy
-    ``timestamp:<ISO>``.
+    ``timestamp:<ISO>``; ``json_schema``: the row's columns to read, as Spark DDL of simple
+    types, decoded from its JSON as a batch reads it (the records then carry these columns
+    and ``_corrupt_record`` instead of ``payload``; see the module docstring).
     """
 
     kind: ClassVar[str] = "table"
@@ -463,7 +470,8 @@ class TableSource(Source):
             conn.rollback()
         # No repartition: the local rows are already spread over the default parallelism.
         chunks = spark.createDataFrame(list(enumerate(copies)), CHUNK_SCHEMA)
-        return chunks.mapInArrow(_copy_reader(dsn), RECORD_SCHEMA)
+        return chunks.mapInArrow(_copy_reader(dsn, self.records, self.max_record_bytes),
+                                 self.read_ddl)
 
     @contextmanager
     def _reading(self, conn):
@@ -536,8 +544,9 @@ def _describe_holders(cur, sequence: str, among: list[str]) -> str:
     return cur.fetchone()[0] or "transactions that have ended since"
 
 
-def _copy_reader(dsn: str):
-    """The Spark task: each chunk row's COPY statement, its CSV parsed by Arrow."""
+def _copy_reader(dsn: str, records: JsonRecords | None, max_bytes: int):
+    """The Spark task: each chunk row's COPY statement, its CSV parsed by Arrow, decoded
+    with ``records`` (pglog.copied_batches)."""
 
     def read(batches: Iterator) -> Iterator:
         conn = psycopg2.connect(dsn, application_name="onceflow-table-reader")
@@ -545,9 +554,8 @@ def _copy_reader(dsn: str):
             with conn.cursor() as cur:
                 for batch in batches:
                     for copy in batch.column("copy").to_pylist():
-                        table = copy_records(cur, copy)
-                        if table is not None:
-                            yield from table.to_batches()
+                        yield from copied_batches(copy_records(cur, copy), records,
+                                                  max_bytes)
             conn.rollback()
         finally:
             conn.close()
