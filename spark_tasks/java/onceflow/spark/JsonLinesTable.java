@@ -1,8 +1,6 @@
 package onceflow.spark;
 
-import org.apache.spark.sql.catalyst.InternalRow;
 import org.apache.spark.sql.connector.read.InputPartition;
-import org.apache.spark.sql.connector.read.PartitionReader;
 import org.apache.spark.sql.connector.read.PartitionReaderFactory;
 import org.apache.spark.sql.types.StructType;
 
@@ -36,22 +34,6 @@ final class JsonLinesTable extends OneReadTable {
 
   @Override
   public PartitionReaderFactory createReaderFactory() {
-    return new Factory(spec.columns, spec.maxRecordBytes);
-  }
-
-  static final class Factory implements PartitionReaderFactory {
-    private static final long serialVersionUID = 1L;
-    private final String[][] columns;
-    private final long maxRecordBytes;
-
-    Factory(String[][] columns, long maxRecordBytes) {
-      this.columns = columns;
-      this.maxRecordBytes = maxRecordBytes;
-    }
-
-    @Override
-    public PartitionReader<InternalRow> createReader(InputPartition partition) {
-      return new ChunkReader((ReadSpec.Chunk) partition, columns, maxRecordBytes);
-    }
+    return new Readers(spec.columns, spec.maxRecordBytes);
   }
 }

@@ -3,9 +3,13 @@ package onceflow.spark;
 import java.util.EnumSet;
 import java.util.Set;
 
+import org.apache.spark.sql.catalyst.InternalRow;
 import org.apache.spark.sql.connector.catalog.SupportsRead;
 import org.apache.spark.sql.connector.catalog.TableCapability;
 import org.apache.spark.sql.connector.read.Batch;
+import org.apache.spark.sql.connector.read.InputPartition;
+import org.apache.spark.sql.connector.read.PartitionReader;
+import org.apache.spark.sql.connector.read.PartitionReaderFactory;
 import org.apache.spark.sql.connector.read.Scan;
 import org.apache.spark.sql.connector.read.ScanBuilder;
 import org.apache.spark.sql.types.StructType;
@@ -41,5 +45,28 @@ abstract class OneReadTable implements SupportsRead, Scan, ScanBuilder, Batch {
   @Override
   public Batch toBatch() {
     return this;
+  }
+
+  /**
+   * The readers' factory, shipped to the executors: a segment is read by a SegmentReader, a
+   * chunk of JSON lines by a ChunkReader, both decoding the same declared columns.
+   */
+  static final class Readers implements PartitionReaderFactory {
+    private static final long serialVersionUID = 1L;
+    private final String[][] columns;
+    private final long maxRecordBytes;
+
+    Readers(String[][] columns, long maxRecordBytes) {
+      this.columns = columns;
+      this.maxRecordBytes = maxRecordBytes;
+    }
+
+    @Override
+    public PartitionReader<InternalRow> createReader(InputPartition partition) {
+      if (partition instanceof SegmentsTable.Segment segment) {
+        return new SegmentReader(segment, columns, maxRecordBytes);
+      }
+      return new ChunkReader((ReadSpec.Chunk) partition, columns, maxRecordBytes);
+    }
   }
 }

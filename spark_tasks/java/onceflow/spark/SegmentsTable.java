@@ -5,9 +5,7 @@ import java.util.List;
 
 import com.fasterxml.jackson.databind.JsonNode;
 
-import org.apache.spark.sql.catalyst.InternalRow;
 import org.apache.spark.sql.connector.read.InputPartition;
-import org.apache.spark.sql.connector.read.PartitionReader;
 import org.apache.spark.sql.connector.read.PartitionReaderFactory;
 import org.apache.spark.sql.types.StructType;
 
@@ -62,23 +60,7 @@ final class SegmentsTable extends OneReadTable {
 
   @Override
   public PartitionReaderFactory createReaderFactory() {
-    return new Factory(columns, maxRecordBytes);
-  }
-
-  static final class Factory implements PartitionReaderFactory {
-    private static final long serialVersionUID = 1L;
-    private final String[][] columns;
-    private final long maxRecordBytes;
-
-    Factory(String[][] columns, long maxRecordBytes) {
-      this.columns = columns;
-      this.maxRecordBytes = maxRecordBytes;
-    }
-
-    @Override
-    public PartitionReader<InternalRow> createReader(InputPartition partition) {
-      return new SegmentReader((Segment) partition, columns, maxRecordBytes);
-    }
+    return new Readers(columns, maxRecordBytes);
   }
 
   /** One segment file of a partition, and the offset ranges of that partition to keep. */
