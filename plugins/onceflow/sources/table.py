@@ -109,8 +109,8 @@ from onceflow.core.connections import resolve_dsn
 from onceflow.core.db import connection, transaction
 from onceflow.core.errors import ConfigError
 from onceflow.core.planner import PartitionRange
-from onceflow.core.source import Position
-from onceflow.sources.json_records import JsonRecords, JsonSchemaSource
+from onceflow.core.source import PROBLEM, Position
+from onceflow.sources.json_records import CORRUPT, JsonRecords, JsonSchemaSource, _arrow_type
 from onceflow.sources.pglog import chunk_ranges, copied_batches, copy_records
 
 log = logging.getLogger(__name__)
@@ -710,8 +710,6 @@ def _direct_reader(dsn: str, records: JsonRecords,
     import pyarrow as pa
     import pyarrow.compute as pc
     from pyarrow import csv as pacsv
-
-    from onceflow.sources.json_records import CORRUPT, PROBLEM, _arrow_type
 
     present = [(f"c{n}", kind) for n, (_, kind, pg_type) in enumerate(fields)
                if pg_type is not None]
