@@ -65,6 +65,7 @@ def typed(dsn):
     rows = _values(random.Random(7), 240)
     rows[10] = ("x" * 2100, *[None] * 11)  # over max_record_bytes: refused
     rows[11] = ("\n" * 300, *[None] * 11)  # under it, over the bound: the decoder keeps it
+    rows[12] = ("\x01" * 340, *[None] * 11)  # 340 bytes, escaped 2040: refused
     with psycopg2.connect(dsn) as c, c.cursor() as cur:
         execute_values(cur, f"INSERT INTO typed ({', '.join(COLUMNS)}) VALUES %s", rows,
                        template="(" + ", ".join(f"%s::{t}" for t in CASTS) + ")")
@@ -105,6 +106,7 @@ def test_a_table_reads_what_its_payloads_decode_to(spark, conn, dsn, typed, sche
     by_key = {r[1]: r for r in rows}
     assert by_key[11][-1].startswith("oversized record (") and by_key[11][2] is None
     assert by_key[12][2] == "\n" * 300 and by_key[12][-1] is None
+    assert by_key[13][-1].startswith("oversized record (2")
     corrupt = [r for r in rows if r[-2] is not None]
     assert corrupt and all(r[-1] is None for r in corrupt)  # NaN, infinities, 1e400
 
