@@ -43,8 +43,12 @@ def _same_results(conn, dsn, spark, payload_kind, decoded_kind) -> None:
 
     for a, b in STATES:
         assert state(a) and state(a) == state(b)
-    rejects = {name: table(conn, """SELECT partition, "offset", error FROM rejected_records
-                                    WHERE pipeline = %s ORDER BY 1, 2""", (name,))
+    # A decoding table source's payload holds only the declared columns: an oversized
+    # record's size may differ, not its refusal.
+    rejects = {name: table(conn, r"""SELECT partition, "offset", regexp_replace(error,
+                                       '^oversized record \(\d+ bytes', 'oversized record (')
+                                     FROM rejected_records
+                                     WHERE pipeline = %s ORDER BY 1, 2""", (name,))
                for name in (payload_kind.name, decoded_kind.name)}
     assert rejects[payload_kind.name] == rejects[decoded_kind.name]
     for pipeline in (payload_kind, decoded_kind):

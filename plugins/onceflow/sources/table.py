@@ -11,9 +11,24 @@ record's payload is the row as JSON (``row_to_json``: column names as keys, numb
 numbers, timestamps as ISO text); a topology parses it with ``from_json``, or the source
 decodes it as it reads it (``json_schema``, e.g. ``"url string, amount double"``: the records
 then carry these columns and ``_corrupt_record``; a value that breaks its declared type, a
-text column declared int, makes the record corrupt). One partition is enough: a range is
-read by several Spark tasks at once (``read_chunk`` key values each), so splitting keys over
-partitions by ``key % N`` would add heads to keep and nothing to speed.
+text column declared int, makes the record corrupt). With ``json_schema`` a record is the
+declared columns of the row: its payload is the JSON object of those the table has (one it
+lacks is absent, so null), wherever it is read (a batch, ``payloads``, ``payloads_at`` for
+the backflow, verify), and ``max_record_bytes`` and ``_corrupt_record`` apply to it. One
+partition is enough: a range is read by several Spark tasks at once (``read_chunk`` key
+values each), so splitting keys over partitions by ``key % N`` would add heads to keep and
+nothing to speed.
+
+**The direct read.** When every declared column the table has is of a type whose COPY text
+Arrow parses to exactly what the decoder makes of its JSON (``DIRECT``: text, varchar or
+char declared string; an integer declared an integer at least as wide; boolean; real
+declared float or double; double precision or numeric declared double), a batch copies the
+values themselves and builds no JSON, except for the rows the decoder must judge: a NaN or
+an infinity (JSON strings, so corrupt), a numeric past a double's range or tiny, and a row
+whose payload may be over ``max_record_bytes`` by a cheap upper bound. Those carry their
+payload and are decoded; the others are yielded as read. Any other declared column (a
+timestamp declared string, json, a narrower integer) keeps the whole source on decoding
+every payload (``TableSource.direct`` says which).
 
 **The head: a bound no late commit can fall under.** Writers commit out of order: a row with
 a smaller key can become visible after one with a larger key, so ``max(key) + 1`` is not a
@@ -68,14 +83,15 @@ chunk with ``COPY (SELECT ... row_to_json(t) ...) TO STDOUT`` and parses it with
 (``mapInArrow``). The same code runs in local mode, on a cluster and through Spark Connect,
 whose sessions cannot load a JDBC driver that was not on their classpath when they started,
 and the payload is PostgreSQL's ``row_to_json`` wherever it is read (a batch, ``payloads_at``
-for the backflow, verify; with ``json_schema`` the reader task decodes it, and the backflow
-and verify decode the same payloads by the same rules). Spark's JDBC reader reads more rows
-per second, but building the JSON in PostgreSQL costs most of either (the figures:
-docs/design.md).
+for the backflow, verify; with ``json_schema`` the reader task decodes it, or reads the
+columns directly, and the backflow and verify decode the same payloads by the same rules).
+Spark's JDBC reader reads more rows per second, but building the JSON in PostgreSQL costs
+most of either (the figures: docs/design.md); the direct read builds none.
 """
 
 from __future__ import annotations
 
+import io
 import logging
 import re
 import time
@@ -93,8 +109,8 @@ from onceflow.core.connections import resolve_dsn
 from onceflow.core.db import connection, transaction
 from onceflow.core.errors import ConfigError
 from onceflow.core.planner import PartitionRange
-from onceflow.core.source import Position
-from onceflow.sources.json_records import JsonRecords, JsonSchemaSource
+from onceflow.core.source import PROBLEM, Position
+from onceflow.sources.json_records import CORRUPT, JsonRecords, JsonSchemaSource, _arrow_type
 from onceflow.sources.pglog import chunk_ranges, copied_batches, copy_records
 
 log = logging.getLogger(__name__)
@@ -106,6 +122,23 @@ TIME_TYPES = ("timestamp without time zone", "timestamp with time zone", "date")
 _NAME = r'(?:[A-Za-z_][A-Za-z0-9_$]*|"(?:[^"]|"")+")'
 _TABLE = re.compile(rf"^{_NAME}(?:\.{_NAME})?$")
 _STUCK_S = 60.0  # a candidate waiting longer than this is logged with what holds it
+_STRINGS = frozenset({"text", "character varying", "character"})
+# declared type -> the PostgreSQL types read directly into it (_direct_select): COPY writes
+# the value with the same output function as to_json, so Arrow parses the text the decoder
+# parses; an integer column only from types no wider than it
+DIRECT = {
+    "string": _STRINGS,
+    "boolean": frozenset({"boolean"}),
+    "smallint": frozenset({"smallint"}),
+    "int": frozenset({"smallint", "integer"}),
+    "bigint": frozenset({"smallint", "integer", "bigint"}),
+    "float": frozenset({"real"}),
+    "double": frozenset({"real", "double precision", "numeric"}),
+}
+# the most bytes to_json writes for a value of these types (bigint's minimum is 20 chars;
+# a double's shortest text at most 24), "null" included
+_WIDTH = {"boolean": 5, "smallint": 6, "integer": 11, "bigint": 20, "real": 26,
+          "double precision": 26}
 
 
 @dataclass(frozen=True)
@@ -119,6 +152,22 @@ class _Table:
     sequence: str  # its regclass text
     start: int  # the sequence's START: it hands out no key below it
     time: sql.Composable | None
+    # with json_schema: (declared name, declared type, the column's PostgreSQL type or None
+    # when the table has no such column), in declaration order; None without json_schema
+    fields: tuple[tuple[str, str, str | None], ...] | None = None
+
+    @property
+    def present(self) -> list[tuple[str, str, str]]:
+        """The declared columns the table has: what a record's payload holds."""
+        return [(n, k, t) for n, k, t in self.fields or () if t is not None]
+
+    @property
+    def direct(self) -> bool:
+        """Whether a batch reads the declared columns' values themselves (see _direct_select):
+        every declared column the table has is of a type whose COPY text Arrow parses to
+        what the decoder makes of its JSON."""
+        return self.fields is not None and all(
+            pg_type in DIRECT.get(kind, ()) for _, kind, pg_type in self.present)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -131,8 +180,10 @@ class TableSource(JsonSchemaSource):
     ``wait_s``: how long choosing a head waits for writers in flight before it keeps the
     candidate for a later look; ``time_column``: a timestamp column, for the start policy
     ``timestamp:<ISO>``; ``json_schema``: the row's columns to read, as Spark DDL of simple
-    types, decoded from its JSON as a batch reads it (the records then carry these columns
-    and ``_corrupt_record`` instead of ``payload``; see the module docstring).
+    types (the records then carry these columns and ``_corrupt_record`` instead of
+    ``payload``): a record's payload is then the JSON object of these columns, decoded as a
+    batch reads it, or, when their types allow it exactly, read directly (see the module
+    docstring).
     """
 
     kind: ClassVar[str] = "table"
@@ -289,8 +340,15 @@ class TableSource(JsonSchemaSource):
                     f"{'column' if row is None else 'timestamp column (it is ' + row[0] + ')'}"
                     ": name a timestamp column, or leave it out")
             time_column = sql.Identifier(self.time_column)
+        fields = None
+        if self.records is not None:
+            cur.execute("""SELECT attname, format_type(atttypid, NULL) FROM pg_attribute
+                           WHERE attrelid = %s AND attnum > 0 AND NOT attisdropped
+                             AND attname = ANY(%s)""", (oid, self.records.names))
+            types = dict(cur.fetchall())
+            fields = tuple((n, k, types.get(n)) for n, k in self.records.columns)
         return _Table(oid, sql.Identifier(schema, name), label, sql.Identifier(self.key),
-                      sequence, start, time_column)
+                      sequence, start, time_column, fields)
 
     # -- the head ----------------------------------------------------------------------------
     @staticmethod
@@ -450,14 +508,89 @@ class TableSource(JsonSchemaSource):
         return position.head if first is None else first
 
     # -- reading -----------------------------------------------------------------------------
+    # A record's payload: the row as JSON (row_to_json(t)), or with json_schema the JSON object
+    # of the declared columns the table has (row_to_json of a sub-select of them). Batches,
+    # payloads, payloads_at (the backflow) and verify all build it here, so the decoder,
+    # _corrupt_record and max_record_bytes see one payload wherever a record is read.
     @staticmethod
-    def _select(table: _Table, start: int, end: int) -> sql.Composed:
-        """The records of keys ``[start, end)``. Values go in as literals: an identifier may
-        hold a ``%``, which parameters would take for a placeholder."""
-        return sql.SQL("""SELECT 0 AS partition, {key}::bigint AS "offset",
-                                 row_to_json(t)::text AS payload
-                          FROM {table} AS t WHERE {key} >= {start} AND {key} < {end}""").format(
-            key=table.key, table=table.name, start=sql.Literal(start), end=sql.Literal(end))
+    def _rows(table: _Table, where: sql.Composable) -> sql.Composed:
+        """``FROM`` the table as ``t`` (and its declared columns as ``r``) ``WHERE where``."""
+        if table.fields is None:
+            return sql.SQL("FROM {} AS t WHERE {}").format(table.name, where)
+        picked = sql.SQL(", ").join(sql.SQL("t.{}").format(sql.Identifier(n))
+                                    for n, _, _ in table.present)
+        return sql.SQL("FROM {} AS t CROSS JOIN LATERAL (SELECT {}) AS r WHERE {}").format(
+            table.name, picked, where)
+
+    @staticmethod
+    def _payload(table: _Table) -> sql.SQL:
+        # t.* and r.*: a bare t or r would name a column of the table called so
+        return sql.SQL("row_to_json(t.*)::text" if table.fields is None
+                       else "row_to_json(r.*)::text")
+
+    def _select(self, table: _Table, start: int, end: int) -> sql.Composed:
+        """The records of keys ``[start, end)``: partition, offset, payload. Values go in as
+        literals: an identifier may hold a ``%``, which parameters would take for a
+        placeholder."""
+        return sql.SQL("""SELECT 0 AS partition, t.{key}::bigint AS "offset", {payload}
+                          AS payload {rows}""").format(
+            key=table.key, payload=self._payload(table), rows=self._rows(table, self._keys(
+                table, start, end)))
+
+    @staticmethod
+    def _keys(table: _Table, start: int, end: int) -> sql.Composed:
+        return sql.SQL("t.{key} >= {start} AND t.{key} < {end}").format(
+            key=table.key, start=sql.Literal(start), end=sql.Literal(end))
+
+    def _direct_select(self, table: _Table, start: int, end: int) -> sql.Composed:
+        """The records of keys ``[start, end)`` read directly (``table.direct``): partition,
+        offset, the declared columns the table has, as stored (no cast: a real read as a
+        double must keep its own shortest text, a bpchar its padding), then ``payload``:
+        NULL for a clean row, the payload for a row the decoder must judge: a NaN or an
+        infinity (to_json writes them as strings, which a number column refuses), a numeric
+        past a double's range or a tiny one (whose sign a zero may keep), or one whose
+        payload may exceed max_record_bytes by a cheap upper bound (6 bytes a text byte,
+        the widest text of a fixed-width type)."""
+        values, suspect = [], []
+        size = 2 + len(table.present)  # braces and commas (one more than needed)
+        variable = []
+        for name, _, pg_type in table.present:
+            column = sql.SQL("t.{}").format(sql.Identifier(name))
+            size += 6 * len(name.encode()) + 3  # the key, escaped, quoted, and its colon
+            if pg_type in ("real", "double precision", "numeric"):
+                fine = (sql.SQL("abs({c}) < 'Infinity'") if pg_type != "numeric" else sql.SQL(
+                    "abs({c}) < 1e308 AND ({c} = 0 OR abs({c}) > 1e-300)")).format(c=column)
+                values.append(sql.SQL("CASE WHEN {} THEN {} END").format(fine, column))
+                suspect.append(sql.SQL("coalesce(NOT ({}), false)").format(fine))
+            else:
+                values.append(column)
+            if pg_type in _STRINGS:
+                size += 4
+                variable.append(sql.SQL("6 * coalesce(octet_length({}), 0)").format(column))
+            elif pg_type == "numeric":  # below 1e308: 309 digits, a sign and a point at most
+                size += 311
+                variable.append(sql.SQL("coalesce(scale({}), 0)").format(column))
+            else:
+                size += _WIDTH[pg_type]
+        if variable:
+            suspect.append(sql.SQL("{} > {}").format(
+                sql.SQL(" + ").join([sql.Literal(size), *variable]),
+                sql.Literal(self.max_record_bytes)))
+        elif size > self.max_record_bytes:
+            suspect.append(sql.SQL("true"))
+        payload = sql.SQL("CASE WHEN {} THEN {} END").format(
+            sql.SQL(" OR ").join(suspect), self._payload(table)) if suspect else \
+            sql.SQL("NULL::text")
+        return sql.SQL("""SELECT 0 AS partition, t.{key}::bigint AS "offset", {values}
+                          {payload} AS payload {rows}""").format(
+            key=table.key, values=sql.SQL("").join(sql.SQL("{}, ").format(v) for v in values),
+            payload=payload, rows=self._rows(table, self._keys(table, start, end)))
+
+    def direct(self, cur) -> bool:
+        """Whether a batch reads the declared columns directly (with ``json_schema``, when
+        every declared column the table has is of a type read exactly as the decoder would
+        read its JSON: see the module docstring); else the reader decodes each payload."""
+        return self._check(cur).direct
 
     def read(self, spark, dsn: str, ranges: Iterable[PartitionRange]):
         dsn = self.table_dsn(dsn)
@@ -465,13 +598,17 @@ class TableSource(JsonSchemaSource):
         with connection(dsn, application_name="onceflow-table") as conn:
             with conn.cursor() as cur:
                 table = self._check(cur)
+                select = self._direct_select if table.direct else self._select
                 copies = [sql.SQL("COPY ({}) TO STDOUT (FORMAT csv)").format(
-                    self._select(table, s, e)).as_string(cur) for _, s, e in pieces]
+                    select(table, s, e)).as_string(cur) for _, s, e in pieces]
             conn.rollback()
+        if table.direct:
+            reader = _direct_reader(dsn, self.records, table.fields, self.max_record_bytes)
+        else:
+            reader = _copy_reader(dsn, self.records, self.max_record_bytes)
         # No repartition: the local rows are already spread over the default parallelism.
         chunks = spark.createDataFrame(list(enumerate(copies)), CHUNK_SCHEMA)
-        return chunks.mapInArrow(_copy_reader(dsn, self.records, self.max_record_bytes),
-                                 self.read_ddl)
+        return chunks.mapInArrow(reader, self.read_ddl)
 
     @contextmanager
     def _reading(self, conn):
@@ -498,7 +635,7 @@ class TableSource(JsonSchemaSource):
                 with tconn.cursor(name="onceflow_table_scan") as cur:
                     cur.itersize = 50_000
                     cur.execute(self._select(table, r.start, r.end)
-                                + sql.SQL(' ORDER BY "offset"'))
+                                + sql.SQL(' ORDER BY 2'))
                     yield from cur
 
     def payloads_at(self, cur, positions: Iterable[tuple[int, int]]
@@ -506,9 +643,10 @@ class TableSource(JsonSchemaSource):
         keys = sorted({o for _, o in positions})
         with self._reading(cur.connection) as tconn, tconn.cursor() as tcur:
             table = self._check(tcur)
-            tcur.execute(sql.SQL("""SELECT {key}::bigint, row_to_json(t)::text FROM {table}
-                                    AS t WHERE {key} = ANY({keys}::bigint[])""").format(
-                key=table.key, table=table.name, keys=sql.Literal(keys)))
+            tcur.execute(sql.SQL("SELECT t.{key}::bigint, {payload} {rows}").format(
+                key=table.key, payload=self._payload(table), rows=self._rows(
+                    table, sql.SQL("t.{} = ANY({}::bigint[])").format(
+                        table.key, sql.Literal(keys)))))
             return {(0, key): payload for key, payload in tcur.fetchall()}
 
     def describe(self) -> str:
@@ -556,6 +694,73 @@ def _copy_reader(dsn: str, records: JsonRecords | None, max_bytes: int):
                     for copy in batch.column("copy").to_pylist():
                         yield from copied_batches(copy_records(cur, copy), records,
                                                   max_bytes)
+            conn.rollback()
+        finally:
+            conn.close()
+
+    return read
+
+
+def _direct_reader(dsn: str, records: JsonRecords,
+                   fields: tuple[tuple[str, str, str | None], ...], max_bytes: int):
+    """The Spark task of a direct read (TableSource._direct_select): each chunk's CSV parsed
+    by Arrow into the declared types; the clean rows yielded as read, the rows that carry a
+    payload decoded by ``records`` (corrupt or oversized exactly as the decoder says)."""
+    # imported here: pyarrow is heavy: it loads only where files are read or written
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    from pyarrow import csv as pacsv
+
+    present = [(f"c{n}", kind) for n, (_, kind, pg_type) in enumerate(fields)
+               if pg_type is not None]
+    types = {"partition": pa.int32(), "offset": pa.int64(),
+             # a float column is parsed as a double, then rounded, as the decoder does
+             **{c: _arrow_type("double" if kind == "float" else kind) for c, kind in present},
+             "payload": pa.string()}
+    # COPY CSV writes NULL as an empty field, '' as "", a boolean as t or f
+    convert = pacsv.ConvertOptions(column_types=types, null_values=[""],
+                                   strings_can_be_null=True, quoted_strings_can_be_null=False,
+                                   true_values=["t"], false_values=["f"])
+
+    def clean(table) -> pa.Table:
+        n = table.num_rows
+        out = {"partition": table.column("partition"), "offset": table.column("offset")}
+        for i, (name, kind, pg_type) in enumerate(fields):
+            if pg_type is None:
+                out[name] = pa.nulls(n, _arrow_type(kind))
+                continue
+            column = table.column(f"c{i}")
+            if kind in ("float", "double"):
+                # to_json writes -0.0 as -0, an integer the decoder reads as 0.0
+                column = pc.add(column, 0.0)
+                if kind == "float":
+                    column = column.cast(pa.float32())
+            out[name] = column
+        out[CORRUPT] = pa.nulls(n, pa.string())
+        out[PROBLEM] = pa.nulls(n, pa.string())
+        return pa.table(out)
+
+    def read(batches: Iterator) -> Iterator:
+        conn = psycopg2.connect(dsn, application_name="onceflow-table-reader")
+        try:
+            with conn.cursor() as cur:
+                for batch in batches:
+                    for copy in batch.column("copy").to_pylist():
+                        buf = io.BytesIO()
+                        cur.copy_expert(copy, buf)
+                        if not buf.tell():
+                            continue
+                        buf.seek(0)
+                        table = pacsv.read_csv(
+                            buf, read_options=pacsv.ReadOptions(column_names=list(types)),
+                            parse_options=pacsv.ParseOptions(newlines_in_values=True),
+                            convert_options=convert)
+                        judged = table.column("payload").is_valid()
+                        yield from clean(table.filter(pc.invert(judged))).to_batches()
+                        flagged = table.filter(judged)
+                        if flagged.num_rows:
+                            yield from records.decode_batches(
+                                flagged.select(["partition", "offset", "payload"]), max_bytes)
             conn.rollback()
         finally:
             conn.close()
