@@ -102,7 +102,7 @@ class JsonRecords:
         # imported here: pyarrow is heavy: it loads only where files are read or written
         import pyarrow as pa
 
-        return pa.schema([*(pa.field(name, _arrow_type(kind)) for name, kind in self.columns),
+        return pa.schema([*(pa.field(name, arrow_type(kind)) for name, kind in self.columns),
                           pa.field(CORRUPT, pa.string())])
 
     def decode(self, lines: Sequence[bytes], max_bytes: int | None = None):
@@ -164,7 +164,7 @@ class JsonRecords:
             if kind == "string":  # pyarrow builds large_string from Python str faster
                 out[name] = pa.array(values, pa.large_string()).cast(pa.string())
             else:
-                out[name] = pa.array(values, _arrow_type(kind))
+                out[name] = pa.array(values, arrow_type(kind))
         out[CORRUPT] = _sparse(len(rows), {i: line.decode("utf-8", "replace")
                                            for i, line in corrupt.items()})
         return out, _sparse(len(rows), problems)
@@ -214,7 +214,8 @@ class JsonSchemaSource(Source):
         return self.records.record_ddl if self.records else super().record_ddl
 
 
-def _arrow_type(kind: str):
+def arrow_type(kind: str):
+    """The Arrow type a declared column of Spark type ``kind`` is decoded into."""
     # imported here: pyarrow is heavy: it loads only where files are read or written
     import pyarrow as pa
 

@@ -110,7 +110,7 @@ from onceflow.core.db import connection, transaction
 from onceflow.core.errors import ConfigError
 from onceflow.core.planner import PartitionRange
 from onceflow.core.source import PROBLEM, Position
-from onceflow.sources.json_records import CORRUPT, JsonRecords, JsonSchemaSource, _arrow_type
+from onceflow.sources.json_records import CORRUPT, JsonRecords, JsonSchemaSource, arrow_type
 from onceflow.sources.pglog import chunk_ranges, copied_batches, copy_records
 
 log = logging.getLogger(__name__)
@@ -715,7 +715,7 @@ def _direct_reader(dsn: str, records: JsonRecords,
                if pg_type is not None]
     types = {"partition": pa.int32(), "offset": pa.int64(),
              # a float column is parsed as a double, then rounded, as the decoder does
-             **{c: _arrow_type("double" if kind == "float" else kind) for c, kind in present},
+             **{c: arrow_type("double" if kind == "float" else kind) for c, kind in present},
              "payload": pa.string()}
     # COPY CSV writes NULL as an empty field, '' as "", a boolean as t or f
     convert = pacsv.ConvertOptions(column_types=types, null_values=[""],
@@ -727,7 +727,7 @@ def _direct_reader(dsn: str, records: JsonRecords,
         out = {"partition": table.column("partition"), "offset": table.column("offset")}
         for i, (name, kind, pg_type) in enumerate(fields):
             if pg_type is None:
-                out[name] = pa.nulls(n, _arrow_type(kind))
+                out[name] = pa.nulls(n, arrow_type(kind))
                 continue
             column = table.column(f"c{i}")
             if kind in ("float", "double"):
