@@ -49,6 +49,7 @@ from onceflow.core.db import connection
 from onceflow.core.registration import register
 from onceflow.core.registry import clear_cache, get_pipeline
 from onceflow.dev.localenv import airflow_healthy, served_airflow_env, spark_connection
+from onceflow_testing.holds import hold_staging
 from onceflow_testing.plugin import fresh_database
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -291,7 +292,21 @@ def deployment(tmp_path_factory, template_db, spark_connect_server):
 def test_a_backlog_drains_in_full_batches_with_max_pending_in_flight(deployment):
     pipeline = get_pipeline(PIPELINE)
     backlog = 10 * pipeline.batch_size
-    deployment.producer.now(backlog)
+    # txid 1's staging is held at its last statement: the runs after it plan and process
+    # meanwhile, so the backlog is seen with max_pending transactions open (and a fourth
+    # never planned), however fast a batch is on this machine
+    with hold_staging(deployment.dsn, PIPELINE, txid=1, attempt=1) as hold:
+        deployment.producer.now(backlog)
+        waiter = hold.wait_for_waiter()
+        assert "INSERT INTO staged_groups" in waiter.query, waiter
+        deadline = time.monotonic() + 120
+        while len(txids(deployment.dsn)) < pipeline.max_pending:
+            assert time.monotonic() < deadline, txids(deployment.dsn)
+            time.sleep(0.2)
+        time.sleep(3)  # a few of the watcher's looks and the scheduler's loops
+        held = txids(deployment.dsn)
+        assert [(t, s) for t, s, *_ in held] == [(1, "planned"), (2, "planned"),
+                                                 (3, "planned")], held
     wait_committed(deployment, backlog)
     time.sleep(3)  # the last run ends after its commit
     done = txids(deployment.dsn)
