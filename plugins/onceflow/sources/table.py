@@ -682,9 +682,9 @@ def _describe_holders(cur, sequence: str, among: list[str]) -> str:
     return cur.fetchone()[0] or "transactions that have ended since"
 
 
-def _copy_reader(dsn: str, records: JsonRecords | None, max_bytes: int):
-    """The Spark task: each chunk row's COPY statement, its CSV parsed by Arrow, decoded
-    with ``records`` (pglog.copied_batches)."""
+def _copies_reader(dsn: str, each):
+    """The Spark task: each chunk row's COPY statement, run on a connection of the task's
+    own; the record batches ``each(cur, copy)`` makes of it."""
 
     def read(batches: Iterator) -> Iterator:
         conn = psycopg2.connect(dsn, application_name="onceflow-table-reader")
@@ -692,13 +692,19 @@ def _copy_reader(dsn: str, records: JsonRecords | None, max_bytes: int):
             with conn.cursor() as cur:
                 for batch in batches:
                     for copy in batch.column("copy").to_pylist():
-                        yield from copied_batches(copy_records(cur, copy), records,
-                                                  max_bytes)
+                        yield from each(cur, copy)
             conn.rollback()
         finally:
             conn.close()
 
     return read
+
+
+def _copy_reader(dsn: str, records: JsonRecords | None, max_bytes: int):
+    """The Spark task: each chunk's CSV parsed by Arrow, decoded with ``records``
+    (pglog.copied_batches)."""
+    return _copies_reader(dsn, lambda cur, copy: copied_batches(
+        copy_records(cur, copy), records, max_bytes))
 
 
 def _direct_reader(dsn: str, records: JsonRecords,
@@ -740,29 +746,21 @@ def _direct_reader(dsn: str, records: JsonRecords,
         out[PROBLEM] = pa.nulls(n, pa.string())
         return pa.table(out)
 
-    def read(batches: Iterator) -> Iterator:
-        conn = psycopg2.connect(dsn, application_name="onceflow-table-reader")
-        try:
-            with conn.cursor() as cur:
-                for batch in batches:
-                    for copy in batch.column("copy").to_pylist():
-                        buf = io.BytesIO()
-                        cur.copy_expert(copy, buf)
-                        if not buf.tell():
-                            continue
-                        buf.seek(0)
-                        table = pacsv.read_csv(
-                            buf, read_options=pacsv.ReadOptions(column_names=list(types)),
-                            parse_options=pacsv.ParseOptions(newlines_in_values=True),
-                            convert_options=convert)
-                        judged = table.column("payload").is_valid()
-                        yield from clean(table.filter(pc.invert(judged))).to_batches()
-                        flagged = table.filter(judged)
-                        if flagged.num_rows:
-                            yield from records.decode_batches(
-                                flagged.select(["partition", "offset", "payload"]), max_bytes)
-            conn.rollback()
-        finally:
-            conn.close()
+    def read(cur, copy: str) -> Iterator:
+        buf = io.BytesIO()
+        cur.copy_expert(copy, buf)
+        if not buf.tell():
+            return
+        buf.seek(0)
+        table = pacsv.read_csv(
+            buf, read_options=pacsv.ReadOptions(column_names=list(types)),
+            parse_options=pacsv.ParseOptions(newlines_in_values=True),
+            convert_options=convert)
+        judged = table.column("payload").is_valid()
+        yield from clean(table.filter(pc.invert(judged))).to_batches()
+        flagged = table.filter(judged)
+        if flagged.num_rows:
+            yield from records.decode_batches(
+                flagged.select(["partition", "offset", "payload"]), max_bytes)
 
-    return read
+    return _copies_reader(dsn, read)
