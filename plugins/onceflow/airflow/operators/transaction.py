@@ -23,6 +23,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+import threading
 import time
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -396,6 +397,30 @@ class BeginBatchOperator(_Begins, BaseOperator):
         return self._begin(context)
 
 
+def _import_spark_layer() -> None:
+    try:
+        for module in ("onceflow.spark.session", "onceflow.spark.localspark",
+                       "onceflow.spark.processing"):
+            importlib.import_module(module)
+    except Exception:  # noqa: S110 (imported again where used, which then says what is wrong)
+        pass
+
+
+@contextmanager
+def spark_client_loading():
+    """Import the Spark client and onceflow's Spark layer in a thread while the block runs:
+    a one-task transaction needs them right after its begin, which may wait for a place
+    among max_pending, so the imports are off the path to its commit. The thread is joined
+    before the task ends."""
+    thread = threading.Thread(target=_import_spark_layer, name="onceflow-spark-import",
+                              daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        thread.join()
+
+
 def module_root(ref: str | None) -> str | None:
     """The folder from which ``ref``'s module is imported (for PYTHONPATH of a process that
     must import it too), or None when it cannot be told."""
@@ -738,12 +763,13 @@ class TransactionOperator(_Begins, _Processes, _Commits, BaseOperator):
         self.batch: list[dict[str, Any]] | None = None
 
     def execute(self, context) -> dict[str, Any]:
-        self.batch = self._begin(context)
-        ta = attempt_of(self.batch)
-        with airflow_outcomes():
-            pipeline, dsn = self._pipeline(), self._dsn()
-        with self._holding(pipeline, dsn, ta, handoff=False):
-            return self._transact(context, pipeline, dsn, ta)
+        with spark_client_loading():
+            self.batch = self._begin(context)
+            ta = attempt_of(self.batch)
+            with airflow_outcomes():
+                pipeline, dsn = self._pipeline(), self._dsn()
+            with self._holding(pipeline, dsn, ta, handoff=False):
+                return self._transact(context, pipeline, dsn, ta)
 
     def _first_lease(self, pipeline) -> int | None:
         return None  # processing and commit follow in this task
