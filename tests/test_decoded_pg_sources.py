@@ -152,13 +152,7 @@ def test_a_decoding_table_source_counts_what_the_payload_source_counts(spark, co
         cur.execute("INSERT INTO posts (url, flaky) SELECT * FROM unnest(%s::text[], "
                     "%s::numeric[])", ([u for u, _ in rows], [f for _, f in rows]))
     c.close()
-    settings = {"table": "public.posts", "key": "id", "wait_s": 0.2, "read_chunk": 15,
-                "max_record_bytes": 2048}
-    payload_kind = get_pipeline("tweets", batch_size=30, source=TableSource(
-        topic="posts_payload", **settings))
-    decoded_kind = typed_tweets.pipeline("tweets_files", TableSource(
-        topic="posts_typed", json_schema=typed_tweets.SCHEMA, **settings)
-    ).with_settings(batch_size=30)
+    payload_kind, decoded_kind = posts_pipelines()
     for pipeline in (payload_kind, decoded_kind):
         register(conn, pipeline, create_source=True)
     _run_all(spark, dsn, conn, (payload_kind, decoded_kind), 5)
@@ -168,6 +162,19 @@ def test_a_decoding_table_source_counts_what_the_payload_source_counts(spark, co
     assert rejected[18].startswith("oversized record (")
     assert set(rejected) == {10, 18, 24, 32}
     _same_results(conn, dsn, spark, payload_kind, decoded_kind)
+
+
+def posts_pipelines():
+    """The tweets pipelines on the posts table: one reading payloads (the tweets topology
+    parses row_to_json), one decoded by the reader (json_schema)."""
+    settings = {"table": "public.posts", "key": "id", "wait_s": 0.2, "read_chunk": 15,
+                "max_record_bytes": 2048}
+    payload_kind = get_pipeline("tweets", batch_size=30, source=TableSource(
+        topic="posts_payload", **settings))
+    decoded_kind = typed_tweets.pipeline("tweets_files", TableSource(
+        topic="posts_typed", json_schema=typed_tweets.SCHEMA, **settings)
+    ).with_settings(batch_size=30)
+    return payload_kind, decoded_kind
 
 
 def test_the_table_source_reads_its_rows_decoded(spark, conn, dsn):

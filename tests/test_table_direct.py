@@ -11,15 +11,13 @@ import random
 
 import psycopg2
 import pytest
-import typed_tweets
 from psycopg2.extras import execute_values
-from test_decoded_pg_sources import _expected, _run_all, _same_results
+from test_decoded_pg_sources import _expected, _run_all, _same_results, posts_pipelines
 from test_table_source import sql as run_sql
 
 from helpers import table
 from onceflow.core.planner import PartitionRange
 from onceflow.core.registration import register
-from onceflow.core.registry import get_pipeline
 from onceflow.sources.table import TableSource
 
 TYPES = """CREATE TABLE public.typed (
@@ -154,13 +152,7 @@ def test_a_direct_table_source_counts_what_the_payload_source_counts(spark, conn
     with psycopg2.connect(dsn) as c, c.cursor() as cur:
         execute_values(cur, "INSERT INTO posts (url, flaky) VALUES %s", rows)
     c.close()
-    settings = {"table": "public.posts", "key": "id", "wait_s": 0.2, "read_chunk": 15,
-                "max_record_bytes": 2048}
-    payload_kind = get_pipeline("tweets", batch_size=30, source=TableSource(
-        topic="posts_payload", **settings))
-    decoded_kind = typed_tweets.pipeline("tweets_files", TableSource(
-        topic="posts_typed", json_schema=typed_tweets.SCHEMA, **settings)
-    ).with_settings(batch_size=30)
+    payload_kind, decoded_kind = posts_pipelines()
     with conn.cursor() as cur:
         assert decoded_kind.source.direct(cur)
     conn.rollback()
