@@ -58,8 +58,8 @@ def get_spark(app_name: str = "onceflow", master: str | None = None) -> SparkSes
         # batches with broadcast joins (the acker's failed roots).
         builder = builder.config("spark.driver.memory", settings.get("driver_memory"))
         # A long-lived session (tests, benchmarks, the CLI) runs many batches in one JVM. Every
-        # broadcast hash join builds its relation in at least one memory page (64 MB with a 2g
-        # driver) even for a few failed roots, and the finished batches' broadcasts are freed
+        # broadcast hash join builds its relation in at least one memory page, however few
+        # failed roots it holds, and the finished batches' broadcasts are freed
         # only after a GC lets Spark's ContextCleaner drop them: smaller pages and a regular
         # GC keep them from filling the heap ("Not enough memory to build and broadcast the
         # table" otherwise).

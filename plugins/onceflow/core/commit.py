@@ -48,8 +48,8 @@ from onceflow.core.txlog import Blocker, TransactionAttempt, TxState
 log = logging.getLogger(__name__)
 
 # The commit's own memory for sorts and hashes (SET LOCAL: this transaction only). A state's
-# apply joins the batch's keys with the state table; at the server's default (4MB) a batch of
-# a million keys spills its hash join to disk in many passes, on the one serial step.
+# apply joins the batch's keys with the state table; at the server's default a large batch
+# spills its hash join to disk, on the one serial step.
 COMMIT_WORK_MEM = "64MB"
 
 Step = Callable[[str], None]

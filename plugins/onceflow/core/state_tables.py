@@ -27,7 +27,7 @@ from onceflow.core.pipeline import StateSpec
 from onceflow.core.txlog import TransactionAttempt
 
 # A key's weight in a contribution's digest: PostgreSQL's 64-bit hash of its bytes (the one
-# hash partitioning uses, stable across versions; a tenth of md5's cost). A change moved
+# hash partitioning uses, stable across versions, and cheaper than md5). A change moved
 # from one key to another changes the digest unless both keys weigh the same (one chance in
 # 2**64). Verify asks PostgreSQL for the weights of the keys it re-ran (key_weights).
 KEY_WEIGHT = 'hashtextextended({} COLLATE "C", 0)'
