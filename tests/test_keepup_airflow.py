@@ -11,7 +11,7 @@ In order, on one Airflow:
    every run started by the Asset event;
 2. a steady producer (RATE records/s for SECONDS s) stays current: the p95 of the records'
    waits from arrival to commit is within max_delay, one look and a batch's processing time
-   (the slowest of the phase's runs, from the watcher's Asset event to the commit);
+   (the slowest of the phase's runs, from the watcher's look that started it to the commit);
 3. after the producer stops and the last batch commits, no run starts and no transaction is
    planned for IDLE_S seconds (60: sixty looks at the test's interval of 1 s, as many as the
    watcher takes in the issue's two minutes at its default interval of 2 s; ten max_delays);
@@ -174,9 +174,13 @@ class Airflow:
         return out
 
     def events(self) -> dict[str, float]:
-        """Per run, when the first Asset event it consumed was recorded (the watcher's)."""
+        """Per run, when the watcher looked and decided the first Asset event it consumed
+        (the look's database time, in the event's payload; the event's own timestamp is the
+        triggerer's, a loop later)."""
         return dict(_query(self.meta, """
-            SELECT r.run_id, extract(epoch FROM min(e.timestamp)) FROM dag_run r
+            SELECT r.run_id, extract(epoch FROM min(coalesce(
+                (e.extra::json -> 'payload' ->> 'at')::timestamptz, e.timestamp)))
+            FROM dag_run r
             JOIN dagrun_asset_event d ON d.dag_run_id = r.id
             JOIN asset_event e ON e.id = d.event_id
             WHERE r.dag_id = %s GROUP BY r.run_id""", (DAG_ID,)))
@@ -337,8 +341,8 @@ def test_a_steady_producer_is_kept_current(deployment):
                for _, state, n, *_ in done), done
     with connection(deployment.dsn) as conn, conn.cursor() as cur:
         fresh = freshness.measure(cur, PIPELINE, pipeline.source, last=len(done))
-    # a batch's processing time: from the watcher's event (the Asset event its run consumed)
-    # to the commit. The slowest records are the slowest batch's, so the p95 of the records'
+    # a batch's processing time: from the watcher's decision (the look that yielded the Asset
+    # event its run consumed) to the commit. The slowest records are the slowest batch's, so the p95 of the records'
     # waits is held against the slowest batch (a p95 over a handful of runs interpolates
     # below it).
     asked = deployment.airflow.events()
@@ -348,7 +352,7 @@ def test_a_steady_producer_is_kept_current(deployment):
         each = freshness.by_txid(cur, PIPELINE, [t for t, *_ in done])
     for txid, _, n, *_ in done:
         print(f"  txid {txid}: {n:,} records, waited {each[txid][0]:.1f}-{each[txid][1]:.1f}s, "
-              f"event to commit {run_s[txid]:.1f}s")
+              f"look to commit {run_s[txid]:.1f}s")
     print(f"steady {RATE}/s for {SECONDS:.0f}s: {len(done)} transactions, freshness p50 "
           f"{fresh.p50_s:.2f}s p95 {fresh.p95_s:.2f}s max {fresh.max_s:.2f}s; slowest run "
           f"{max(run_s.values()):.2f}s; bound {bound:.2f}s")
