@@ -123,3 +123,71 @@ def test_state_tables_follow_the_opaque_reference(conn, plan, stale):
     want = {k: as_row(v) for k, v in reference.items()}
     # a key the reference dropped (it did not exist before its txid) stays as a 0 row in SQL
     assert {k: r for k, r in got.items() if k in want or r[0] != 0} == want
+
+
+def _stage(conn, txid: int, state: str, deltas: dict[str, int], attempt: int = 1) -> dict:
+    """One group's rows for ``state`` in the staging, as processing leaves them; the apply's
+    parameters."""
+    params = {"pipeline": "counted", "txid": txid, "attempt": attempt, "state": state}
+    with transaction(conn) as cur:
+        cur.executemany("""INSERT INTO staged_deltas
+                               (pipeline, txid, attempt, grp, state_name, key, delta)
+                           VALUES (%(pipeline)s, %(txid)s, %(attempt)s, 0, %(state)s, %(key)s,
+                                   %(delta)s)""",
+                        [{**params, "key": k, "delta": d} for k, d in deltas.items()])
+        cur.execute("""INSERT INTO staged_contributions
+                           (pipeline, txid, attempt, grp, state_name, keys, total, digest)
+                       VALUES (%(pipeline)s, %(txid)s, %(attempt)s, 0, %(state)s, %(keys)s, 0, 0)""",
+                    {**params, "keys": len(deltas)})
+    return params
+
+
+def _scans(conn, table: str) -> tuple[int, int]:
+    """(sequential scans, index scans) PostgreSQL counted on ``table`` so far, this
+    connection's own included (flushed as its last transaction ended)."""
+    with transaction(conn) as cur:
+        cur.execute("SELECT pg_stat_force_next_flush()")
+    with transaction(conn) as cur:
+        cur.execute("SELECT pg_stat_clear_snapshot()")
+        cur.execute("SELECT seq_scan, coalesce(idx_scan, 0) FROM pg_stat_user_tables "
+                    "WHERE relname = %s", (table,))
+        return cur.fetchone()
+
+
+@pytest.mark.parametrize("spec", [OPAQUE, TRANSACTIONAL], ids=["opaque", "transactional"])
+def test_a_batch_of_known_size_is_merged_from_the_staging_joined_by_its_size(conn, spec):
+    """The commit's apply of a one-group batch: the group's recorded key count stands for
+    the batch, so the MERGE reads the staging itself. A batch under a tenth of the state's
+    rows probes the key index; a larger one scans the state once (a hash join), which
+    PostgreSQL's own scan counters show. Both give the rule's rows, and an opaque key held
+    at a newer txid is still refused."""
+    from onceflow.core.state_tables import apply_source, staged_keys, staged_source
+
+    seed = {f"k{i:04d}": 1 for i in range(1000)}
+    apply_in_order(conn, spec, [(1, seed)])
+
+    def apply(txid, deltas):
+        params = _stage(conn, txid, spec.source_name, deltas)
+        before = _scans(conn, spec.table)
+        with transaction(conn) as cur:
+            keys = staged_keys(cur, params)
+            assert keys == len(deltas)
+            written = apply_source(cur, spec, txid, staged_source(1), params, keys=keys)
+            cur.execute("SHOW enable_nestloop")
+            assert cur.fetchone()[0] == "on"  # the plan's setting ends with the statement
+        after = _scans(conn, spec.table)
+        return written, (after[0] - before[0], after[1] - before[1])
+
+    small = {"k0001": 2, "k0002": 3, "new1": 4}
+    written, (seq, idx) = apply(2, small)
+    assert written == 3 and seq == 0 and idx >= 3, (seq, idx)
+    large = {f"k{i:04d}": 1 for i in range(0, 1000, 2)} | {f"n{i}": 5 for i in range(100)}
+    written, (seq, idx) = apply(3, large)
+    assert written == len(large) and seq == 1, (seq, idx)
+    got = {key: value for key, _, value, *_ in rows(conn, spec)}
+    assert got["k0002"] == 1 + 3 + 1 and got["k0001"] == 1 + 2 and got["new1"] == 4
+    assert got["k0003"] == 1 and got["n7"] == 5 and len(got) == 1000 + 1 + 100
+    if spec.kind == "opaque":  # k0000 is at txid 3 now: a batch of txid 2 is older
+        params = _stage(conn, 2, spec.source_name, {"k0000": 1, "k0999": 1}, attempt=2)
+        with pytest.raises(StaleBatch), transaction(conn) as cur:
+            apply_source(cur, spec, 2, staged_source(1), params, keys=staged_keys(cur, params))

@@ -196,10 +196,10 @@ def _commit(conn, pipeline: Pipeline, ta: TransactionAttempt, on_step: Step,
                     tables.staged_batch(pipeline.name, spec.shape(), groups), keys)
                 on_step(f"state:{spec.name}")
             elif spec.conn_id is None:
+                params = {**keys, "state": spec.source_name}
                 table_rows[spec.table] = state_tables.apply_source(
-                    cur, spec, ta.txid, state_tables.staged_source(groups),
-                    {**keys, "state": spec.source_name},
-                )
+                    cur, spec, ta.txid, state_tables.staged_source(groups), params,
+                    keys=state_tables.staged_keys(cur, params) if groups == 1 else None)
                 on_step(f"state:{spec.name}")
         rows += sum(table_rows.values())
         state_tables.record_contributions(cur, pipeline.name, ta)

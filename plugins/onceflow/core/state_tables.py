@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 from collections.abc import Mapping
 from typing import IO
 
@@ -56,11 +57,12 @@ def ensure_table(cur, spec: StateSpec) -> None:
 # CONFLICT probes the key index per row and inserts speculatively: less work for new
 # keys. The commit holds the pipeline's lock, so no one else inserts these keys meanwhile
 # (if someone did, the commit fails on the key and is retried: nothing is applied twice).
-# The batch is copied into a temp table first, which counts it: an opaque key whose stored
-# txid is newer is not written, and the counts then differ (StaleBatch). The copy is also
-# what lets the join be planned by the batch's size: the unlogged staging has no statistics,
-# so read straight from it a batch of any size looks like one row and is joined one index
-# probe per key.
+# An opaque key whose stored txid is newer is not written, so the rows written then differ
+# from the batch's keys (StaleBatch). The staging's statistics cannot tell how many rows an
+# attempt staged: read straight from it, a batch of any size looks like one row and is
+# joined one index probe per key. So the join is planned from a count: the keys the batch's
+# one group recorded when it staged (the MERGE then reads the staging itself), or else a
+# copy of the batch into a temp table, which counts it and which the planner sizes.
 _MERGE = {
     "opaque": """
         MERGE INTO {table} AS s USING {source} AS d ON s.key = d.key
@@ -111,20 +113,30 @@ _REVERT_ABSENT = """
       AND NOT EXISTS (SELECT 1 FROM ({source}) AS d WHERE d.key = s.key)"""
 
 
+# A batch of at least this share of the state's rows is hash-joined (one scan of the state
+# table); a smaller one probes the key index once per key, cheaper than reading every row.
+HASH_JOIN_SHARE = 0.1
+
+
 def apply_source(cur, spec: StateSpec, txid: int, source: sql.Composable,
-                 params: Mapping | None = None, *, revert_absent: bool = False) -> int:
+                 params: Mapping | None = None, *, revert_absent: bool = False,
+                 keys: int | None = None) -> int:
     """Apply the deltas ``source`` yields (columns key, delta; one row per key) at ``txid``.
 
     Returns the rows written. An opaque table raises StaleBatch when a key's stored txid is
     newer than ``txid`` (the caller's transaction must then roll back); a transactional one
     skips keys already at ``txid`` (applied before). ``revert_absent``: first put keys left at
     ``txid`` by an earlier try, and absent from this batch, back to prev_value (opaque only).
+    ``keys``: how many rows ``source`` yields, when the caller knows (then it is read once,
+    by the MERGE itself).
     """
     table = sql.Identifier(spec.table)
     params = {**(params or {}), "txid": txid}
     if revert_absent and spec.kind == "opaque":
         cur.execute(sql.SQL(_REVERT_ABSENT).format(table=table, source=source), params)
-    if cur.connection.server_version >= _MERGE_SINCE:
+    if cur.connection.server_version >= _MERGE_SINCE and keys is not None:
+        expected, written = keys, _merge_counted(cur, spec, table, source, params, keys)
+    elif cur.connection.server_version >= _MERGE_SINCE:
         expected, written = _merge(cur, spec, table, source, params)
     else:
         cur.execute(sql.SQL(_UPSERT[spec.kind]).format(table=table, source=source), params)
@@ -150,6 +162,38 @@ def _merge(cur, spec: StateSpec, table: sql.Identifier, source: sql.Composable,
                                                   source=sql.Identifier("onceflow_apply")),
                 params)
     return expected, cur.rowcount
+
+
+def _merge_counted(cur, spec: StateSpec, table: sql.Identifier, source: sql.Composable,
+                   params: Mapping, keys: int) -> int:
+    """Rows written by the MERGE of ``source`` (``keys`` rows) into ``table``, joined as
+    that count asks (HASH_JOIN_SHARE) whatever the planner believes of ``source``."""
+    cur.execute(sql.SQL("EXPLAIN (FORMAT JSON) SELECT 1 FROM {}").format(table))
+    plan = cur.fetchone()[0]
+    plan = json.loads(plan) if isinstance(plan, str) else plan
+    hash_join = keys >= HASH_JOIN_SHARE * float(plan[0]["Plan"]["Plan Rows"])
+    if hash_join:  # this transaction only, and put back before its next statement
+        cur.execute("SELECT current_setting('enable_nestloop'), "
+                    "set_config('enable_nestloop', 'off', true)")
+        was = cur.fetchone()[0]
+    cur.execute(sql.SQL(_MERGE[spec.kind]).format(table=table,
+                                                  source=sql.SQL("({})").format(source)),
+                params)
+    written = cur.rowcount
+    if hash_join:
+        cur.execute("SELECT set_config('enable_nestloop', %s, true)", (was,))
+    return written
+
+
+def staged_keys(cur, params: Mapping) -> int | None:
+    """The keys a batch of one processing group staged for a state (``params``: pipeline,
+    txid, attempt, state), as the group recorded them when it staged (staged_contributions:
+    one row per key); None when it recorded none."""
+    cur.execute("""SELECT count(*), sum(keys) FROM staged_contributions
+                   WHERE pipeline = %(pipeline)s AND txid = %(txid)s
+                     AND attempt = %(attempt)s AND state_name = %(state)s""", params)
+    groups, keys = cur.fetchone()
+    return int(keys) if groups == 1 else None
 
 
 def staged_source(groups: int = 2) -> sql.Composable:
