@@ -184,9 +184,14 @@ def test_a_batch_of_known_size_is_merged_from_the_staging_joined_by_its_size(con
     large = {f"k{i:04d}": 1 for i in range(0, 1000, 2)} | {f"n{i}": 5 for i in range(100)}
     written, (seq, idx) = apply(3, large)
     assert written == len(large) and seq == 1, (seq, idx)
+    # more keys than the state holds: mostly new keys, copied first (any plan gives the rule)
+    more = {f"m{i:04d}": 7 for i in range(2000)} | {"k0005": 1}
+    written, _ = apply(4, more)
+    assert written == len(more)
     got = {key: value for key, _, value, *_ in rows(conn, spec)}
     assert got["k0002"] == 1 + 3 + 1 and got["k0001"] == 1 + 2 and got["new1"] == 4
-    assert got["k0003"] == 1 and got["n7"] == 5 and len(got) == 1000 + 1 + 100
+    assert got["k0003"] == 1 and got["n7"] == 5 and got["m0042"] == 7 and got["k0005"] == 2
+    assert len(got) == 1000 + 1 + 100 + 2000
     if spec.kind == "opaque":  # k0000 is at txid 3 now: a batch of txid 2 is older
         params = _stage(conn, 2, spec.source_name, {"k0000": 1, "k0999": 1}, attempt=2)
         with pytest.raises(StaleBatch), transaction(conn) as cur:

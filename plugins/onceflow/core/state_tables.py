@@ -115,6 +115,9 @@ _REVERT_ABSENT = """
 
 # A batch of at least this share of the state's rows is hash-joined (one scan of the state
 # table); a smaller one probes the key index once per key, cheaper than reading every row.
+# A batch of more keys than the state holds is mostly new keys: it takes the copy, whose
+# plan hashes the state and inserts the new keys in the order they were staged (a hash
+# join of the batch would insert them in its hash table's order, spread over the index).
 HASH_JOIN_SHARE = 0.1
 
 
@@ -127,15 +130,17 @@ def apply_source(cur, spec: StateSpec, txid: int, source: sql.Composable,
     newer than ``txid`` (the caller's transaction must then roll back); a transactional one
     skips keys already at ``txid`` (applied before). ``revert_absent``: first put keys left at
     ``txid`` by an earlier try, and absent from this batch, back to prev_value (opaque only).
-    ``keys``: how many rows ``source`` yields, when the caller knows (then it is read once,
-    by the MERGE itself).
+    ``keys``: how many rows ``source`` yields, when the caller knows (then, up to the
+    state's rows, it is read once, by the MERGE itself).
     """
     table = sql.Identifier(spec.table)
     params = {**(params or {}), "txid": txid}
     if revert_absent and spec.kind == "opaque":
         cur.execute(sql.SQL(_REVERT_ABSENT).format(table=table, source=source), params)
-    if cur.connection.server_version >= _MERGE_SINCE and keys is not None:
-        expected, written = keys, _merge_counted(cur, spec, table, source, params, keys)
+    rows = _planned_rows(cur, table) if keys is not None else 0.0
+    if cur.connection.server_version >= _MERGE_SINCE and keys is not None and keys <= rows:
+        expected, written = keys, _merge_counted(cur, spec, table, source, params,
+                                                 hash_join=keys >= HASH_JOIN_SHARE * rows)
     elif cur.connection.server_version >= _MERGE_SINCE:
         expected, written = _merge(cur, spec, table, source, params)
     else:
@@ -164,14 +169,19 @@ def _merge(cur, spec: StateSpec, table: sql.Identifier, source: sql.Composable,
     return expected, cur.rowcount
 
 
-def _merge_counted(cur, spec: StateSpec, table: sql.Identifier, source: sql.Composable,
-                   params: Mapping, keys: int) -> int:
-    """Rows written by the MERGE of ``source`` (``keys`` rows) into ``table``, joined as
-    that count asks (HASH_JOIN_SHARE) whatever the planner believes of ``source``."""
+def _planned_rows(cur, table: sql.Identifier) -> float:
+    """The rows the planner expects ``table`` to hold (its statistics, scaled to its size)."""
     cur.execute(sql.SQL("EXPLAIN (FORMAT JSON) SELECT 1 FROM {}").format(table))
     plan = cur.fetchone()[0]
     plan = json.loads(plan) if isinstance(plan, str) else plan
-    hash_join = keys >= HASH_JOIN_SHARE * float(plan[0]["Plan"]["Plan Rows"])
+    return float(plan[0]["Plan"]["Plan Rows"])
+
+
+def _merge_counted(cur, spec: StateSpec, table: sql.Identifier, source: sql.Composable,
+                   params: Mapping, *, hash_join: bool) -> int:
+    """Rows written by the MERGE of ``source`` into ``table``: a hash join of the batch
+    with one scan of the state, or one key-index probe per key, whatever the planner
+    believes of ``source``."""
     if hash_join:  # this transaction only, and put back before its next statement
         cur.execute("SELECT current_setting('enable_nestloop'), "
                     "set_config('enable_nestloop', 'off', true)")
