@@ -342,9 +342,9 @@ def test_a_steady_producer_is_kept_current(deployment):
     with connection(deployment.dsn) as conn, conn.cursor() as cur:
         fresh = freshness.measure(cur, PIPELINE, pipeline.source, last=len(done))
     # a batch's processing time: from the watcher's decision (the look that yielded the Asset
-    # event its run consumed) to the commit. The slowest records are the slowest batch's, so the p95 of the records'
-    # waits is held against the slowest batch (a p95 over a handful of runs interpolates
-    # below it).
+    # event its run consumed) to the commit. The slowest records are the slowest batch's, so
+    # the p95 of the records' waits is held against the slowest batch (a p95 over a handful
+    # of runs interpolates below it).
     asked = deployment.airflow.events()
     run_s = {txid: float(committed - asked[run]) for txid, *_, committed, run in done}
     bound = pipeline.max_delay_s + pipeline.watch_interval + max(run_s.values())

@@ -137,7 +137,8 @@ def _stage(conn, txid: int, state: str, deltas: dict[str, int], attempt: int = 1
                         [{**params, "key": k, "delta": d} for k, d in deltas.items()])
         cur.execute("""INSERT INTO staged_contributions
                            (pipeline, txid, attempt, grp, state_name, keys, total, digest)
-                       VALUES (%(pipeline)s, %(txid)s, %(attempt)s, 0, %(state)s, %(keys)s, 0, 0)""",
+                       VALUES (%(pipeline)s, %(txid)s, %(attempt)s, 0, %(state)s, %(keys)s,
+                               0, 0)""",
                     {**params, "keys": len(deltas)})
     return params
 

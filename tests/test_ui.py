@@ -1164,7 +1164,7 @@ def _pages_and_filters(page, api_server, conn, pipeline) -> None:
                 for r in page.locator("#onceflow-timeline tbody tr[data-state]").all()]
 
     def wait_for(txids: list[int]) -> None:
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 45  # refreshes every 5 s, each a few requests
         while shown() != txids and time.monotonic() < deadline:
             page.wait_for_timeout(200)
         assert shown() == txids

@@ -69,19 +69,25 @@ const query = (params) => {
 function usePolled(load, key, every) {
   const [state, setState] = useState({ data: null, error: null, at: null });
   const seq = useRef(0);
+  const inFlight = useRef(0);
   const tick = useCallback(async () => {
     const mine = ++seq.current;
+    inFlight.current += 1;
     try {
       const data = await load();
       if (mine === seq.current) setState({ data, error: null, at: new Date() });
     } catch (error) {
       if (mine === seq.current) setState((old) => ({ ...old, error: String(error.message || error), at: new Date() }));
+    } finally {
+      inFlight.current -= 1;
     }
   }, [key]); // eslint-disable-line react-hooks/exhaustive-deps
   useEffect(() => {
     tick();
     if (!every) return undefined;
-    const id = setInterval(() => { if (!document.hidden) tick(); }, every * 1000);
+    // A refresh waits for the request before it: a newer one discards the older answer, so
+    // with a server slower than the interval the view would never change.
+    const id = setInterval(() => { if (!document.hidden && !inFlight.current) tick(); }, every * 1000);
     return () => clearInterval(id);
   }, [tick, every]);
   return [state, tick];
