@@ -54,8 +54,8 @@ def get_spark(app_name: str = "onceflow", master: str | None = None) -> SparkSes
     if master or not _under_spark_submit():
         builder = builder.master(master or settings.get("spark_master"))
     if not _under_spark_submit():
-        # Local mode runs in this JVM: its default 1g is short for long test runs and 1M-row
-        # batches with broadcast joins (the acker's failed roots).
+        # Local mode runs in this JVM: its default driver memory is short for long test runs
+        # and large batches with broadcast joins (the acker's failed roots).
         builder = builder.config("spark.driver.memory", settings.get("driver_memory"))
         # A long-lived session (tests, benchmarks, the CLI) runs many batches in one JVM. Every
         # broadcast hash join builds its relation in at least one memory page, however few

@@ -178,7 +178,7 @@ class Pipeline:
     state_provider: str = "postgres"
     state_provider_config: str | None = None
     # A state key longer than this (UTF-8 bytes) fails its record: a btree index entry must fit
-    # in a third of a PostgreSQL page (2,704 bytes with the row's other columns).
+    # in a third of a PostgreSQL page, with the row's other columns.
     max_key_bytes: int = 2000
     # Optional independent recount for verify and retention: (payloads, pipeline) -> Recount
     # (counts per state and key, rejected, failing). Without it verify re-runs the topology.
