@@ -837,3 +837,40 @@ def test_a_typed_parquet_source_reads_exactly_the_planned_rows_as_columns(spark,
     conn.rollback()
     assert sorted(tuple(r)[:8] for r in replayed_records(spark, typed, back).collect()) == [
         r for r in rows if 1001 <= r[1] < 1004]
+
+
+def test_parquet_batches_end_at_row_group_edges(conn, tmp_path):
+    """Spark decodes a Parquet row group whole, so a batch that cut one would have two
+    batches decode it. Over two partitions of one-group files, begin plans each group into
+    one batch, and no partition sits out two batches in a row; smaller groups at a
+    partition's head are planned as they come."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder = tmp_path / "pq_units"
+    folder.mkdir()
+    source = LandingFolder(topic="pq_units", path=str(folder), format="parquet", partitions=2,
+                           settle_s=0.0)
+    pipeline = get_pipeline("tweets", source=source, batch_size=1000, max_pending=6)
+    register(conn, pipeline, create_source=True)
+
+    def put(name, count, group, age):
+        path = folder / name
+        pq.write_table(pa.table({"n": list(range(count))}), path, row_group_size=group)
+        os.utime(path, (time.time() - age, time.time() - age))
+
+    for i in range(4):  # files 0 and 2 in partition 0, 1 and 3 in partition 1
+        put(f"{i}.parquet", 1000, 1000, 50 - i)
+    plans = [[(r.partition, r.start, r.end) for r, _ in begin(conn, pipeline, f"r{i}").ranges
+              if r.size] for i in range(4)]
+    assert plans == [[(0, 0, 1000)], [(1, 0, 1000)], [(0, 1000, 2000)], [(1, 1000, 2000)]]
+    put("4.parquet", 900, 300, 5)  # partition 0: three groups, all it has left
+    assert [(r.partition, r.start, r.end) for r, _ in begin(conn, pipeline, "r4").ranges
+            if r.size] == [(0, 2000, 2900)]
+    with conn.cursor() as cur:  # lines are read from any offset: a JSON lines folder has none
+        assert dataclasses.replace(source, format="jsonl").whole_units(cur, [(0, 500)]) == {}
+        assert source.whole_units(cur, [(0, 500), (1, 1999)]) == {0: (0, 1000),
+                                                                   1: (1000, 2000)}
+        assert source.whole_units(cur, [(0, 1000), (1, 2000)]) == {}  # at an edge: no cut
+        assert source.whole_units(cur, [(0, 2100)]) == {0: (2000, 2300)}
+    conn.rollback()

@@ -76,3 +76,71 @@ def test_plan_never_exceeds_the_cap_and_never_leaves_records_behind_needlessly()
 def test_plan_rejects_a_non_positive_cap():
     with pytest.raises(ValueError, match="batch_size=0"):
         plan_ranges({0: 0}, {0: 1}, 0)
+
+
+# align_to_units: (plan [(partition, start, end)], units {p: (lo, hi)}, heads, batch_size,
+#                  max_per_partition, keep, protected, expected [(partition, start, end)])
+ALIGN = [
+    # two partitions cut inside one-unit files: the one with most left takes its unit whole
+    ([(0, 0, 500), (1, 0, 500)], {0: (0, 1000), 1: (0, 1000)}, {0: 3000, 1: 2000}, 1000,
+     None, frozenset(), frozenset(), [(0, 0, 1000)]),
+    # ... unless the other waited in the previous batch: then it goes first
+    ([(0, 0, 500), (1, 0, 500)], {0: (0, 1000), 1: (0, 1000)}, {0: 3000, 1: 2000}, 1000,
+     None, frozenset(), frozenset({1}), [(1, 0, 1000)]),
+    # the rest of a unit an earlier batch cut is taken whole
+    ([(0, 500, 1200), (1, 500, 800)], {0: (1000, 2000), 1: (0, 1000)},
+     {0: 3000, 1: 2000}, 1000, None, frozenset(), frozenset(),
+     [(0, 500, 1000), (1, 500, 1000)]),
+    # a range holding whole units ends before the cut one; the freed records extend another
+    ([(0, 0, 150), (1, 0, 50)], {0: (100, 200), 1: (0, 100)}, {0: 1000, 1: 100}, 200,
+     None, frozenset(), frozenset(), [(0, 0, 100), (1, 0, 100)]),
+    # units larger than a batch: nothing whole fits, the plan stays
+    ([(0, 0, 500), (1, 0, 500)], {0: (0, 5000), 1: (0, 5000)}, {0: 5000, 1: 5000}, 1000,
+     None, frozenset(), frozenset(), [(0, 0, 500), (1, 0, 500)]),
+    # a protected partition that cannot take its unit whole stays as planned
+    ([(0, 0, 500), (1, 0, 500)], {0: (0, 1000), 1: (0, 1000)}, {0: 3000, 1: 2000}, 1000,
+     None, frozenset(), frozenset({0, 1}), [(0, 0, 500), (1, 0, 500)]),
+    # max_per_partition bounds a unit taken whole
+    ([(0, 0, 300), (1, 0, 300)], {0: (0, 500), 1: (0, 500)}, {0: 3000, 1: 3000}, 1000,
+     400, frozenset(), frozenset(), [(0, 0, 300), (1, 0, 300)]),
+    # a unit ends at the partition's head at most; a partition left empty stays when kept
+    ([(0, 0, 500), (1, 0, 500)], {0: (0, 1000), 1: (0, 1000)}, {0: 800, 1: 900}, 1000,
+     None, frozenset({0}), frozenset(), [(0, 0, 0), (1, 0, 900)]),
+]
+
+
+@pytest.mark.parametrize("plan, units, heads, batch_size, cap, keep, protected, expected",
+                         ALIGN)
+def test_align_to_units(plan, units, heads, batch_size, cap, keep, protected, expected):
+    """Table above."""
+    from onceflow.core.planner import align_to_units
+
+    aligned = align_to_units([(PartitionRange(p, s, e), p % 2) for p, s, e in plan], units,
+                             heads, batch_size, max_per_partition=cap, keep=keep,
+                             protected=protected)
+    assert [(r.partition, r.start, r.end) for r, _ in aligned] == expected
+    assert all(g == r.partition % 2 for r, g in aligned)
+    assert sum(r.size for r, _ in aligned) <= batch_size
+
+
+def test_aligned_batches_read_each_unit_once_and_no_partition_waits_twice():
+    """Batch after batch over two partitions of one-unit files, as begin plans them: every
+    unit is read by one batch, and a partition never sits out two batches in a row."""
+    from onceflow.core.planner import align_to_units
+
+    unit = 1000
+    heads = {0: 3 * unit, 1: 2 * unit}
+    starts, previous, batches = {0: 0, 1: 0}, None, []
+    while any(starts[p] < heads[p] for p in heads):
+        plan = plan_ranges(starts, heads, unit)
+        units = {r.partition: (r.end // unit * unit, r.end // unit * unit + unit)
+                 for r, _ in plan if r.end % unit and r.end < heads[r.partition]}
+        protected = frozenset() if previous is None else frozenset(
+            p for p in units if p not in previous)
+        plan = align_to_units(plan, units, heads, unit, protected=protected)
+        batches.append({r.partition: (r.start, r.end) for r, _ in plan if r.size})
+        previous = set(batches[-1])
+        for r, _ in plan:
+            starts[r.partition] = r.end
+    assert batches == [{0: (0, 1000)}, {1: (0, 1000)}, {0: (1000, 2000)}, {1: (1000, 2000)},
+                       {0: (2000, 3000)}]

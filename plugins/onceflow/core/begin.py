@@ -40,7 +40,7 @@ from onceflow.core.db import transaction
 from onceflow.core.errors import MaxPendingReached, NothingToPlan, UnknownTransaction
 from onceflow.core.lease import this_process
 from onceflow.core.pipeline import Pipeline
-from onceflow.core.planner import PartitionRange, plan_ranges
+from onceflow.core.planner import PartitionRange, align_to_units, plan_ranges
 from onceflow.core.source import record_sightings
 from onceflow.core.staging import delete_staging
 from onceflow.core.txlog import Batch, TransactionAttempt, TxState
@@ -122,6 +122,15 @@ def _plan(cur, pipeline: Pipeline, coordinator: txlog.Coordinator, groups: int, 
             starts.heads[partition] = held
     ranges = plan_ranges(starts.offsets, starts.heads, size, groups,
                          max_per_partition=pipeline.max_per_partition, keep=starts.keep())
+    units = pipeline.source.whole_units(cur, [(r.partition, r.end) for r, _ in ranges
+                                              if r.size and r.end < starts.heads[r.partition]])
+    if units:  # a partition that had no records in the previous batch must not wait again
+        previous = {r.partition for r, _ in txlog.read_ranges(cur, pipeline.name, txid - 1)
+                    if r.size} if txid > 1 else set(units)
+        ranges = align_to_units(ranges, units, starts.heads, size,
+                                max_per_partition=pipeline.max_per_partition,
+                                keep=starts.keep(),
+                                protected=frozenset(p for p in units if p not in previous))
     ends = dict(starts.offsets)
     for r, _ in ranges:
         ends[r.partition] = max(ends.get(r.partition, r.end), r.end)

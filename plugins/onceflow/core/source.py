@@ -148,6 +148,15 @@ class Source(ABC):
         ranges = [PartitionRange(p, o, o + 1) for p, o in sorted(set(positions))]
         return {(p, o): payload for p, o, payload in self.payloads(cur.connection, ranges)}
 
+    def whole_units(self, cur, points: Iterable[tuple[int, int]]
+                    ) -> dict[int, tuple[int, int]]:
+        """For a source that reads its records in units it cannot cut (a Parquet row group
+        is decoded whole), the unit ``[lo, hi)`` around each ``(partition, offset)`` point
+        that falls inside one (lo < offset < hi): the planner then ends a batch at a unit's
+        edge (onceflow.core.planner.align_to_units). This default: none (a record costs the
+        same wherever a batch ends)."""
+        return {}
+
     def may_refuse(self, cur, ranges: Iterable[PartitionRange]) -> bool:
         """Whether a record of ``ranges`` may be one the spout refuses (over
         ``max_record_bytes``, or holding a NUL byte). True unless the source knows better:

@@ -806,6 +806,25 @@ class LandingFolder(Source):
              [r.end for r in ranges], self.topic))
         return cur.fetchone()[0]
 
+    def whole_units(self, cur, points: Iterable[tuple[int, int]]
+                    ) -> dict[int, tuple[int, int]]:
+        """Parquet: the row group around each point (Spark's reader decodes a row group
+        whole). Lines are read from any offset: none."""
+        points = list(points)
+        if self.format != "parquet" or not points:
+            return {}
+        cur.execute(
+            """SELECT pt.p, c.lo, c.hi FROM unnest(%s::int[], %s::bigint[]) AS pt (p, o)
+               CROSS JOIN LATERAL (
+                   SELECT c.first_offset AS lo, c.first_offset + c.records AS hi
+                   FROM landing_chunks c JOIN landing_files f USING (topic, file_no)
+                   WHERE c.topic = %s AND f.partition = pt.p AND c.first_offset < pt.o
+                     AND c.void IS NULL
+                   ORDER BY c.first_offset DESC LIMIT 1) AS c
+               WHERE c.hi > pt.o""",
+            ([p for p, _ in points], [o for _, o in points], self.topic))
+        return {p: (lo, hi) for p, lo, hi in cur.fetchall()}
+
     def read(self, spark, dsn: str, ranges: Iterable[PartitionRange]):
         ranges = [r for r in ranges if r.size > 0]
         with connection(dsn, application_name="onceflow-landing") as conn, \
