@@ -1,8 +1,7 @@
 """The benchmark's warm-up DAG (bench/airflow_run.py): PARALLELISM no-op tasks at once, run
 before the clock starts, so that each of the executor's worker processes has run a task, as
-on an Airflow that has been up for a while. (Under the plain LocalExecutor a worker's first
-task imports the task runtime, about 5 s on two cores; the PreloadingLocalExecutor the bench
-runs has imported it before forking its workers.) It touches no onceflow state."""
+on an Airflow that has been up for a while (a LocalExecutor worker's first task imports the
+task runtime). It touches no onceflow state."""
 
 from __future__ import annotations
 
