@@ -222,12 +222,9 @@ def proof(cur, pipeline: str, ta: TransactionAttempt, groups: int) -> Proof:
         keys,
     )
     staged, deltas, rejects, failures, stateful = cur.fetchone()
-    # The delta rows are counted by their groups' contributions (logged, written with them
-    # in one transaction) whose rows are still there: a crash empties the unlogged tables
-    # whole, and nothing deletes part of a group's rows, so one probe of the index per
-    # group and sink proves them without reading a batch's million rows again.
-    # (a probe per figure, with its values: a join of the figures with the rows may be
-    # planned as a read of all of the attempt's rows)
+    # A crash empties the unlogged tables whole and nothing deletes part of a group's rows,
+    # so each logged figure whose rows are still there (one index probe, with its values: a
+    # join may be planned as a read of every row) counts its keys, without a pass over them.
     cur.execute("""SELECT grp, state_name, keys FROM staged_contributions
                    WHERE pipeline = %(pipeline)s AND txid = %(txid)s
                      AND attempt = %(attempt)s""", keys)
