@@ -861,6 +861,9 @@ def test_parquet_batches_end_at_row_group_edges(conn, tmp_path):
 
     for i in range(4):  # files 0 and 2 in partition 0, 1 and 3 in partition 1
         put(f"{i}.parquet", 1000, 1000, 50 - i)
+    with conn.cursor() as cur:  # all indexed at once (as status does), not a file per begin
+        assert {p: pos.head for p, pos in source.positions(cur).items()} == {0: 2000, 1: 2000}
+    conn.commit()
     plans = [[(r.partition, r.start, r.end) for r, _ in begin(conn, pipeline, f"r{i}").ranges
               if r.size] for i in range(4)]
     assert plans == [[(0, 0, 1000)], [(1, 0, 1000)], [(0, 1000, 2000)], [(1, 1000, 2000)]]
