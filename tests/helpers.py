@@ -234,3 +234,22 @@ def table(conn, query: str, params=()) -> list[tuple]:
         rows = cur.fetchall()
     conn.commit()
     return rows
+
+
+def table_stats(conn, table_name: str) -> dict[str, int]:
+    """PostgreSQL's scan and read counters of ``table_name`` so far (pg_stat_user_tables,
+    and index entries read over its indexes), this connection's own included: flushed as
+    its last transaction ended."""
+    with conn.cursor() as cur:
+        cur.execute("SELECT pg_stat_force_next_flush()")
+    conn.commit()
+    with conn.cursor() as cur:
+        cur.execute("SELECT pg_stat_clear_snapshot()")
+        cur.execute("""SELECT t.seq_scan, coalesce(t.idx_scan, 0),
+                              t.seq_tup_read + coalesce(t.idx_tup_fetch, 0)
+                              + coalesce((SELECT sum(i.idx_tup_read) FROM pg_stat_user_indexes i
+                                          WHERE i.relid = t.relid), 0)
+                       FROM pg_stat_user_tables t WHERE t.relname = %s""", (table_name,))
+        seq_scan, idx_scan, read = cur.fetchone()
+    conn.commit()
+    return {"seq_scan": seq_scan, "idx_scan": idx_scan, "read": int(read)}

@@ -7,7 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from helpers import assert_exact, run_transaction, table, tweets_events, tweets_pipeline
+from helpers import (
+    assert_exact,
+    run_transaction,
+    table,
+    table_stats,
+    tweets_events,
+    tweets_pipeline,
+)
 from onceflow.core import state_tables
 from onceflow.core.begin import begin
 from onceflow.core.commit import MissingStaging, commit
@@ -233,22 +240,6 @@ def test_groups_staged_before_the_migration_get_their_figures_from_their_rows(co
     assert recorded(conn, 1) == figure(conn, rows)
 
 
-def _rows_read(conn, table_name: str) -> int:
-    """Rows and index entries PostgreSQL counted as read from ``table_name`` so far."""
-    with conn.cursor() as cur:
-        cur.execute("SELECT pg_stat_force_next_flush()")
-    conn.commit()
-    with conn.cursor() as cur:
-        cur.execute("SELECT pg_stat_clear_snapshot()")
-        cur.execute("""SELECT coalesce(t.seq_tup_read, 0) + coalesce(t.idx_tup_fetch, 0)
-                              + coalesce((SELECT sum(i.idx_tup_read) FROM pg_stat_user_indexes i
-                                          WHERE i.relid = t.relid), 0)
-                       FROM pg_stat_user_tables t WHERE t.relname = %s""", (table_name,))
-        read = int(cur.fetchone()[0])
-    conn.commit()
-    return read
-
-
 def test_the_commit_proves_its_staged_rows_without_reading_them_again(conn):
     """The commit's proof that a batch's staging is whole: a probe per group and sink of
     the staged deltas, counted by the groups' logged contributions, not a count of every
@@ -263,11 +254,11 @@ def test_the_commit_proves_its_staged_rows_without_reading_them_again(conn):
     g0 = [("url_counts", f"u/{i}", 1) for i in range(3000)] + [("domain_counts", "a", 3000)]
     stage(conn, pipeline, batch.attempt, 0, g0)
     stage(conn, pipeline, batch.attempt, 1, [("url_counts", "u/x", 1)])
-    before = _rows_read(conn, "staged_deltas")
+    before = table_stats(conn, "staged_deltas")["read"]
     with transaction(conn) as cur:
         proof = staging.proof(cur, pipeline.name, batch.attempt, 2)
     assert proof.whole and proof.found[0] == proof.expected[0] == 3002
-    assert _rows_read(conn, "staged_deltas") - before <= 10
+    assert table_stats(conn, "staged_deltas")["read"] - before <= 10
     with conn.cursor() as cur:
         cur.execute("DELETE FROM staged_deltas WHERE grp = 1")
     conn.commit()

@@ -7,6 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from psycopg2 import sql
 
+from helpers import table_stats
 from onceflow.core.db import transaction
 from onceflow.core.pipeline import StateSpec
 from onceflow.core.state_tables import StaleBatch, apply_deltas, ensure_table
@@ -144,15 +145,9 @@ def _stage(conn, txid: int, state: str, deltas: dict[str, int], attempt: int = 1
 
 
 def _scans(conn, table: str) -> tuple[int, int]:
-    """(sequential scans, index scans) PostgreSQL counted on ``table`` so far, this
-    connection's own included (flushed as its last transaction ended)."""
-    with transaction(conn) as cur:
-        cur.execute("SELECT pg_stat_force_next_flush()")
-    with transaction(conn) as cur:
-        cur.execute("SELECT pg_stat_clear_snapshot()")
-        cur.execute("SELECT seq_scan, coalesce(idx_scan, 0) FROM pg_stat_user_tables "
-                    "WHERE relname = %s", (table,))
-        return cur.fetchone()
+    """(sequential scans, index scans) PostgreSQL counted on ``table`` so far."""
+    stats = table_stats(conn, table)
+    return stats["seq_scan"], stats["idx_scan"]
 
 
 @pytest.mark.parametrize("spec", [OPAQUE, TRANSACTIONAL], ids=["opaque", "transactional"])

@@ -844,10 +844,9 @@ class LandingFolder(Source):
         if jvm_reader(spark) and "://" not in self.path:
             # the JVM reads the chunks (onceflow.sources.jvm): the same rows, one task per chunk
             return jvm_lines(spark, chunks, wanted, self.records, self.max_record_bytes)
-        # One Spark task per chunk: task i reads chunks[i], which travel with the reader.
-        # (A DataFrame of the chunks would be cut into as many tasks as the session's default
-        # parallelism, 2 here: a batch's last task then held its next batch's final stage
-        # back, and a core idled while one task read the rest.)
+        # One Spark task per chunk (task i reads chunks[i], which travel with the reader): a
+        # DataFrame of the chunks would be cut by the default parallelism into a few uneven
+        # tasks, the last of which holds the batch back while cores idle.
         tasks = spark.range(0, len(chunks), 1, numPartitions=len(chunks))
         return tasks.mapInArrow(
             _chunk_reader(self.format, self.csv_header, self.path, chunks, wanted,
