@@ -121,25 +121,47 @@ def _wait_for_runs(meta: str, dag_id: str, runs: int, deadline: float, logs: Pat
         time.sleep(0.1)  # the clock stops within 0.1 s of the last run's end
 
 
-def _cpu_s(pid: int) -> float:
-    """CPU seconds of a process, its ended children (waited for) and its live descendants
-    (a lower bound: a descendant that ended unwaited for, such as a Spark Python worker whose
-    daemon did not reap it, takes its CPU with it)."""
+def _cpu_parts(pid: int) -> tuple[float, float]:
+    """CPU seconds of a process itself, and of its ended children (waited for) and its live
+    descendants (a lower bound: a descendant that ended unwaited for, such as a Spark Python
+    worker whose daemon did not reap it, takes its CPU with it)."""
     import psutil
 
     try:
         proc = psutil.Process(pid)
         t = proc.cpu_times()
-        total = t.user + t.system + t.children_user + t.children_system
+        rest = t.children_user + t.children_system
         for child in proc.children(recursive=True):
             try:
                 c = child.cpu_times()
-                total += c.user + c.system + c.children_user + c.children_system
+                rest += c.user + c.system + c.children_user + c.children_system
             except psutil.Error:
                 pass
-        return total
+        return t.user + t.system, rest
     except psutil.Error:
-        return 0.0
+        return 0.0, 0.0
+
+
+def _cpu_s(pid: int) -> float:
+    """CPU seconds of a process and its descendants (see _cpu_parts)."""
+    return sum(_cpu_parts(pid))
+
+
+# The scheduler's descendants are the LocalExecutor's worker processes and the task
+# processes they run: reported apart from the scheduler's own loop.
+TASK_RUNS = "task runs (executor workers)"
+
+
+def component_cpu(pids: dict[str, int]) -> dict[str, float]:
+    """CPU seconds so far of each component's process tree, the scheduler's split in two:
+    the scheduler itself, and the task runs (TASK_RUNS)."""
+    out = {}
+    for name, pid in pids.items():
+        if name == "scheduler":
+            out[name], out[TASK_RUNS] = _cpu_parts(pid)
+        else:
+            out[name] = _cpu_s(pid)
+    return out
 
 
 def machine_cpu_s() -> float:
@@ -297,15 +319,15 @@ def run_airflow(dsn: str, server: str, spark_url: str, folder: Path, pipelines: 
         spark_pid = _spark_server_pid(spark_url)
         if spark_pid:
             cpu_pids["Spark Connect server"] = spark_pid
-        idle_before = {c: _cpu_s(p) for c, p in cpu_pids.items()}
+        idle_before = component_cpu(cpu_pids)
         time.sleep(IDLE_S)  # settle; what each component burns with no run in flight
-        cpu_before = {c: _cpu_s(p) for c, p in cpu_pids.items()}
+        cpu_before = component_cpu(cpu_pids)
         print("CPU seconds per second, idle: " + ", ".join(
-            f"{c} {(cpu_before[c] - idle_before[c]) / IDLE_S:.2f}" for c in cpu_pids),
+            f"{c} {(cpu_before[c] - idle_before[c]) / IDLE_S:.2f}" for c in cpu_before),
             flush=True)
         results = {}
         for pipeline, dag_id in zip(pipelines, dag_ids, strict=True):
-            cpu_before = {c: _cpu_s(p) for c, p in cpu_pids.items()}
+            cpu_before = component_cpu(cpu_pids)
             machine = machine_cpu_s()
             started = time.monotonic()
             trigger(dag_id, [f"bench_{i:03d}" for i in range(runs)], {"batch_size": batch_size})
@@ -315,7 +337,7 @@ def run_airflow(dsn: str, server: str, spark_url: str, folder: Path, pipelines: 
             if done.get("failed"):
                 print(f"{done['failed']} Airflow run(s) of {dag_id} failed: task logs under "
                       f"{home}/logs", file=sys.stderr)
-            cpu = {c: _cpu_s(p) - cpu_before[c] for c, p in cpu_pids.items()}
+            cpu = {c: v - cpu_before[c] for c, v in component_cpu(cpu_pids).items()}
             durations = _query(meta, """SELECT task_id, extract(epoch FROM end_date - start_date)
                                         FROM task_instance
                                         WHERE dag_id = %s AND state = 'success'""", (dag_id,))

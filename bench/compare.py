@@ -591,7 +591,7 @@ def report(results: dict, acker: dict, jvm_s: float | None, sources: list[str],
         if r.get("begin_s"):
             print(f"  {name}: begin medians: " + ", ".join(
                 f"{k.replace('_', ' ')} {v:.3f}s" for k, v in r["begin_s"].items()))
-        if "cpu_s" in r:  # the task processes are the scheduler's (LocalExecutor) children
+        if "cpu_s" in r:  # task runs: the scheduler's descendants (LocalExecutor workers)
             parts = ", ".join(f"{k} {v:.1f}" for k, v in r["cpu_s"].items())
             print(f"  {name}: CPU seconds during the runs (process trees, lower bounds): "
                   f"{parts}")
