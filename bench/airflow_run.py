@@ -147,8 +147,8 @@ def _cpu_s(pid: int) -> float:
     return sum(_cpu_parts(pid))
 
 
-# The scheduler's descendants are the LocalExecutor's worker processes and the task
-# processes they run: reported apart from the scheduler's own loop.
+# The scheduler's descendants are the LocalExecutor's worker processes, the task processes
+# they run and the log server it starts: reported apart from the scheduler's own loop.
 TASK_RUNS = "task runs (executor workers)"
 
 
