@@ -40,3 +40,24 @@ def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         if item.path in whole:
             item.add_marker(pytest.mark.xdist_group(item.path.stem))
+
+
+_ungrouped: list[str] = []  # on an xdist worker: the grouped tests whose group did not take
+
+
+def pytest_collection_finish(session) -> None:
+    """pytest-xdist's loadgroup sends a group to one worker by the ``@group`` it appends to
+    each test's id, which some pytest versions (9.2) ignore: the module-scoped fixtures above
+    would then start on both workers. Each test then fails, saying so (an error raised here
+    on a worker would reach the terminal as xdist's internal error, without its text)."""
+    if getattr(session.config.option, "loadgroup", False):  # set on xdist's workers
+        _ungrouped[:] = [item.nodeid for item in session.items if "@" not in item.nodeid
+                         and any(True for _ in item.iter_markers("xdist_group"))]
+
+
+def pytest_runtest_setup(item) -> None:
+    if _ungrouped:
+        pytest.fail(f"pytest-xdist's loadgroup did not group {_ungrouped[0]} (and "
+                    f"{len(_ungrouped) - 1} more): this pytest ({pytest.__version__}) ignores "
+                    "the group in a test's id. Install the test dependencies of constraints.txt "
+                    "(bash run.sh test does)", pytrace=False)
