@@ -113,8 +113,8 @@ def ship_code(*refs: object) -> list[str]:
 SHARED_SESSION_KEY = "onceflow"
 
 # A shared Spark Connect session is renewed this often (seconds): the server closes a session
-# left idle past its timeout (15 min as onceflow starts it, 60 by default) and refuses its id
-# for ever after; a period shorter than that bounds how long tasks go without one.
+# left idle past its timeout (the one onceflow starts it with, or Spark's default) and refuses
+# its id for ever after; a period shorter than that bounds how long tasks go without one.
 SHARED_SESSION_PERIOD_S = 600
 
 
@@ -126,8 +126,8 @@ def shared_session_id(key: str, now: float | None = None) -> str:
     return str(uuid.UUID(bytes=digest[:16], version=4))
 
 
-# The client's backoff: PySpark's own (50 ms, times 4, 500 ms of jitter from 2 s), with a
-# lower ceiling so that a server back within seconds (a restart) is found soon.
+# The client's backoff: PySpark's own, with a lower ceiling so that a server that is back
+# soon (a restart) is found soon.
 _BACKOFF_MS = {"initial_backoff": 50, "backoff_multiplier": 4.0, "max_backoff": 5000,
                "jitter": 500, "min_jitter_threshold": 2000}
 

@@ -135,8 +135,8 @@ DIRECT = {
     "float": frozenset({"real"}),
     "double": frozenset({"real", "double precision", "numeric"}),
 }
-# the most bytes to_json writes for a value of these types (bigint's minimum is 20 chars;
-# a double's shortest text at most 24), "null" included
+# the most bytes to_json writes for a value of these types (a bigint's minimum, a double's
+# shortest text that reads back the same), "null" included
 _WIDTH = {"boolean": 5, "smallint": 6, "integer": 11, "bigint": 20, "real": 26,
           "double precision": 26}
 
