@@ -145,9 +145,9 @@ def embedded_env(*, warm_spark: bool = True, wait_spark: bool = True) -> str:
     """Find or start PostgreSQL (and, with ``warm_spark``, the local Spark Connect server),
     and set up the Airflow environment of the project folder (idempotent). Returns the DSN.
     ONCEFLOW_SPARK=submit chooses spark-submit instead of the warm Spark. ``wait_spark``
-    False: return while the server starts (its JVM takes 10-12 s); ``spark_ready()`` then
-    waits for it, and no warm-up follows (localspark.warm_up): the caller's own batches come
-    at once, and a warm-up would only compete with them for the CPU."""
+    False: return while the server's JVM starts; ``spark_ready()`` then waits for it, and no
+    warm-up follows (localspark.warm_up): the caller's own batches come at once, and a
+    warm-up would only compete with them for the CPU."""
     global _launched
     from onceflow.dev.localpg import ensure_postgres
 
