@@ -52,7 +52,7 @@ def pytest_collection_finish(session) -> None:
     on a worker would reach the terminal as xdist's internal error, without its text)."""
     if getattr(session.config.option, "loadgroup", False):  # set on xdist's workers
         _ungrouped[:] = [item.nodeid for item in session.items if "@" not in item.nodeid
-                         and any(True for _ in item.iter_markers("xdist_group"))]
+                         and item.get_closest_marker("xdist_group")]
 
 
 def pytest_runtest_setup(item) -> None:
