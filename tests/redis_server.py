@@ -44,6 +44,9 @@ class RedisServer:
         self.process: subprocess.Popen | None = None
 
     def start(self) -> RedisServer:
+        if answers("127.0.0.1", self.port):
+            raise RuntimeError(f"a Redis server that this test did not start answers on port "
+                               f"{self.port}: choose another port")
         self.folder.mkdir(parents=True, exist_ok=True)
         aof = ["--appendonly", "yes", "--appendfsync", "always"] if self.persistent \
             else ["--appendonly", "no"]
@@ -54,8 +57,16 @@ class RedisServer:
         deadline = time.monotonic() + 60  # generous: only a real failure to start
         while not answers("127.0.0.1", self.port):
             if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
                 raise RuntimeError(f"redis-server on port {self.port} did not start")
             time.sleep(0.02)
+        # Whoever took the free port between its choice and the start would answer too: only
+        # the server whose process this is counts.
+        pid = redis.Redis(host="127.0.0.1", port=self.port).info("server")["process_id"]
+        if pid != self.process.pid:
+            self.stop()
+            raise RuntimeError(f"the Redis server on port {self.port} is process {pid}, not the "
+                               f"one this test started ({self.process.pid})")
         return self
 
     def kill(self) -> None:

@@ -1,6 +1,6 @@
-"""The benchmarks under bench/ stay runnable: each runs here in a tiny size (the figures mean
-nothing at this size; the full runs are documented in README), every system's result checked
-against its ground truth by the benchmark itself."""
+"""The peer comparison (bench/compare.py) stays runnable: it runs here in a tiny size (the
+figures mean nothing at this size; the full runs are in bench/RESULTS.md), every system's
+result checked against its ground truth by the benchmark itself."""
 
 from __future__ import annotations
 
@@ -9,6 +9,11 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+
+import psycopg2
+from psycopg2 import sql
+
+from onceflow.core import db
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -19,12 +24,35 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _bench_databases(server_dsn: str) -> set[str]:
+    conn = psycopg2.connect(db.with_database(server_dsn, "postgres"))
+    try:
+        with conn.cursor() as cur:
+            cur.execute("SELECT datname FROM pg_database WHERE datname LIKE 'onceflow\\_bench\\_%'")
+            return {name for (name,) in cur.fetchall()}
+    finally:
+        conn.close()
+
+
 def _bench(script: str, args: list[str], tmp_path: Path, dsn: str) -> str:
+    """Run a benchmark; the databases it made on the server are dropped afterwards."""
+    server = db.with_database(dsn, "postgres")
+    before = _bench_databases(server)
     env = {**os.environ, "ONCEFLOW_HOME": str(tmp_path),
            "ONCEFLOW_SPARK_CONNECT_PORT": str(_free_port()),
            "ONCEFLOW_PG_DSN": dsn}
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / script), *args], cwd=tmp_path,
-                          env=env, capture_output=True, text=True, timeout=900)
+    try:
+        done = subprocess.run([sys.executable, str(ROOT / "bench" / script), *args],
+                              cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=900)
+    finally:
+        admin = psycopg2.connect(server)
+        admin.autocommit = True
+        with admin.cursor() as cur:
+            for name in sorted(_bench_databases(server) - before):
+                cur.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
+                    sql.Identifier(name)))
+        admin.close()
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done.stdout
 

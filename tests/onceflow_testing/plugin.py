@@ -25,6 +25,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -43,7 +44,7 @@ def pytest_configure(config) -> None:
     """Before anything imports Airflow: PostgreSQL found, an Airflow home of this run's own."""
     from onceflow.dev import use_examples
     from onceflow.dev.localenv import airflow_env, apply_env, project_dir
-    from onceflow.dev.localpg import ensure_postgres
+    from onceflow.dev.localpg import ensure_postgres, private_data_dir, running_private
 
     # the suite runs the examples' pipelines and DAGs, registered as `bash run.sh demo` has
     # them (for this process and every one it starts: Airflow's, Spark's, the CLI's)
@@ -51,20 +52,38 @@ def pytest_configure(config) -> None:
     tests = str(Path(__file__).resolve().parents[1])
     os.environ["PYTHONPATH"] = os.pathsep.join([tests, os.environ["PYTHONPATH"]])
     root = project_dir()
+    # A private cluster the suite starts is the suite's to stop; one already running (the
+    # demo's, say) is left as it was.
+    was_running = running_private(private_data_dir(root))
     server, how = ensure_postgres(root)
+    started_pg = not was_running and running_private(private_data_dir(root))
     home = tempfile.mkdtemp(prefix="onceflow-airflow-")
     os.environ["AIRFLOW_HOME"] = home
+    made = [home]
     # File segments without a path of their own land in a folder of this run's own: runs
     # (and pytest-xdist workers) side by side use the same topic names.
-    os.environ.setdefault("ONCEFLOW_SEGMENTS_DIR", tempfile.mkdtemp(prefix="onceflow-segments-"))
+    if not os.environ.get("ONCEFLOW_SEGMENTS_DIR"):
+        os.environ["ONCEFLOW_SEGMENTS_DIR"] = tempfile.mkdtemp(prefix="onceflow-segments-")
+        made.append(os.environ["ONCEFLOW_SEGMENTS_DIR"])
     apply_env(airflow_env(root, server))
     # One template per run: runs may overlap on one server.
-    _state.update(server=server, how=how, home=home, root=root,
-                  template=f"onceflow_test_template_{os.getpid()}")
+    _state.update(server=server, how=how, home=home, root=root, made=made,
+                  started_pg=started_pg, template=f"onceflow_test_template_{os.getpid()}")
     # py4j logs "Closing down clientserver connection" from __del__ after pytest closed its
     # streams.
     logging.getLogger("py4j").setLevel(logging.WARNING)
     _hypothesis_profile(config)
+
+
+def pytest_unconfigure(config) -> None:
+    """The run leaves nothing of its own behind: its temporary folders, and the private
+    PostgreSQL cluster if this process started it."""
+    for folder in _state.get("made", ()):
+        shutil.rmtree(folder, ignore_errors=True)
+    if _state.get("started_pg"):
+        from onceflow.dev.localpg import private_data_dir, stop_private
+
+        stop_private(private_data_dir(_state["root"]))
 
 
 CI_PROFILE = "onceflow-ci"

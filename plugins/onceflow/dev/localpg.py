@@ -82,8 +82,13 @@ def start_private(data_dir: Path, port: int = PRIVATE_PORT) -> str:
     return dsn
 
 
+def running_private(data_dir: Path) -> bool:
+    """Whether the private cluster in ``data_dir`` runs (its postmaster's pid file is there)."""
+    return (data_dir / "postmaster.pid").exists()
+
+
 def stop_private(data_dir: Path) -> None:
-    if (data_dir / "postmaster.pid").exists():
+    if running_private(data_dir):
         subprocess.run(_as_postgres([_pg_bin("pg_ctl"), "-D", str(data_dir), "-m", "fast",
                                      "stop"]), check=False)
 
