@@ -28,6 +28,7 @@ from onceflow.airflow.alerts import commit_lag_dag, monitor_dag_id
 from onceflow.airflow.approval import replay_dag_id, replay_dead_letters_dag
 from onceflow.airflow.assets import commit_outlets, source_asset
 from onceflow.airflow.operators import (
+    WAIT_IN_TASK_S,
     BeginBatchOperator,
     CommitBatchOperator,
     ProcessBatchOperator,
@@ -67,11 +68,12 @@ One DAG run is one attempt of one transaction:
 1. **begin** gives the run its transaction attempt (the txid from the trigger form: a
    backfill; the run's own txid: a Clear; the lowest failed or abandoned txid; or a new one)
    and stores the offsets it reads. Past `max_pending` open transactions it waits for one to
-   commit (the DAG lets one run more start), and is skipped if none does within 300 s;
+   commit (the DAG lets one run more start), and is skipped if none does within
+   {begin_wait:g} s;
 2. **process** runs the topology on Spark over exactly those offsets and stages the result;
-3. **commit** waits for txid - 1 (in the task up to 30 s, then deferred: no worker slot
-   held), then applies the states, the offsets and the commit record in one PostgreSQL
-   transaction. Its log has one `COMMIT ... txid=N attempt=A prev_txid=N-1 rows=R
+3. **commit** waits for txid - 1 (in the task up to {wait_in_task:g} s, then deferred: no
+   worker slot held), then applies the states, the offsets and the commit record in one
+   PostgreSQL transaction. Its log has one `COMMIT ... txid=N attempt=A prev_txid=N-1 rows=R
    waited=Ws` line.
 
 Source: {source}. States: {states}.
@@ -84,11 +86,12 @@ SINGLE_DOC = """
 
 One DAG run is one attempt of one transaction, in one task, **transaction**, whose log says
 each phase: BEGIN (the txid and the offsets it reads; past `max_pending` open transactions it
-waits for one to commit, and is skipped if none does within 300 s), PROCESSED (the topology
-on Spark Connect over exactly those offsets, staged), and COMMIT (in txid order: it waits
-for txid - 1, in the task up to 30 s, then deferred; then the states, the offsets and the
-commit record in one PostgreSQL transaction: `COMMIT ... txid=N attempt=A prev_txid=N-1
-rows=R waited=Ws`). A retry starts again at begin with a new attempt of the same txid.
+waits for one to commit, and is skipped if none does within {begin_wait:g} s), PROCESSED
+(the topology on Spark Connect over exactly those offsets, staged), and COMMIT (in txid
+order: it waits for txid - 1, in the task up to {wait_in_task:g} s, then deferred; then the
+states, the offsets and the commit record in one PostgreSQL transaction: `COMMIT ... txid=N
+attempt=A prev_txid=N-1 rows=R waited=Ws`). A retry starts again at begin with a new attempt
+of the same txid.
 
 Source: {source}. States: {states}.
 """
@@ -169,6 +172,8 @@ def transaction_dag(pipeline: Pipeline | str, *, dag_id: str | None = None,
         description=description or pipeline.description or f"onceflow pipeline {pipeline.name}",
         doc_md=doc_md or (SINGLE_DOC if shape == "single" else DOC).format(
             name=pipeline.name, description=pipeline.description,
+            begin_wait=seconds_setting("begin_wait", None, "begin_wait_s"),
+            wait_in_task=WAIT_IN_TASK_S,
             source=pipeline.source.describe(),
             states=", ".join(f"`{s.table}`" for s in pipeline.states)) + (
             KEEP_UP_DOC.format(interval=pipeline.watch_interval,

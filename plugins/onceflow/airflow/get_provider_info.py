@@ -37,7 +37,8 @@ def get_provider_info() -> dict:
         "operators": [{"integration-name": "onceflow",
                        "python-modules": ["onceflow.airflow.operators.transaction"]}],
         "triggers": [{"integration-name": "onceflow",
-                      "python-modules": ["onceflow.airflow.triggers.commit_turn"]}],
+                      "python-modules": ["onceflow.airflow.triggers.commit_turn",
+                                         "onceflow.airflow.triggers.source_watch"]}],
         "asset-uris": [{"schemes": ["onceflow"]}],
         "config": config(),
         # the UI plugin registers itself by its own entry point (airflow.plugins): listed here

@@ -1,5 +1,6 @@
-"""The transaction log: the only module that reads or writes ``transactions``,
-``transaction_attempts``, ``transaction_runs`` and ``batch_ranges``.
+"""The transaction log: the only module that writes ``transactions``,
+``transaction_attempts``, ``transaction_runs`` and ``batch_ranges``. Others only read them
+(status, repair, the view, alerts, keep-up, freshness, offsets, the landing folder's repair).
 
 Two logs behind one small interface, as Spark's OffsetSeqLog and CommitLog:
 

@@ -3,6 +3,7 @@ transaction (transaction.py), with what their tasks share (the pipeline's loadin
 note, failures told to Airflow)."""
 
 from onceflow.airflow.operators.transaction import (
+    WAIT_IN_TASK_S,
     BeginBatchOperator,
     CommitBatchOperator,
     ProcessBatchOperator,
@@ -16,5 +17,5 @@ from onceflow.airflow.operators.transaction import (
 )
 
 __all__ = ["BeginBatchOperator", "CommitBatchOperator", "ProcessBatchOperator",
-           "TransactionOperator", "airflow_outcomes", "lease_for_retry", "load_pipeline",
-           "mark_transaction_failed", "run_note", "seconds_setting"]
+           "TransactionOperator", "WAIT_IN_TASK_S", "airflow_outcomes", "lease_for_retry",
+           "load_pipeline", "mark_transaction_failed", "run_note", "seconds_setting"]

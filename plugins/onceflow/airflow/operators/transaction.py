@@ -70,6 +70,10 @@ PROCESS_ENTRY_POINT = str(
     Path(importlib.util.find_spec("onceflow.spark").origin).parent / "process_batch.py"
 )
 
+# How long a commit task waits for txid - 1 in the task before it defers: most turns come
+# within it, and a deferral costs the triggerer a hand-over each way.
+WAIT_IN_TASK_S = 30.0
+
 # onceflow's processing settings (onceflow.spark.conf); INFO logging only costs time.
 SPARK_DEFAULTS = {
     **processing_conf(),
@@ -706,7 +710,7 @@ class CommitBatchOperator(_Commits, BaseOperator):
     def __init__(self, *, pipeline: str, batch: Any, pipeline_refs: Iterable[str] = (),
                  postgres_conn_id: str = DEFAULT_CONN_ID,
                  commit_timeout: timedelta | None = None, poll_interval: float = 2.0,
-                 wait_in_task: float = 30.0, **kwargs):
+                 wait_in_task: float = WAIT_IN_TASK_S, **kwargs):
         kwargs.setdefault("on_failure_callback", mark_transaction_failed)
         kwargs.setdefault("on_retry_callback", lease_for_retry)
         super().__init__(**kwargs)
@@ -751,7 +755,7 @@ class TransactionOperator(_Begins, _Processes, _Commits, BaseOperator):
                  postgres_conn_id: str = DEFAULT_CONN_ID, conn_id: str = "spark_default",
                  batch_size: Any = None, txid: Any = None, groups: Any = None,
                  wait_for_slot: float | None = None, commit_timeout: timedelta | None = None,
-                 poll_interval: float = 2.0, wait_in_task: float = 30.0, **kwargs):
+                 poll_interval: float = 2.0, wait_in_task: float = WAIT_IN_TASK_S, **kwargs):
         kwargs.setdefault("on_failure_callback", mark_transaction_failed)
         kwargs.setdefault("on_retry_callback", lease_for_retry)
         super().__init__(**kwargs)
