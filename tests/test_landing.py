@@ -420,7 +420,8 @@ def test_a_batch_over_bytes_edited_in_place_fails_and_repair_skips_them(spark, c
     with conn.cursor() as cur:
         lines = render(pipeline_status(cur, pipeline.source, pipeline.name))
     conn.rollback()
-    assert "    -> onceflow repair --pipeline tweets (a landed file changed)" in lines
+    assert ("    -> onceflow repair --pipeline tweets (a landed file changed or was removed)"
+            in lines)
     report = repair(conn, pipeline)
     [found] = report.landed
     [(number, chunks)] = table(conn, "SELECT count(*) FILTER (WHERE byte_start <= %s), "

@@ -2,7 +2,7 @@
 (docs/deployment.md): an Airflow worker or a Spark executor where it is missing fails the
 batch saying so, naming the folder and the rule, not with a bare file-not-found. On one
 machine, "missing on this machine" is the folder moved away after the batch was planned; a
-file removed from a folder that is there stays a SourceShortfall (tests/test_landing.py)."""
+file removed from a folder that is there is refused for repair (tests/test_landing.py)."""
 
 from __future__ import annotations
 

@@ -143,7 +143,9 @@ def _stuck(pipeline: str, rows: list[TxRow], last_committed: int,
     for row in rows:
         if row.state is TxState.COMMITTED:
             continue
-        if row.state in txlog.ADOPTABLE and row.permanent:
+        # A batch refused because a landed file changed or is gone fails again until repair.
+        refused = REPAIR_HINT in (row.reason or "")
+        if row.state in txlog.ADOPTABLE and row.permanent and not refused:
             out.append(Stuck(row.txid, str(row.state),
                              f"attempt {row.attempt} {row.state}: {row.reason or '-'}",
                              "retrying cannot help until its cause is fixed: do what the "
@@ -156,12 +158,12 @@ def _stuck(pipeline: str, rows: list[TxRow], last_committed: int,
                              f"once txid {first_permanent} is fixed, {backfill} re-runs both "
                              "in txid order"))
         elif row.state in txlog.ADOPTABLE:
-            # A batch refused because a landed file changed fails again until repair.
-            fix = (f"onceflow repair --pipeline {pipeline} (a landed file changed)"
-                   if REPAIR_HINT in (row.reason or "") else
+            fix = (f"onceflow repair --pipeline {pipeline} (a landed file changed or was "
+                   "removed)" if refused else
                    f"the next run adopts it; now: {backfill}")
             out.append(Stuck(row.txid, str(row.state),
-                             f"attempt {row.attempt} {row.state}: {row.reason or '-'}", fix))
+                             f"attempt {row.attempt} {row.state}: {row.reason or '-'}", fix,
+                             permanent=row.permanent))
         elif row.abandoned:
             out.append(Stuck(row.txid, "abandoned", _held(row),
                              f"the next run adopts it; now: {backfill}"))

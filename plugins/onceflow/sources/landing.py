@@ -33,7 +33,8 @@ is a range over the manifest.
   ``onceflow repair`` says what changed and accepts the file as it is now or skips it with
   a recorded gap (onceflow.sources.landing_repair).
 - A file removed before every batch that reads it committed fails that batch's read
-  (SourceShortfall, naming it).
+  (SourceChanged, naming it: retries would not find it either); ``onceflow repair`` skips
+  its unread records with a recorded gap.
 - JSON lines with a declared ``json_schema``: each line is decoded where it is read
   (onceflow.sources.json_records): the records carry the declared columns and
   ``_corrupt_record`` instead of ``payload``.
@@ -873,8 +874,7 @@ class LandingFolder(Source):
             try:
                 _check_parquet(filesystem, groups)
             except RuntimeError as error:
-                raise (SourceShortfall if "SourceShortfall" in str(error) else SourceChanged)(
-                    str(error)) from None
+                raise SourceChanged(str(error)) from None
             reader = spark.read.schema(self.schema) if self.schema else spark.read
             df = reader.parquet(_spark_path(self.path, path))
             offset = F.lit(bases[path]) + F.col("_metadata.row_index")
@@ -999,8 +999,9 @@ def _changed(chunk: _Chunk, what: str) -> RuntimeError:
 
 def _removed(path: str, filesystem) -> RuntimeError:
     require_folder(posixpath.dirname(path), filesystem)  # a folder not mounted here says so
-    return RuntimeError(f"SourceShortfall: landed file {path!r} was removed before every "
-                        "batch reading it committed")
+    # Refused as a changed file is (retries read the same missing file): repair skips it.
+    return RuntimeError(f"landed file {path!r} was removed before every batch reading it "
+                        f"committed: refused. {REPAIR_HINT}")
 
 
 def _read_chunk(filesystem, fmt: str, chunk: _Chunk):

@@ -108,6 +108,22 @@ class ChangedFile:
         every pipeline has committed."""
         return [c for c in self.changed_chunks if not self.committed_by_all(c)]
 
+    def gaps(self) -> dict[str, list[tuple[int, int]]]:
+        """Per pipeline, the offsets --skip-changed records as its gaps: those of the skipped
+        chunks it has not committed (a chunk is skipped whole, but what a pipeline
+        committed of it stays committed)."""
+        out = {}
+        for reader in self.readers:
+            spans = [(max(lo, reader.committed or 0), hi) for lo, hi in _spans(self.to_skip())]
+            out[reader.name] = [(lo, hi) for lo, hi in spans if lo < hi]
+        return out
+
+    def skipped_records(self) -> int:
+        """How many of the skipped chunks' records some pipeline has not committed: what
+        --skip-changed announces and skips (each pipeline's gaps hold its part of them)."""
+        lows = [reader.committed or 0 for reader in self.readers] or [0]
+        return sum(max(0, hi - max(lo, min(lows))) for lo, hi in _spans(self.to_skip()))
+
     def describe(self) -> str:
         return f"landed file {self.path} (partition {self.partition}) changed: {self.what}"
 
@@ -131,10 +147,11 @@ class ChangedFile:
             f"not possible: {refusal}" if refusal else
             f"index it again as it is now from byte {self.restart} ({void}its lines from "
             "there get new offsets)"))
-        skipped = self.to_skip()
-        records = sum(c.records for c in skipped)
-        out.append(f"--skip-changed {self.path}: skip {records} record(s) of it no pipeline "
-                   "committed (recorded as gaps) and stop following it")
+        gaps = "; ".join(f"{name} {', '.join(f'[{lo}, {hi})' for lo, hi in spans)}"
+                         for name, spans in self.gaps().items() if spans)
+        out.append(f"--skip-changed {self.path}: skip {self.skipped_records()} record(s) of it "
+                   "no pipeline committed (recorded as gaps" + (f": {gaps}" if gaps else "")
+                   + ") and stop following it")
         return out
 
 
@@ -329,16 +346,14 @@ def skip(cur, source: LandingFolder, change: ChangedFile) -> int:
         (f"{change.what}; skipped by onceflow repair at {when}", sum(c.records for c in gone),
          source.topic, change.file_no))
     policy = f"repair --skip-changed {change.path}"
-    for reader in change.readers:
-        last = txlog.last_committed(cur, reader.name)
-        for lo, hi in _spans(gone):
-            lo = max(lo, reader.committed or 0)
-            if lo < hi:
-                offsets.record_gap(cur, reader.name, source.topic, change.partition, lo, hi,
-                                   last, policy)
+    for name, spans in change.gaps().items():
+        last = txlog.last_committed(cur, name)
+        for lo, hi in spans:
+            offsets.record_gap(cur, name, source.topic, change.partition, lo, hi, last, policy)
+    skipped = change.skipped_records()
     log.warning("REPAIR topic=%s: %s skipped: %d record(s) of it no pipeline committed",
-                source.topic, change.path, sum(c.records for c in gone))
-    return sum(c.records for c in gone)
+                source.topic, change.path, skipped)
+    return skipped
 
 
 def _spans(chunks: list[_Chunk]) -> list[tuple[int, int]]:

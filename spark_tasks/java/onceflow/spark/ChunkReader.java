@@ -41,8 +41,8 @@ final class ChunkReader implements PartitionReader<InternalRow> {
 
   private static IllegalStateException removed(ReadSpec.Chunk chunk) {
     requireFolder(Paths.get(chunk.path).getParent());  // a folder not mounted here says so
-    return new IllegalStateException("SourceShortfall: landed file '" + chunk.path
-        + "' was removed before every batch reading it committed");
+    return new IllegalStateException("landed file '" + chunk.path
+        + "' was removed before every batch reading it committed: refused. " + REPAIR_HINT);
   }
 
   private static IllegalStateException changed(ReadSpec.Chunk chunk, String what) {
