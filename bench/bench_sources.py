@@ -7,7 +7,7 @@ Prints, per kind: produce time, then processing events/s (transform and staging 
 the Spark session start is reported apart), and verify. Uses a database of its own
 (onceflow_bench_sources, dropped at the start) and a segments folder under .run/.
 
-Segment reads (bench/RESULTS.md, "Segments: row groups skipped by offset"): segments imported
+Segment reads (measured with it before bench_segment_layout.py): segments imported
 as `onceflow import` writes them (400,000 records per partition), batches smaller than a
 segment, each batch's begin / processing / commit time and a Python read of its ranges
 (``payloads``, as verify reads them):
