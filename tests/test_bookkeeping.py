@@ -5,6 +5,9 @@ and `backfill` say so (exit 1), `repair` says what is wrong and fixes what it sa
 
 from __future__ import annotations
 
+import json
+from datetime import UTC
+
 import pytest
 
 from helpers import run_transaction, table, tweets_pipeline
@@ -60,6 +63,13 @@ def test_lost_or_changed_offsets_are_shown_and_written_again(committed, conn, ca
         f"{heads[3]}) lag=0" in out
     assert "PROBLEMS: the bookkeeping is damaged" in out
     assert f"p0 has no row, the commit log says {heads[0]} (txid 3)" in out
+    # the freshness line's lag is the partitions' (both from the commit log's offsets), not
+    # the 3 lost partitions' records and p3's 40 again
+    assert "; lag 0 records, 0.0s" in out
+    capsys.readouterr()
+    assert main(["status", "--json", "--pipeline", "tweets"]) == 1
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["freshness"]["lag_records"] == sum(p["lag"] for p in shown["partitions"]) == 0
     code, out = run(capsys, "backfill", "--dry-run")
     assert code == 1 and "partition_offsets disagrees with the commit log for 5" in out
 
@@ -147,3 +157,35 @@ def test_a_commit_record_changed_by_hand_is_found_and_restored(committed, spark,
     assert run(capsys, "status")[0] == 0
     report = recount(conn, committed)
     assert report.ok and report.records == 600, report.mismatches
+
+
+def test_a_restored_commit_record_is_whole_and_status_reads_it(committed, conn, capsys):
+    """A commit record reverted by hand with its committed_at: repair restores the time from
+    the commit's own record (its attempt's end), else now, and says which; status and its
+    freshness line never crash on a NULL committed_at."""
+    ended = dict(table(conn, "SELECT txid, ended_at FROM transaction_attempts "
+                             "WHERE outcome = 'committed'"))
+    with conn.cursor() as cur:  # the issue's repro
+        cur.execute("UPDATE transactions SET state = 'planned', committed_at = NULL "
+                    "WHERE txid = 2")
+        cur.execute("UPDATE pipelines SET last_committed_txid = 1")
+        # and txid 3 stamped by an older repair (committed, no time), its attempt's end gone
+        cur.execute("UPDATE transactions SET committed_at = NULL WHERE txid = 3")
+        cur.execute("UPDATE transaction_attempts SET ended_at = NULL WHERE txid = 3")
+    conn.commit()
+    code, out = run(capsys, "status")
+    assert code == 1 and "Traceback" not in out
+    assert "txid 2 is planned but attempt 1 committed it" in out
+    assert "txid 3 is committed (attempt 1) but its committed_at is gone" in out
+    (before,), = table(conn, "SELECT now()")
+    code, out = run(capsys, "repair", "--yes")
+    assert code == 0, out
+    assert ("did: mark txid 2 committed again (attempt 1), committed_at from its committing "
+            f"attempt's end ({ended[2].astimezone(UTC):%Y-%m-%d %H:%M:%S} UTC)") in out
+    assert "did: set its committed_at now (no record of when it committed is left)" in out
+    rows = dict(table(conn, "SELECT txid, committed_at FROM transactions WHERE state = "
+                            "'committed'"))
+    assert sorted(rows) == [1, 2, 3] and rows[2] == ended[2] and rows[3] >= before
+    assert run(capsys, "repair") == (0, "repair tweets: nothing to repair")
+    code, out = run(capsys, "status")
+    assert code == 0 and "last 3 transaction(s)" in out, out

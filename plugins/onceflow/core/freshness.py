@@ -88,9 +88,11 @@ def of_transactions(cur, pipeline: str, last: int = LAST) -> list[tuple[float, f
                   EXTRACT(EPOCH FROM committed_at - first_arrival), records
            FROM transactions
            WHERE pipeline = %s AND state = 'committed' AND records > 0
-             AND first_arrival IS NOT NULL
+             AND first_arrival IS NOT NULL AND committed_at IS NOT NULL
            ORDER BY txid DESC LIMIT %s""", (pipeline, last))
-    return [(float(lo), float(hi), int(n)) for lo, hi, n in cur.fetchall()]
+    # a commit record without its time (changed by hand) has no wait to measure
+    return [(float(lo), float(hi), int(n)) for lo, hi, n in cur.fetchall()
+            if lo is not None and hi is not None]
 
 
 def of_txid(cur, pipeline: str, txid: int) -> tuple[float, float] | None:
@@ -115,14 +117,16 @@ def by_txid(cur, pipeline: str, txids: list[int]) -> dict[int, tuple[float, floa
     return {txid: (float(lo), float(hi)) for txid, lo, hi in cur.fetchall()}
 
 
-def lag(cur, pipeline: str, source, positions: Mapping[int, Position] | None = None
-        ) -> tuple[int, float | None]:
+def lag(cur, pipeline: str, source, positions: Mapping[int, Position] | None = None,
+        committed: Mapping[int, int] | None = None) -> tuple[int, float | None]:
     """(records past the committed offsets, seconds the oldest of them has waited).
     ``positions``: the source's, if the caller has them (else its cheap ``heads``, with what
-    a landing folder has not indexed yet)."""
+    a landing folder has not indexed yet). ``committed``: the committed offsets to count
+    from, if the caller has them (status: the commit log's where partition_offsets lost
+    them), else partition_offsets."""
     unindexed, oldest_unindexed = (0, None) if positions is not None else source.unindexed(cur)
     positions = source.heads(cur) if positions is None else positions
-    committed = offsets.committed(cur, pipeline)
+    committed = offsets.committed(cur, pipeline) if committed is None else committed
     records, points = unindexed, []
     for partition, position in positions.items():
         done = max(committed.get(partition, position.log_start), position.log_start)
@@ -141,11 +145,11 @@ def lag(cur, pipeline: str, source, positions: Mapping[int, Position] | None = N
 
 
 def measure(cur, pipeline: str, source, positions: Mapping[int, Position] | None = None,
-            last: int = LAST) -> Freshness:
+            last: int = LAST, committed: Mapping[int, int] | None = None) -> Freshness:
     """The pipeline's freshness over its last ``last`` committed transactions, and its lag
-    now (see the module docstring)."""
+    now (see the module docstring; ``positions``, ``committed``: as ``lag`` takes them)."""
     spans = of_transactions(cur, pipeline, last)
-    lag_records, lag_s = lag(cur, pipeline, source, positions)
+    lag_records, lag_s = lag(cur, pipeline, source, positions, committed)
     return Freshness(len(spans), sum(n for _, _, n in spans),
                      weighted_quantile(spans, 0.5), weighted_quantile(spans, 0.95),
                      max((hi for _, hi, _ in spans), default=None), lag_records, lag_s, last)

@@ -605,6 +605,18 @@ def restore_committed(cur, pipeline: str, ta: TransactionAttempt, reason: str) -
     return changed
 
 
+def stamp_committed(cur, pipeline: str, txid: int, at) -> bool:
+    """`onceflow repair`: give committed ``txid`` whose committed_at was set to NULL by hand
+    its time again: ``at`` (the commit's own record of it), else now. Freshness, status and
+    the view read it. Returns whether the row changed."""
+    cur.execute(
+        """UPDATE transactions SET committed_at = coalesce(%s, now())
+           WHERE pipeline = %s AND txid = %s AND state = 'committed' AND committed_at IS NULL""",
+        (at, pipeline, txid),
+    )
+    return cur.rowcount == 1
+
+
 def unmark_committed(cur, pipeline: str, ta: TransactionAttempt, reason: str) -> bool:
     """`onceflow repair`: a transaction marked committed by hand, whose commit never ran (no
     outcome, no committed_at): failed, so the next run adopts it. Returns whether it was."""

@@ -34,6 +34,7 @@ outcome is committed, or ``committed_at``), not by its state column alone.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 
 # Whether transaction t's commit left its marks: its time stamp, or an attempt whose outcome
 # is committed (both written by the commit, with the state, in one PostgreSQL transaction).
@@ -45,18 +46,17 @@ _DONE = """(t.committed_at IS NOT NULL OR EXISTS (
 # transactions_open) and the ones without a time stamp (index transactions_unstamped), with
 # the attempt that committed, if one did. A healthy pipeline's committed history is in
 # neither index, so this reads the open transactions only.
-_ODD = f"""
+_ODD_ROW = f"""
     SELECT t.txid, t.state, t.attempt,
            (SELECT max(a.attempt) FROM transaction_attempts a WHERE a.pipeline = t.pipeline
               AND a.txid = t.txid AND a.outcome = 'committed') AS committed_attempt,
-           {_DONE} AS done
-    FROM transactions t WHERE t.pipeline = %(p)s AND t.state <> 'committed'
+           {_DONE} AS done, t.committed_at IS NULL AS unstamped,
+           (SELECT max(a.ended_at) FROM transaction_attempts a WHERE a.pipeline = t.pipeline
+              AND a.txid = t.txid AND a.outcome = 'committed') AS committed_end
+    FROM transactions t WHERE t.pipeline = %(p)s"""
+_ODD = f"""{_ODD_ROW} AND t.state <> 'committed'
     UNION
-    SELECT t.txid, t.state, t.attempt,
-           (SELECT max(a.attempt) FROM transaction_attempts a WHERE a.pipeline = t.pipeline
-              AND a.txid = t.txid AND a.outcome = 'committed'),
-           {_DONE}
-    FROM transactions t WHERE t.pipeline = %(p)s AND t.committed_at IS NULL"""
+    {_ODD_ROW} AND t.committed_at IS NULL"""
 
 # The highest txid whose commit left its marks (from the newest down: it is near the top).
 _LAST_DONE = f"""
@@ -128,6 +128,19 @@ class Reverted:
     txid: int
     state: str
     attempt: int | None  # the attempt that committed; None: only committed_at says so
+    # committed_at is gone too: when the committing attempt ended (the commit's own record of
+    # its time; None: not recorded, the restored record takes the time of the repair)
+    unstamped: bool = False
+    ended_at: datetime | None = None
+
+    def stamp(self) -> str:
+        """Where a restored commit record's committed_at comes from."""
+        if not self.unstamped:
+            return "its committed_at is kept"
+        if self.ended_at is not None:
+            return (f"committed_at from its committing attempt's end "
+                    f"({self.ended_at.astimezone(UTC):%Y-%m-%d %H:%M:%S} UTC)")
+        return "committed_at now (no record of when it committed is left)"
 
 
 @dataclass(frozen=True)
@@ -142,6 +155,8 @@ class Unapplied:
 @dataclass
 class Bookkeeping:
     reverted: list[Reverted] = field(default_factory=list)
+    # committed, by its state and its attempt, but committed_at is gone (set to NULL by hand)
+    unstamped: list[Reverted] = field(default_factory=list)
     unapplied: list[Unapplied] = field(default_factory=list)
     # partition -> (offset, txid, topic) the commit log implies
     expected: dict[int, tuple[int, int, str]] = field(default_factory=dict)
@@ -166,25 +181,31 @@ class Bookkeeping:
         return out
 
 
-def commit_marks(cur, pipeline: str) -> tuple[list[Reverted], list[Unapplied]]:
-    """Transactions whose state disagrees with the marks their commit left (or did not).
-    One statement: a commit landing meanwhile is seen whole or not at all."""
+def commit_marks(cur, pipeline: str
+                 ) -> tuple[list[Reverted], list[Unapplied], list[Reverted]]:
+    """Transactions whose state disagrees with the marks their commit left (or did not), and
+    committed ones whose committed_at is gone. One statement: a commit landing meanwhile is
+    seen whole or not at all."""
     cur.execute(f"""WITH odd AS ({_ODD}),
                     last AS ({_LAST_DONE}),
                     moved AS (SELECT coalesce(max(txid), 0) AS txid FROM partition_offsets
                               WHERE pipeline = %(p)s)
                     SELECT o.txid, o.state, o.attempt, o.committed_attempt, o.done,
-                           o.txid > greatest((SELECT * FROM last), moved.txid)
+                           o.txid > greatest((SELECT * FROM last), moved.txid),
+                           o.unstamped, o.committed_end
                     FROM odd o, moved
-                    WHERE (o.state = 'committed') <> o.done ORDER BY o.txid""",
+                    WHERE (o.state = 'committed') <> o.done
+                       OR (o.state = 'committed' AND o.unstamped) ORDER BY o.txid""",
                 {"p": pipeline})
-    reverted, unapplied = [], []
-    for txid, state, attempt, committed_attempt, done, last in cur.fetchall():
-        if done:
-            reverted.append(Reverted(txid, state, committed_attempt))
+    reverted, unapplied, unstamped = [], [], []
+    for txid, state, attempt, committed_attempt, done, last, no_time, end in cur.fetchall():
+        if state == "committed" and done:
+            unstamped.append(Reverted(txid, state, committed_attempt, True, end))
+        elif done:
+            reverted.append(Reverted(txid, state, committed_attempt, no_time, end))
         else:
             unapplied.append(Unapplied(txid, attempt, last))
-    return reverted, unapplied
+    return reverted, unapplied, unstamped
 
 
 def partition_offsets(cur, pipeline: str) -> tuple[dict, dict, str]:
@@ -207,7 +228,7 @@ def check(cur, pipeline: str, *, coordinator: bool = True, ranges: bool = True
     """Every invariant in the module docstring (``coordinator``: the coordinator row's too;
     ``ranges``: the tiling of committed ranges, a pass over them all)."""
     out = Bookkeeping()
-    out.reverted, out.unapplied = commit_marks(cur, pipeline)
+    out.reverted, out.unapplied, out.unstamped = commit_marks(cur, pipeline)
     for r in out.reverted:
         how = (f"attempt {r.attempt} committed it" if r.attempt is not None
                else "its committed_at is set")
@@ -215,13 +236,18 @@ def check(cur, pipeline: str, *, coordinator: bool = True, ranges: bool = True
             out.problems.append(Problem(
                 "commit-record", f"txid {r.txid} is {r.state} but {how}: its commit record "
                 "was changed by hand, and running it again would count its batch twice",
-                f"mark txid {r.txid} committed again (attempt {r.attempt})"))
+                f"mark txid {r.txid} committed again (attempt {r.attempt}), {r.stamp()}"))
         else:
             out.problems.append(Problem(
                 "commit-record", f"txid {r.txid} is {r.state} but {how}, and no attempt of "
                 "it is recorded as committed", None,
                 f"check with `onceflow verify --pipeline {pipeline}` whether its batch is in "
                 "the state; do not re-run it until then"))
+    for r in out.unstamped:
+        out.problems.append(Problem(
+            "commit-record", f"txid {r.txid} is committed (attempt {r.attempt}) but its "
+            "committed_at is gone: its commit record was changed by hand",
+            f"set its {r.stamp()}"))
     for u in out.unapplied:
         what = (f"txid {u.txid} is committed but no commit of it left its marks (no attempt "
                 "committed, no committed_at): its commit record was set by hand and its "

@@ -229,6 +229,9 @@ def _check_bookkeeping(cur, name: str, report: RepairReport) -> None:
         if r.attempt is not None:
             txlog.restore_committed(cur, name, txlog.TransactionAttempt(r.txid, r.attempt),
                                     f"attempt {r.attempt} committed; {why}")
+            txlog.stamp_committed(cur, name, r.txid, r.ended_at)  # a restored record is whole
+    for r in book.unstamped:
+        txlog.stamp_committed(cur, name, r.txid, r.ended_at)
     for u in book.unapplied:
         if u.fixable:
             txlog.unmark_committed(cur, name, txlog.TransactionAttempt(u.txid, u.attempt),

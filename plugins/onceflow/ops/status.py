@@ -192,14 +192,16 @@ def pipeline_status(cur, source, pipeline: str, limit: int = 20, dead_letters: i
     for partition, position in sorted(positions.items()):
         done = committed.get(partition)
         status.partitions.append(PartitionLine(
-            partition, position.log_start, position.head, done,
-            position.head - (done if done is not None else position.log_start)))
-    status.freshness = freshness.measure(cur, pipeline, source, positions).as_dict()
+            partition, position.log_start, position.head, done, _lag(position, done)))
+    _bookkeeping(cur, status)
+    # the freshness line's lag counts from the offsets the partition lines count from
+    counted = {line.partition: line.head - line.lag for line in status.partitions}
+    status.freshness = freshness.measure(cur, pipeline, source, positions,
+                                         committed=counted).as_dict()
     status.gaps = [dict(zip(("partition", "from", "to", "txid", "policy", "at"), g,
                             strict=True)) for g in offsets.gaps(cur, pipeline)]
     status.backflow = dataclasses.asdict(backflow.queue_sizes(cur, pipeline))
     status.dead_letters = backflow.dead_letter_summary(cur, pipeline, dead_letters, all_dead)
-    _bookkeeping(cur, status)
     # A dead letter failed every replay: replaying it helps only once its cause is fixed.
     status.dead_letters["fix"] = (
         f"once their cause is fixed (a bolt, a declared type): onceflow replay-dead-letters "
@@ -209,6 +211,13 @@ def pipeline_status(cur, source, pipeline: str, limit: int = 20, dead_letters: i
     if notices is not None:
         status.source = [{"what": what, "fix": fix} for what, fix in notices(cur, pipeline)]
     return status
+
+
+def _lag(position, done: int | None) -> int:
+    """A partition's records past ``done``, its committed offset (None: none yet): those a
+    retention deleted first are not there to read."""
+    return position.head - max(done if done is not None else position.log_start,
+                               position.log_start)
 
 
 def _bookkeeping(cur, status: PipelineStatus) -> None:
@@ -224,7 +233,7 @@ def _bookkeeping(cur, status: PipelineStatus) -> None:
         if line.partition in wrong:
             _, want = wrong[line.partition]
             line.commit_log = str(want[0]) if want else "none"
-            line.lag = line.head - (want[0] if want else line.log_start)
+            line.lag = line.head - max(want[0] if want else line.log_start, line.log_start)
 
 
 def _coordinator(cur, pipeline: str) -> tuple[str, int, int]:
