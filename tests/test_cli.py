@@ -127,12 +127,17 @@ def test_produce_refuses_a_lone_surrogate(dsn, conn):
 
 
 def test_an_unreachable_database_says_which_and_how_to_fix(capsys):
+    """Refused connections are tried again (each try logged) for pg_connect_retry_s; the
+    advice fits an installed onceflow: the DSN and where it comes from, not run.sh."""
     dsn = "postgresql://someone:s3cret@127.0.0.1:1/onceflow"
-    out = cli("status", "--pipeline", "tweets", env={"ONCEFLOW_PG_DSN": dsn})
+    out = cli("status", "--pipeline", "tweets",
+              env={"ONCEFLOW_PG_DSN": dsn, "ONCEFLOW_PG_CONNECT_RETRY_S": "1"})
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "PostgreSQL at" in out.stderr and "port=1" in out.stderr
     assert "s3cret" not in out.stderr and "ONCEFLOW_PG_DSN" in out.stderr
-    assert "bash run.sh onceflow pg" in out.stderr
+    assert "onceflow_pg" in out.stderr and "run.sh" not in out.stderr
+    assert "try 1 failed, trying again in 0.5s" in out.stderr
+    assert "2 tries in" in out.stderr and "Connection refused" in out.stderr
 
 
 def test_repair_says_what_it_will_do_then_does_it(dsn, conn, capsys):

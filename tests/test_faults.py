@@ -14,14 +14,17 @@ coordinator's database: tests/test_faults_outside.py.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import socket
 import subprocess
+import threading
 import time
 from pathlib import Path
 
 import pytest
+from psycopg2.extensions import parse_dsn
 
 from helpers import assert_exact, table, tweets_pipeline
 from onceflow.core import db
@@ -129,6 +132,86 @@ def test_a_postgres_crash_under_a_commit_transaction_loses_nothing(spark, crasha
         commit(conn, pipeline, batch.attempt)
     FaultRun(pipeline, dsn, spark, SEED).drain()
     exact(conn, pipeline, payloads)
+
+
+def test_a_postgres_restarting_at_begin_is_waited_for_and_the_run_commits_once(
+        spark, private_pg, crashable, monkeypatch, caplog, capsys):
+    """A PostgreSQL that stops as in a crash (SIGQUIT to its postmaster, by PID: immediate
+    shutdown, recovery at the next start) and comes back 2 s later: the run's connection is
+    tried again, each try logged, and the run then commits its batch once."""
+    from onceflow.spark.loop import run_batches
+
+    dsn, _ = crashable
+    _, data_dir = private_pg
+    monkeypatch.setenv("ONCEFLOW_PG_DSN", dsn)
+    monkeypatch.setenv("ONCEFLOW_PG_CONNECT_RETRY_S", "60")
+    pipeline, payloads, conn = setup(dsn, 400, batch_size=400)
+    conn.close()
+    before = server_started(dsn)
+    postmaster = int((data_dir / "postmaster.pid").read_text().split()[0])
+    os.kill(postmaster, signal.SIGQUIT)
+    wait_until(lambda: not _alive(postmaster), "the postmaster to stop")
+    port = int(parse_dsn(dsn)["port"])
+    restarted = threading.Timer(2.0, start_private, (data_dir, port))
+    restarted.start()
+    try:
+        with caplog.at_level(logging.WARNING, logger="onceflow.core.db"):
+            done = run_batches(spark, dsn, pipeline)
+    finally:
+        restarted.join()
+    assert server_started(dsn) > before  # the server did go down and start again
+    # (where Airflow was imported, its logging may print the lines rather than pass them on)
+    logged = caplog.text + capsys.readouterr().out
+    assert "does not answer yet" in logged and "try 1 failed" in logged  # the run met it
+    assert "answered at try" in logged
+    assert done.committed[0] == 1
+    conn = db.connect(dsn)
+    assert table(conn, "SELECT txid, attempt, outcome FROM transaction_attempts "
+                       "WHERE txid = 1") == [(1, 1, "committed")]
+    FaultRun(pipeline, dsn, spark, SEED).drain()
+    exact(conn, pipeline, payloads)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_a_postgres_that_stays_away_fails_retryable_and_a_wrong_one_at_once(dsn, monkeypatch,
+                                                                           caplog, capsys):
+    """Past pg_connect_retry_s a refused connection is Unavailable, which Airflow retries
+    (airflow_outcomes lets it through); a server that answers with an error waiting cannot
+    fix (a database that does not exist) is Unreachable at once, failing the task."""
+    from onceflow.airflow.compat import AirflowFailException
+    from onceflow.airflow.operators.transaction import airflow_outcomes
+    from onceflow.core.errors import Unavailable, Unreachable, is_permanent
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        nowhere = f"postgresql://postgres@127.0.0.1:{s.getsockname()[1]}/onceflow"
+    monkeypatch.setenv("ONCEFLOW_PG_CONNECT_RETRY_S", "1.6")
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="onceflow.core.db"), \
+            pytest.raises(Unavailable) as gone, airflow_outcomes():
+        db.connect(nowhere)
+    assert 1.4 < time.monotonic() - started < 10
+    assert not is_permanent(gone.value) and "3 tries in" in str(gone.value)
+    assert "onceflow_pg" in str(gone.value) and "run.sh" not in str(gone.value)
+    # (once Airflow is imported, its logging may print the lines rather than pass them on)
+    logged = caplog.text + capsys.readouterr().out
+    assert logged.count("does not answer yet") == 2
+    assert "try 1 failed, trying again in 0.5s" in logged
+    assert "try 2 failed, trying again in 1.0s" in logged
+    caplog.clear()
+    wrong = db.with_database(dsn, "onceflow_no_such_database")
+    with pytest.raises(AirflowFailException) as failed, airflow_outcomes():
+        db.connect(wrong)
+    assert isinstance(failed.value.__cause__, Unreachable)
+    assert "does not exist" in str(failed.value)
+    assert "does not answer yet" not in caplog.text + capsys.readouterr().out  # no retry
 
 
 def test_kills_inside_and_after_the_commit_apply_once(spark, dsn, conn):

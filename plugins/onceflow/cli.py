@@ -19,7 +19,7 @@ from onceflow.airflow.backfill import starter
 from onceflow.core import db, settings, txlog
 from onceflow.core.backflow import replay_dead_letters
 from onceflow.core.db import transaction
-from onceflow.core.errors import ConfigError, OnceflowError, Permanent
+from onceflow.core.errors import ConfigError, OnceflowError, Permanent, Unavailable
 from onceflow.core.registration import external_dsns, register, reset_offsets
 from onceflow.core.registry import get_pipeline, pipelines
 from onceflow.core.txlog import TxState
@@ -614,7 +614,7 @@ def run_command(prog: str, func, args) -> int:
     onceflow failure one line and exit 1, never a traceback."""
     try:
         return func(args)
-    except Permanent as error:
+    except (Permanent, Unavailable) as error:  # a PostgreSQL that does not answer: exit 2
         print(f"{prog}: error: {error}", file=sys.stderr)
         return 2
     except OnceflowError as error:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from importlib.resources import files
@@ -19,7 +20,7 @@ from psycopg2 import sql
 
 from onceflow.core import settings
 from onceflow.core.connections import DSN_ENV, safe_dsn
-from onceflow.core.errors import ConfigError, Unreachable
+from onceflow.core.errors import ConfigError, Unavailable, Unreachable
 
 log = logging.getLogger(__name__)
 
@@ -44,23 +45,84 @@ def dsn_from_env() -> str:
 
 def connect(dsn: str | None = None, *, application_name: str = "onceflow"):
     """A new connection; autocommit off, so every unit of work is one explicit transaction.
-    A server that does not answer raises Unreachable, naming the DSN (without its password),
-    the setting it came from and how to start the local one."""
+    A server that refuses connections, is starting up or is in recovery (a restart) is tried
+    again with a backoff for ``pg_connect_retry_s`` (each try logged), then Unavailable,
+    which Airflow retries; one that answers with an error waiting cannot fix (a wrong
+    password, a missing database) raises Unreachable at once. Both name the DSN (without its
+    password) and where it came from."""
     dsn = dsn or dsn_from_env()
-    try:
-        conn = psycopg2.connect(dsn, application_name=application_name, connect_timeout=10)
-    except psycopg2.OperationalError as error:
-        raise unreachable(dsn, error) from error
+    conn = _connect(dsn, application_name)
     conn.autocommit = False
     return conn
 
 
+# What libpq says while a server is restarting, shutting down or out of connection slots:
+# trying again helps. Anything else (authentication, a missing database or role, a bad DSN,
+# a host name that does not exist) does not.
+_PASSING = ("connection refused", "the database system is starting up",
+            "the database system is in recovery mode", "not yet accepting connections",
+            "the database system is shutting down", "server closed the connection",
+            "timeout expired", "too many clients", "no such file or directory",
+            "temporary failure in name resolution", "could not receive data from server")
+_FIRST_DELAY_S, _MAX_DELAY_S = 0.5, 5.0
+
+
+def passing(error: Exception) -> bool:
+    """Whether ``error`` (from connecting) is one that a restarting server gives."""
+    text = str(error).lower()
+    return any(phrase in text for phrase in _PASSING)
+
+
+def _connect(dsn: str, application_name: str, *, dbname: str | None = None):
+    """psycopg2.connect, tried again while the server is passing through a restart (see
+    connect). ``dbname``: connect to that database of the DSN's server instead."""
+    target = with_database(dsn, dbname) if dbname else dsn
+    budget = float(settings.get("pg_connect_retry_s"))
+    started, tries, delay = time.monotonic(), 0, _FIRST_DELAY_S
+    while True:
+        tries += 1
+        try:
+            conn = psycopg2.connect(target, application_name=application_name,
+                                    connect_timeout=10)
+        except psycopg2.OperationalError as error:
+            if not passing(error):
+                raise unreachable(dsn, error) from error
+            elapsed = time.monotonic() - started
+            if elapsed + delay > budget:
+                raise unavailable(dsn, error, tries, elapsed) from error
+            log.warning("PostgreSQL at %s does not answer yet (%s): try %d failed, trying "
+                        "again in %.1fs (for up to %.0fs: %s)", safe_dsn(dsn), _first(error),
+                        tries, delay, budget, settings.env_name("pg_connect_retry_s"))
+            time.sleep(delay)
+            delay = min(delay * 2, _MAX_DELAY_S)
+            continue
+        if tries > 1:
+            log.warning("PostgreSQL at %s answered at try %d, after %.1fs", safe_dsn(dsn),
+                        tries, time.monotonic() - started)
+        return conn
+
+
+def _first(error: Exception) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+_WHERE = (f"The DSN comes from {DSN_ENV} (the CLI, the Spark driver) or, in Airflow's tasks, "
+          "the Airflow connection onceflow_pg")
+
+
 def unreachable(dsn: str, error: Exception) -> Unreachable:
-    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     return Unreachable(
-        f"PostgreSQL at {safe_dsn(dsn)} does not answer ({first}). It comes from {DSN_ENV} "
-        f"(or the Airflow connection onceflow_pg in tasks). Point that at a running server, "
-        "or start the local one: `bash run.sh onceflow pg`")
+        f"PostgreSQL at {safe_dsn(dsn)} does not answer ({_first(error)}). {_WHERE}: check "
+        "its host, port, database, user and password, and that PostgreSQL runs there")
+
+
+def unavailable(dsn: str, error: Exception, tries: int, elapsed: float) -> Unavailable:
+    return Unavailable(
+        f"PostgreSQL at {safe_dsn(dsn)} does not answer ({_first(error)}), {tries} tries in "
+        f"{elapsed:.1f}s. {_WHERE}: check that PostgreSQL runs there and accepts connections "
+        f"(a task fails to be retried by Airflow; {settings.env_name('pg_connect_retry_s')} "
+        "sets how long a connection is tried)")
 
 
 @contextmanager
@@ -98,11 +160,7 @@ def with_database(dsn: str, dbname: str) -> str:
 def ensure_database(dsn: str) -> bool:
     """Create the DSN's database if it does not exist. Returns True when it was created."""
     name = database_name(dsn)
-    try:
-        admin = psycopg2.connect(with_database(dsn, "postgres"),
-                                 application_name="onceflow-init", connect_timeout=10)
-    except psycopg2.OperationalError as error:
-        raise unreachable(dsn, error) from error
+    admin = _connect(dsn, "onceflow-init", dbname="postgres")
     admin.autocommit = True  # CREATE DATABASE cannot run inside a transaction block
     try:
         with admin.cursor() as cur:

@@ -40,6 +40,12 @@ class Unreachable(Permanent, ConnectionError):
     """A database, Redis or Spark that the settings name does not answer."""
 
 
+class Unavailable(OnceflowError, ConnectionError):
+    """A PostgreSQL that refused connections, was starting up or in recovery for as long as
+    connecting is retried (``pg_connect_retry_s``): a server that is restarting answers
+    again, so Airflow retries the task. The CLI exits 2 with it, as with Unreachable."""
+
+
 class UnknownTransaction(Permanent, LookupError):
     """A txid that the pipeline never planned."""
 

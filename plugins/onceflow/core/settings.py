@@ -146,6 +146,11 @@ REGISTRY: tuple[Setting, ...] = (
     _s("spark_connect_retry_s", "float", 30.0,
        "How long a Spark Connect client retries a server that is gone before the task fails "
        "(and Airflow retries it).", airflow=True, minimum=0, takes=_SECONDS),
+    _s("pg_connect_retry_s", "float", 30.0,
+       "How long connecting to PostgreSQL is tried again while the server refuses "
+       "connections, is starting up or is in recovery (a restart), with a backoff and a "
+       "log line per try, before the task fails (and Airflow retries it); 0: one try.",
+       airflow=True, minimum=0, takes=_SECONDS),
     _s("begin_wait_s", "float", 300.0,
        "How long a run past a pipeline's max_pending waits in begin for a commit before it "
        "ends skipped (0: at once).", airflow=True, minimum=0, takes=_SECONDS),

@@ -62,7 +62,7 @@ from pydantic import BaseModel, Field
 
 from onceflow.airflow.ui import bundle, data
 from onceflow.core import txlog
-from onceflow.core.errors import ConfigError, Unreachable
+from onceflow.core.errors import ConfigError, Unavailable, Unreachable
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +165,7 @@ def _guard_post(request: Request) -> None:
 
 
 def _failure(error: Exception) -> HTTPException:
-    if isinstance(error, Unreachable | ConfigError):
+    if isinstance(error, Unreachable | Unavailable | ConfigError):
         return HTTPException(503, str(error))
     return HTTPException(500, f"{type(error).__name__}: {error}")
 
