@@ -108,8 +108,9 @@ def _emit(bolt: Bolt, outputs: list, single: str | None) -> list[tuple[str, dict
     for item in outputs:
         stream, values = (single, item) if single else item
         if stream not in bolt.outputs:
-            raise TopologyError(f"emitted to undeclared stream {stream!r}: declare it in "
-                                "outputs")
+            raise TopologyError(f"emitted to stream {stream!r}, which is not one of its "
+                                f"declared outputs {sorted(bolt.outputs)}: emit to one of "
+                                "those, or declare the stream in outputs")
         out.append((stream, values))
     return out
 

@@ -212,7 +212,17 @@ class _Chain:
                 f"bolt {bolt.name!r}: output lacks column(s) {missing}; carry the anchoring "
                 f"columns {list(ANCHORS)} of each input row and the declared columns")
         pos = F.col("_pos") if "_pos" in have else F.lit(0)
-        fail = F.col("_fail") if "_fail" in have else F.lit(None).cast("string")
+        fail = F.col("_fail").cast("string") if "_fail" in have else F.lit(None).cast("string")
+        # A row for a stream the bolt does not declare would reach no consumer and vanish
+        # with its record counted complete: it fails its input tuple instead, named.
+        declared = sorted(bolt.outputs)
+        emitted = F.col("_stream").cast("string")
+        fail = F.coalesce(fail, F.when(
+            emitted.isNull() | ~emitted.isin(*declared),
+            F.concat(F.lit("emitted _stream="),
+                     F.coalesce(F.concat(F.lit("'"), emitted, F.lit("'")), F.lit("null")),
+                     F.lit(f", which is not one of its declared outputs {declared}: emit "
+                           "one of those, or declare the stream in outputs"))))
         tid = F.xxhash64("_root", F.lit(bolt.name), "_stream", "_tid", pos,
                          *[F.col(c) for c in sorted(data)], F.lit(self.attempt))
         present = {c: F.col(c) for c in data}

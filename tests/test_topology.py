@@ -197,6 +197,40 @@ def test_a_dataframe_bolt_fails_tuples_with_fail_column(spark):
     assert failures == {(1, 1): "bolt check: bang"}
 
 
+def test_a_tuple_for_a_stream_its_bolt_does_not_declare_fails_its_record(spark):
+    """A bolt's output outside its declared outputs (issue 48: outputs good / bad, rows
+    emitted as "rows") reaches no consumer: it fails its record, whole, with a reason naming
+    the value and the outputs, instead of vanishing with the record counted complete. A
+    DataFrame bolt's _stream (null too) and a per-record bolt's (stream, values) alike."""
+    def route(df):  # the second word of the payload names the stream; a record of one
+        words = F.split("payload", " ")  # word has none (null)
+        return df.select(*ANCHORS, F.get(words, 1).alias("_stream"), words[0].alias("key"),
+                         F.lit("bad one").alias("error"))
+
+    def also_split(values):  # the same rule, emitting per record
+        word, _, stream = values["key"].partition(":")
+        return [("good2", {"key": word}), (stream, {"key": word})]
+
+    topology = (Topology("routes")
+                .bolt("route", input=SPOUT, fn=route,
+                      outputs={"good": "key string", "bad": "error string"})
+                .record_bolt("again", input="good", fn=also_split,
+                             outputs={"good2": "key string", "bad2": "key string"})
+                .count("good2", "seen").count("bad2", "seen").reject("bad"))
+    src = records(spark, ["a:bad2 good", "b bad", "c rows", "d", "e:rows good", "f:good2 good"])
+    deltas, rejects, failures = collect(run_topology(topology, src, attempt=1))
+    assert deltas == {("seen", "a"): 2, ("seen", "f"): 2}
+    assert rejects == {(1, 1): "bad one"}
+    outputs = "which is not one of its declared outputs ['bad', 'good']: emit one of those, " \
+              "or declare the stream in outputs"
+    assert failures == {
+        (2, 2): f"bolt route: emitted _stream='rows', {outputs}",
+        (0, 3): f"bolt route: emitted _stream=null, {outputs}",
+        (1, 4): "bolt again: TopologyError: emitted to stream 'rows', which is not one of "
+                "its declared outputs ['bad2', 'good2']: emit to one of those, or declare "
+                "the stream in outputs"}
+
+
 def test_root_ids_keep_the_origin(spark):
     df = spark.createDataFrame([(5, 123456789, True), (4_000_000, (1 << 40) - 1, False)],
                                "partition int, offset long, replayed boolean")
