@@ -218,7 +218,9 @@ def launch(port: int = DEFAULT_PORT, *, master: str | None = None,
                           "ONCEFLOW_SPARK_CONNECT_PORT to a free port")
     # imported here: pyspark loads with it: only where Spark is used
     from onceflow.spark.session import require_java
+    from onceflow.spark.versions import check_pyspark_pair
 
+    check_pyspark_pair()
     require_java()
     folder.mkdir(parents=True, exist_ok=True)
     submit = Path(sys.executable).with_name("spark-submit")

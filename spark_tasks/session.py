@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import inspect
 import os
 import re
 import shutil
@@ -30,6 +31,7 @@ from onceflow.core import settings
 from onceflow.core.errors import ConfigError, OnceflowError, SparkServerGone
 from onceflow.sources.jvm import jvm_conf
 from onceflow.spark.conf import processing_conf
+from onceflow.spark.versions import check_pyspark_pair
 
 
 def require_java() -> None:
@@ -42,6 +44,7 @@ def require_java() -> None:
 
 
 def get_spark(app_name: str = "onceflow", master: str | None = None) -> SparkSession:
+    check_pyspark_pair()
     # Python workers must run the interpreter that has onceflow and pyarrow installed.
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     builder = SparkSession.builder.appName(app_name)
@@ -145,7 +148,8 @@ def retry_policy(budget_s: float):
     pyspark.sql.connect.client.retries.DefaultPolicy, set with
     SparkConnectClient.set_retry_policies), with as many retries as fit in ``budget_s``
     seconds of waiting, jitter included; a server's own retry delay is held to the same
-    ceiling."""
+    ceiling where the client has that setting (pyspark-client 4.2 and later; 4.0 and 4.1
+    have no ``max_server_retry_delay``)."""
 
     b = _BACKOFF_MS
     retries, waited, wait = 0, 0.0, float(b["initial_backoff"])
@@ -155,7 +159,17 @@ def retry_policy(budget_s: float):
             break
         retries, waited = retries + 1, waited + wait + jitter
         wait = min(float(b["max_backoff"]), wait * b["backoff_multiplier"])
-    return DefaultPolicy(max_retries=retries, max_server_retry_delay=b["max_backoff"], **b)
+    wanted = {"max_retries": retries, "max_server_retry_delay": b["max_backoff"], **b}
+    return DefaultPolicy(**_accepted(DefaultPolicy, wanted))
+
+
+def _accepted(cls, wanted: dict) -> dict:
+    """The arguments of ``wanted`` the installed client's ``cls`` takes: each pyspark-client
+    minor has its own set, and an unknown one would fail every task."""
+    params = inspect.signature(cls).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return wanted
+    return {k: v for k, v in wanted.items() if k in params}
 
 
 def _gone(error: BaseException, host: str, port: int) -> bool:
@@ -211,6 +225,7 @@ def connect_session(url: str, app_name: str, shared: str | None = None):
     client's retry policy is set before its first call), not PySpark's ten minutes and more.
     """
 
+    check_pyspark_pair()
     where = urlparse(url.replace("sc://", "http://", 1))
     host, port = where.hostname, where.port or 15002
     try:

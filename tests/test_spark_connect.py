@@ -57,6 +57,45 @@ def test_the_server_starts_answers_and_stops_from_the_cli(tmp_path):
     assert "--conf spark.onceflow.jvmReader=true" in jar.stderr
 
 
+MIXED = """
+import sys
+from onceflow.core.errors import ConfigError
+from onceflow.spark.session import get_spark
+try:
+    get_spark("mixed", master="local[1]")
+except ConfigError as error:
+    print("REFUSED", error)
+"""
+
+
+def test_a_pyspark_and_a_pyspark_client_of_two_versions_are_refused_at_start(tmp_path):
+    """What pip leaves when it installs pyspark-client of one version beside pyspark of
+    another: two dist-infos for one pyspark/ folder. (Here a pyspark-client 4.1.3 dist-info
+    first on the path, in front of this environment's pyspark.) A local server and a session
+    are refused before any Spark starts, naming both versions and the fix; exit 2."""
+    from importlib import metadata
+
+    pyspark = metadata.version("pyspark")
+    info = tmp_path / "pyspark_client-4.1.3.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: pyspark-client\n"
+                                   "Version: 4.1.3\n")
+    env = {**os.environ, "ONCEFLOW_HOME": str(tmp_path),
+           "ONCEFLOW_SPARK_CONNECT_PORT": str(free_port()),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path),
+                                                       os.environ.get("PYTHONPATH")]))}
+    started = subprocess.run([sys.executable, "-m", "onceflow.cli", "spark", "start"],
+                             env=env, capture_output=True, text=True, timeout=180)
+    said = f"pyspark {pyspark} and pyspark-client 4.1.3 are installed together"
+    assert started.returncode == 2 and said in started.stderr, started.stdout + started.stderr
+    assert f"pip install --force-reinstall --no-deps pyspark=={pyspark} " \
+           f"pyspark-client=={pyspark}" in started.stderr and "Traceback" not in started.stderr
+    assert not list(tmp_path.rglob("server-*.pid"))  # nothing was started
+    session = subprocess.run([sys.executable, "-c", MIXED], env=env, capture_output=True,
+                             text=True, timeout=180)
+    assert f"REFUSED {said}" in session.stdout, session.stdout + session.stderr
+
+
 def test_a_server_this_process_started_is_not_taken_for_alive_once_it_exits():
     """A child that exited is a zombie until reaped, and signal 0 still finds a zombie: stop()
     of a server started in-process waited its whole 30 s for one."""
@@ -95,6 +134,14 @@ def test_the_client_retries_a_server_that_is_gone_for_a_bounded_time(monkeypatch
     bounded = retry_policy(server_retry_s())
     assert 20_000 < sum(waits_ms(bounded)) <= 30_000
     assert bounded.max_server_retry_delay <= 5_000
+    # a client without that setting (pyspark-client 4.0, 4.1) is given only what it takes
+    from onceflow.spark.session import _accepted
+
+    def old_policy(max_retries=15, backoff_multiplier=4.0, initial_backoff=50,
+                   max_backoff=60000, jitter=500, min_jitter_threshold=2000):
+        return max_retries
+    assert _accepted(old_policy, {"max_retries": 3, "max_server_retry_delay": 5000}) == \
+        {"max_retries": 3}
     assert sum(waits_ms(retry_policy(10))) <= 10_000
     assert waits_ms(retry_policy(0)) == []
     monkeypatch.setenv("ONCEFLOW_SPARK_CONNECT_RETRY_S", "a while")

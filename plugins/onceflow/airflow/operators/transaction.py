@@ -64,6 +64,7 @@ from onceflow.core.txlog import TransactionAttempt
 from onceflow.kvstate import open_state_provider
 from onceflow.sources.jvm import jvm_conf
 from onceflow.spark.conf import processing_conf
+from onceflow.spark.versions import check_pyspark_pair
 
 # The spark-submit application: the installed onceflow.spark package's entry point file.
 PROCESS_ENTRY_POINT = str(
@@ -543,6 +544,7 @@ class ProcessBatchOperator(_Processes, SparkSubmitOperator):
             self._process_here(url, pipeline, dsn, ta, group)
             return
         with airflow_outcomes():  # a declaration error fails here, once, not in the driver
+            check_pyspark_pair()
             pipeline.build_topology()
 
         ref = reference_of(pipeline)
