@@ -346,3 +346,76 @@ def test_the_preview_chooses_the_dead_letters_of_one_whole_last_error(pipeline, 
     _, body, _ = preview_text("page_views", "x", [(0, 1, 1, "word " * 60, 1, datetime.now(UTC))],
                               0)
     assert f"| {'word ' * 39}word… | 1 |" in body
+
+
+# -- approvers: someone other than the one who asked ----------------------------------------------
+def approved_by_others():
+    """The approval pipeline with approvers (a reference names it:
+    test_approval:approved_by_others): Airflow's all-admins user, Anonymous, and carol."""
+    return dataclasses.replace(approved(), approvers=("Anonymous", "carol"))
+
+
+def approved_by_bob():
+    """The same with approvers bob and carol only (test_approval:approved_by_bob)."""
+    return dataclasses.replace(approved(), approvers=("bob", "carol"))
+
+
+def test_approvers_must_be_declared_names_and_need_approvals():
+    from helpers import TWEETS_APPROVED
+    from onceflow.airflow.approval import approver_refused
+    from onceflow.core.errors import ConfigError
+
+    for bad, says in [(("alice", "alice"), "distinct"), (["alice"], "a tuple"),
+                      (("",), "a tuple"), ((" bob",), "a tuple")]:
+        with pytest.raises(ConfigError, match=rf"pipeline.approvers=.* is invalid: .*{says}"):
+            dataclasses.replace(TWEETS_APPROVED, approvers=bad).validate()
+    with pytest.raises(ConfigError, match="set dead_letter_approval=True too"):
+        dataclasses.replace(TWEETS_APPROVED, dead_letter_approval=False,
+                            approvers=("alice",)).validate()
+    assert dataclasses.replace(TWEETS_APPROVED, approvers=("alice", "bob")).validate()
+    # who counts: with approvers, one of them who did not ask (the run's triggering user)
+    assert "someone else must approve ('bob')" in approver_refused(("alice", "bob"), "alice",
+                                                                   "alice")
+    assert "only 'alice', 'bob' may approve" in approver_refused(("alice", "bob"), "carol",
+                                                                 "mallory")
+    assert approver_refused(("alice", "bob"), "alice", "bob") is None
+    assert approver_refused((), "alice", "alice") is None  # no approvers: as before
+
+
+def _one_dead_letter(conn) -> None:
+    from onceflow.core import backflow
+
+    with conn.cursor() as cur:
+        backflow.ensure_pointers(cur, "page_views")
+        cur.execute("""INSERT INTO dead_letters (pipeline, partition, "offset", payload,
+                                                 failures, errors, txid)
+                       VALUES ('page_views', 0, 3, '{}', 1, ARRAY['unknown country'], 1)""")
+    conn.commit()
+
+
+@pytest.mark.timeout(500)
+def test_with_approvers_only_another_of_them_approves(monkeypatch, conn, airflow_db):
+    """approvers=("bob", "carol"): Anonymous's Approve replays nothing and fails the replay,
+    saying who may approve; approvers=("Anonymous", "carol") and a run asked for by
+    dag.test()'s user: Anonymous's Approve replays. The request says who may approve and
+    who asked."""
+    from onceflow.airflow.approval import replay_dead_letters_dag
+
+    base = datetime.now(UTC).replace(microsecond=0)
+    with outside_pipeline(monkeypatch, "test_approval:approved_by_bob", conn) as pipeline:
+        assert pipeline.approvers == ("bob", "carol")
+        _one_dead_letter(conn)
+        answer = Answer("Approve")
+        run, tasks = run_with_answer(replay_dead_letters_dag("page_views"), choose(all=True),
+                                     answer, base)
+        assert tasks == {"preview": "success", "approve": "success", "replay": "failed"}
+        assert "Only `bob`, `carol` may approve, not `dag_test`, who asked" in \
+            answer.shown["body"]
+        assert table(conn, "SELECT count(*) FROM dead_letters") == [(1,)]
+    with outside_pipeline(monkeypatch, "test_approval:approved_by_others", conn) as pipeline:
+        assert pipeline.approvers == ("Anonymous", "carol")
+        answer = Answer("Approve")
+        run, tasks = run_with_answer(replay_dead_letters_dag("page_views"), choose(all=True),
+                                     answer, base + timedelta(seconds=1))
+        assert tasks == {"preview": "success", "approve": "success", "replay": "success"}
+        assert table(conn, "SELECT count(*) FROM dead_letters") == [(0,)]

@@ -200,3 +200,151 @@ def test_an_unknown_topic_is_refused(conn):
 def test_bad_pipeline_settings_name_the_field(overrides, field):
     with pytest.raises(ConfigError, match=re.escape(field)):
         get_pipeline("tweets", **overrides)
+
+
+# -- replaying dead letters of a pipeline that asks for approvals ----------------------------------
+def _dead_letter(conn, pipeline: str, partition: int, offset: int) -> None:
+    from onceflow.core import backflow
+
+    with conn.cursor() as cur:
+        backflow.ensure_pointers(cur, pipeline)
+        cur.execute("""INSERT INTO dead_letters (pipeline, partition, "offset", payload,
+                                                 failures, errors, txid)
+                       VALUES (%s, %s, %s, '{}', 4, ARRAY['bolt x: ValueError: bad'], 1)""",
+                    (pipeline, partition, offset))
+    conn.commit()
+
+
+def test_replaying_dead_letters_of_an_approval_pipeline_needs_force(dsn, conn):
+    """A pipeline with dead_letter_approval: the CLI refuses (exit 2, naming the approval
+    DAG and --force), moves nothing, and status names the approval path, not this command;
+    with --force it replays and logs it, with who (--by, else the OS user)."""
+    import getpass
+
+    refs = ("--pipelines", "helpers:TWEETS_APPROVED")
+    assert cli(*refs, "init", "--pipeline", "tweets_approved").returncode == 0
+    _dead_letter(conn, "tweets_approved", 0, 3)
+    _dead_letter(conn, "tweets_approved", 1, 7)
+    refused = cli(*refs, "replay-dead-letters", "--pipeline", "tweets_approved",
+                  "--record", "0:3")
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert "dead_letter_approval" in refused.stderr and "--force" in refused.stderr
+    assert "onceflow_tweets_approved_replay_dead_letters" in refused.stderr
+    assert "Traceback" not in refused.stderr
+    assert table(conn, "SELECT count(*) FROM dead_letters") == [(2,)]
+
+    status = cli(*refs, "status", "--pipeline", "tweets_approved", "--json")
+    fix = json.loads(status.stdout)["dead_letters"]["fix"]
+    assert "onceflow_tweets_approved_replay_dead_letters" in fix and "Required actions" in fix
+    assert "onceflow replay-dead-letters" not in fix
+    text = cli(*refs, "status", "--pipeline", "tweets_approved").stdout
+    assert "onceflow replay-dead-letters" not in text
+    assert "onceflow_tweets_approved_replay_dead_letters" in " ".join(text.split())
+
+    forced = cli(*refs, "replay-dead-letters", "--pipeline", "tweets_approved", "--record",
+                 "0:3", "--force", "--by", "alice")
+    assert forced.returncode == 0, forced.stderr
+    assert "put 1 dead letter(s)" in forced.stdout
+    assert re.search(r"WARNING .*REPLAY pipeline=tweets_approved: 1 dead letter\(s\) put back "
+                     r"WITHOUT approval \(--force, by alice", forced.stderr), forced.stderr
+    assert table(conn, 'SELECT partition, "offset" FROM dead_letters') == [(1, 7)]
+    by_os = cli(*refs, "replay-dead-letters", "--pipeline", "tweets_approved", "--all",
+                "--force")
+    assert by_os.returncode == 0 and f"by {getpass.getuser()};" in by_os.stderr, by_os.stderr
+    assert table(conn, "SELECT count(*) FROM dead_letters") == [(0,)]
+
+
+def test_a_pipeline_without_approvals_names_the_cli_to_replay(dsn, conn):
+    main(["init"])
+    _dead_letter(conn, "tweets", 0, 3)
+    status = cli("status", "--pipeline", "tweets", "--json")
+    assert "onceflow replay-dead-letters --pipeline tweets" in json.loads(
+        status.stdout)["dead_letters"]["fix"]
+    done = cli("replay-dead-letters", "--pipeline", "tweets", "--record", "0:3")
+    assert done.returncode == 0 and "put 1 dead letter(s)" in done.stdout, done.stderr
+
+
+# -- producing from a live standard input ---------------------------------------------------------
+def test_produce_from_stdin_writes_records_as_they_come(dsn, conn):
+    """A producer that writes a few records and then waits: they are in the log within about
+    --flush-s, while standard input is still open; a --chunk of 2 writes in twos; a bad
+    record is named by its number over the whole input."""
+    import os
+    import time
+
+    main(["init"])
+
+    def count() -> int:
+        conn.rollback()
+        return table(conn, "SELECT count(*) FROM source_log")[0][0]
+
+    producer = subprocess.Popen(
+        [sys.executable, "-m", "onceflow.cli", "produce", "--pipeline", "tweets",
+         "--flush-s", "0.3"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, env=dict(os.environ))
+    try:
+        lines = produce_lines(5).encode()
+        producer.stdin.write(lines)
+        producer.stdin.flush()
+        deadline = time.monotonic() + 30  # the interpreter's start, then 0.3 s
+        while count() < 5 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert count() == 5 and producer.poll() is None  # written, the pipe still open
+        producer.stdin.write(produce_lines(3, seed=7).encode())
+        producer.stdin.close()
+        producer.wait(30)
+        out, err = producer.stdout.read(), producer.stderr.read()
+    finally:
+        if producer.poll() is None:
+            producer.kill()
+            producer.wait()
+    assert producer.returncode == 0, err
+    assert "produced 8 records" in out.decode()
+    assert count() == 8
+
+    # --chunk 2: written in twos (4 chunks for 7 records); a bad 9th record over the input
+    out = cli("produce", "--pipeline", "tweets", "--chunk", "2", "--flush-s", "5",
+              stdin=produce_lines(7, seed=8))
+    assert out.returncode == 0 and "produced 7 records" in out.stdout
+    assert len(re.findall(r"produced \d records to tweets", out.stderr)) == 4, out.stderr
+    out = cli("produce", "--pipeline", "tweets", stdin=produce_lines(8, seed=9) + "\n")
+    assert out.returncode == 2 and "record 9 is empty" in out.stderr
+    assert count() == 15
+
+
+def test_ui_uses_the_port_it_prints_and_free_log_server_ports():
+    """`onceflow ui`'s Airflow settings: the API server on --port, the task runners pointed
+    at it; a taken port refused with the fix; log servers moved off taken ports."""
+    import socket
+
+    from onceflow.dev.localenv import LOG_PORTS, free_port, port_free, ui_env
+
+    port = free_port()
+    env = ui_env(port, environ={})
+    assert env["AIRFLOW__API__PORT"] == str(port)
+    assert env["AIRFLOW__CORE__EXECUTION_API_SERVER_URL"] == \
+        f"http://127.0.0.1:{port}/execution/"
+    assert ui_env(None, environ={"AIRFLOW__API__PORT": str(port)})["AIRFLOW__API__PORT"] == \
+        str(port)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port))
+        taken.listen()
+        with pytest.raises(ConfigError, match=rf"port {port} of 127.0.0.1 is taken.*--port"):
+            ui_env(port, environ={})
+    held = []
+    try:
+        for default in LOG_PORTS.values():
+            if port_free(default):
+                s = socket.socket()
+                s.bind(("127.0.0.1", default))
+                s.listen()
+                held.append(s)
+        env = ui_env(free_port(), environ={})
+        for key, default in LOG_PORTS.items():
+            chosen = int(env[f"AIRFLOW__LOGGING__{key.upper()}"])
+            assert chosen != default and port_free(chosen)
+        kept = ui_env(free_port(), environ={"AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT": "9911"})
+        assert kept["AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT"] == "9911"
+    finally:
+        for s in held:
+            s.close()

@@ -140,8 +140,9 @@ def test_release_refuses_a_reporting_holder_and_frees_a_silent_one(conn, capsys)
     said = status_text(capsys)
     assert re.search(r"txid 1 \(planned\): .*\(run queued-run, attempt 1\); held by ",
                      " ".join(said.split())), said
-    assert re.search(r"last report 3\ds ago, lease 40s: adoptable in \d+s if it stays silent",
-                     said), said
+    # one lease for every txid (the pipeline's, 4 s), the hand-over said as such
+    assert re.search(r"last report 3\ds ago, lease 4s, 40s between two tasks \(hand-over\): "
+                     r"adoptable in \d+s if it stays silent", " ".join(said.split())), said
     assert main(["release", "--pipeline", "tweets", "--txid", "2"]) == 2
     assert re.search(r"reported \ds ago, within the 4s lease", capsys.readouterr().err)
     assert main(["release", "--pipeline", "tweets", "--txid", "1"]) == 0

@@ -143,3 +143,33 @@ def test_the_shape_is_checked_by_name():
         get_pipeline("tweets", dag_shape="one").validate()
     with pytest.raises(ConfigError, match="shape='tasks' is invalid: choose one of"):
         transaction_dag("tweets", shape="tasks")
+
+
+@pytest.mark.timeout(420)
+def test_the_demos_runs_keep_their_true_durations_in_airflows_pages(single, conn, warm_spark,
+                                                                   tmp_path):
+    """The demo's runner (onceflow.dev.demo.run_transactions): each run's start and end in
+    Airflow's metadata, which its pages show, span the run's own time, not the runs before
+    it (dag.test() starts a run at its logical date)."""
+    from airflow.models.dagrun import DagRun
+    from airflow.utils.session import create_session
+
+    from onceflow.dev.demo import run_transactions
+
+    pipeline, dag = single
+    produce(conn, pipeline.topic, generate(400, seed=7))
+    results = run_transactions(dag, 2, {"batch_size": 200}, tmp_path / "demo.log")
+    with create_session() as session:
+        runs = {r.run_id: (r.start_date, r.end_date) for r in session.query(DagRun).filter(
+            DagRun.dag_id == dag.dag_id)}
+    previous_end = None
+    for run_id, state, seconds in results:
+        start, end = runs[run_id]
+        assert state == "success"
+        shown = (end - start).total_seconds()
+        assert 0 < shown <= seconds + 0.5, (run_id, shown, seconds)
+        if previous_end is not None:
+            assert start >= previous_end
+        previous_end = end
+    assert table(conn, "SELECT txid, state FROM transactions ORDER BY txid") == [
+        (1, "committed"), (2, "committed")]

@@ -872,6 +872,10 @@ def test_replays_of_a_pipeline_that_needs_approval_go_through_its_approval_dag(
         assert {p for p, _ in buttons} == {f"{path}/request-approval"}
         assert "dead-letters/replay" not in page
         assert f'href="/dags/{dag_id}"' in page and 'id="approval-note"' in page
+        # what frees them, as the view and `onceflow status` say it: the approval DAG
+        fix = _get(api_server, f"/api/pipelines/{pipeline.name}").json()["dead_letters"]["fix"]
+        assert dag_id in fix and "onceflow replay-dead-letters" not in fix
+        assert _by_id(page, "dead-fix") == f"What frees them: {fix}."
         # asking: first what it would ask, then a queued run of the approval DAG
         body = {"last_error": reason}
         asked = _post(api_server, f"{path}/request-approval", body)
@@ -1004,18 +1008,17 @@ def test_the_timeline_pages_and_filters_and_the_series_measure_each_txid(
     assert [points[t]["lag"] for t in (1, 2, 3)] == [1000, 1000, 1100]
     rows = table(conn, """SELECT txid, records, EXTRACT(EPOCH FROM committed_at - planned_at),
                                  EXTRACT(EPOCH FROM committed_at - commit_requested_at),
-                                 EXTRACT(EPOCH FROM committed_at - %s),
-                                 EXTRACT(EPOCH FROM committed_at - lag(committed_at)
-                                         OVER (ORDER BY txid))
+                                 EXTRACT(EPOCH FROM committed_at - %s)
                           FROM transactions WHERE state = 'committed' ORDER BY txid""",
                  (arrived,))
-    for txid, records, duration, commit_s, since_arrival, since_previous in rows:
+    for txid, records, duration, commit_s, since_arrival in rows:
         point = points[txid]
         assert point["records"] == records == 200
         assert point["commit_s"] == pytest.approx(float(commit_s), abs=0.002)
         assert point["duration_s"] == pytest.approx(float(duration), abs=0.002)
-        assert point["records_per_s"] == pytest.approx(
-            records / float(since_previous or duration), abs=0.06)
+        # over its own window, planning to commit (not since the commit before it)
+        assert point["records_per_s"] == pytest.approx(records / float(duration), abs=0.06)
+        assert point["replayed"] == 0
         if txid < 3:  # batches of the first 1,000 records only
             assert point["freshness_s"] == pytest.approx(float(since_arrival), abs=0.002)
     assert "oldest record" in _get(api_server, "/api/pipelines/tweets/series").json()[
@@ -1194,3 +1197,137 @@ def _pages_and_filters(page, api_server, conn, pipeline) -> None:
     assert mark_failed(conn, pipeline.name, batch.attempt, "a test's failure")
     wait_for([5])
     assert "a test's failure" in page.locator("#onceflow-timeline tr[data-txid='5']").inner_text()
+
+
+# -- every figure of the view, against `onceflow status --json` and the transactions' times -------
+def _status_json(capsys) -> dict:
+    from onceflow.cli import main
+
+    capsys.readouterr()
+    assert main(["status", "--pipeline", "tweets", "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def _points(page, chart: str) -> dict[int, float]:
+    """Each point of a chart as drawn: its txid and its value (data-y)."""
+    return {int(c.get_attribute("data-txid")): float(c.get_attribute("data-y"))
+            for c in page.locator(f"#onceflow-chart-{chart} circle[data-txid]").all()}
+
+
+def _seconds(card: str) -> float:
+    assert card.endswith("s"), card
+    return float(card[:-1])
+
+
+@pytest.mark.timeout(600)
+def test_every_card_and_chart_point_is_what_happened(
+        chromium, api_server, onceflow_connection, conn, dsn, spark, tmp_path, capsys):
+    """The pipeline page in a browser: each card equals `onceflow status --json`
+    (freshness p50, p95 and the lag in seconds included), and each chart point equals what
+    the transactions' own timestamps give: txids 1 and 2 planned together and committed one
+    right after the other (in parallel), txid 3 planned after an idle gap. A txid's records
+    per second is over its own window, planning to commit; its records are the timeline's
+    and status's. The index names the command for a pipeline not set up; a no-op run of a
+    committed txid is listed among its attempts."""
+    from helpers import run_transaction
+    from onceflow.core.begin import begin
+    from onceflow.core.commit import commit
+
+    pipeline = tweets_pipeline(conn, events=1000, batch_size=200, **CLEAN)
+    ((arrived,),) = table(conn, "SELECT DISTINCT produced_at FROM source_log")
+    first, second = begin(conn, pipeline, "lib-1"), begin(conn, pipeline, "lib-2")
+    _processed(spark, dsn, pipeline, first)
+    _processed(spark, dsn, pipeline, second)
+    assert commit(conn, pipeline, first.attempt).status == "committed"
+    assert commit(conn, pipeline, second.attempt).status == "committed"
+    time.sleep(2.0)  # idle: nothing planned, nothing committed
+    run_transaction(spark, dsn, conn, pipeline, "lib-3")
+    # a run asked for committed txid 1 again: a no-op, mapped to it without an attempt
+    assert begin(conn, pipeline, "noop-run", txid=1).committed
+    conn.commit()
+    rows = {r[0]: r[1:] for r in table(conn, """
+        SELECT txid, records, replayed, planned_at, commit_requested_at, committed_at,
+               EXTRACT(EPOCH FROM committed_at - planned_at)::float,
+               EXTRACT(EPOCH FROM committed_at - commit_requested_at)::float,
+               EXTRACT(EPOCH FROM committed_at - %s)::float
+        FROM transactions ORDER BY txid""", (arrived,))}
+    assert sorted(rows) == [1, 2, 3]
+    # in parallel: txid 2 committed right after txid 1, both planned before either committed;
+    # txid 3 planned after the gap
+    assert rows[2][2] < rows[1][4] < rows[2][4]
+    assert (rows[3][2] - rows[2][4]).total_seconds() >= 2.0
+    api_server.wait_up()
+    before = _status_json(capsys)
+
+    with launched(chromium) as browser:
+        context, page = _log_in(browser, api_server, "admin", "/plugin/onceflow")
+        with screenshots_on_failure(tmp_path, api_server.log, figures=page):
+            # the index: tweets_approved (registered, never set up here) says how to set it up
+            row = page.locator("#onceflow-pipelines tr[data-pipeline='tweets_approved']")
+            row.wait_for()
+            assert "`onceflow init --pipeline tweets_approved` sets it up or says what keeps " \
+                   "it from being set up" in row.inner_text()
+            assert "its first DAG run registers it" not in row.inner_text()
+            page.goto(f"{api_server.url}/plugin/onceflow/pipelines/tweets")
+            page.locator("#onceflow-timeline tr[data-txid='3']").wait_for()
+            page.locator("#onceflow-chart-rate circle[data-txid='3']").wait_for()
+            cards = {name: page.locator(f"#onceflow-{name}").inner_text() for name in (
+                "last-committed", "open-count", "lag", "backflow-waiting", "behind",
+                "dead-total", "lag-s", "freshness-p50", "freshness-p95")}
+            charts = {c: _points(page, c) for c in ("lag", "freshness", "rate", "commit")}
+            timeline = {int(r.get_attribute("data-txid")): [
+                c.inner_text() for c in r.locator("td").all()]
+                for r in page.locator("#onceflow-timeline tbody tr[data-state]").all()}
+            rate_note = page.locator("#onceflow-chart-rate").inner_text()
+            tip = page.locator("#onceflow-chart-rate circle[data-txid='2'] title").text_content()
+            # txid 1's attempts: its one attempt, then the no-op run
+            page.locator("#onceflow-timeline tr[data-txid='1'] "
+                         ".onceflow-attempts-toggle").click()
+            attempts = [r.inner_text() for r in
+                        page.locator("#onceflow-timeline tr.onceflow-attempt[data-txid='1']")
+                        .all()]
+        context.close()
+    after = _status_json(capsys)
+
+    # the cards, against `onceflow status --json`
+    lag = sum(p["lag"] for p in before["partitions"])
+    waiting = before["backflow"]["to_items"] + before["backflow"]["from_items"]
+    assert lag == 400 and before["last_committed"] == 3
+    assert cards["last-committed"] == str(before["last_committed"])
+    assert cards["open-count"] == "0"
+    assert (cards["lag"], cards["backflow-waiting"], cards["behind"], cards["dead-total"]) == (
+        f"{lag:,}", f"{waiting:,}", f"{lag + waiting:,}", f"{before['dead_letters']['total']:,}")
+    fresh = before["freshness"]
+    assert fresh["p50_s"] is not None and fresh["p95_s"] is not None
+    assert _seconds(cards["freshness-p50"]) == pytest.approx(fresh["p50_s"], abs=0.051)
+    assert _seconds(cards["freshness-p95"]) == pytest.approx(fresh["p95_s"], abs=0.051)
+    assert after["freshness"]["p50_s"] == fresh["p50_s"]  # committed: it does not move
+    # the lag in seconds grows while the page is read: between the two status readings
+    assert before["freshness"]["lag_s"] - 0.051 <= _seconds(cards["lag-s"]) <= \
+        after["freshness"]["lag_s"] + 0.051
+
+    # each chart point, against the transactions' own timestamps
+    assert {c: sorted(p) for c, p in charts.items()} == {c: [1, 2, 3] for c in charts}
+    for txid, (records, replayed, _planned, _asked, _committed, window, commit_s,
+               since_arrival) in rows.items():
+        assert records == 200 and replayed == 0
+        assert charts["rate"][txid] == pytest.approx(records / window, rel=0.002, abs=0.06)
+        assert charts["commit"][txid] == pytest.approx(commit_s, abs=0.002)
+        assert charts["freshness"][txid] == pytest.approx(since_arrival, abs=0.002)
+        # "records" is one thing: the timeline's records column, status's records
+        assert timeline[txid][3] == f"{records:,}" and timeline[txid][4] == f"{replayed:,}"
+        assert {t["txid"]: t["records"] for t in before["transactions"]}[txid] == records
+    # lag when planned: txids 1 and 2 saw all 1,000 (800 and 600 left, 200 and 400 in
+    # flight); txid 3, planned after both committed, 600 (400 left, its own 200)
+    assert charts["lag"] == {1: 1000.0, 2: 1000.0, 3: 600.0}
+    # committed right after txid 1, txid 2's rate is still its own work's, not records over
+    # the few milliseconds since the commit before it; after the gap, txid 3's is its own
+    since_previous = (rows[2][4] - rows[1][4]).total_seconds()
+    assert 200 / since_previous > 3 * charts["rate"][2]
+    assert (rows[3][4] - rows[2][4]).total_seconds() > rows[3][5]  # the gap is not in it
+    assert "over its own window, from its planning to its commit" in rate_note
+    assert "txid 2 · 200 records in" in tip and "replayed" not in tip
+    assert len(attempts) == 2, attempts
+    assert "attempt 1" in attempts[0] and "lib-1" in attempts[0]
+    assert "no-op run" in attempts[1] and "noop-run" in attempts[1]
+    assert "committed already: nothing to do" in attempts[1]

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import logging
 import os
+import queue
 import re
 import sys
+import threading
 import time
 
 from onceflow.airflow.backfill import starter
@@ -30,9 +33,12 @@ from onceflow.ops.repair import repair
 from onceflow.ops.status import pipeline_status, release_command, render
 from onceflow.sources import catalog
 from onceflow.sources.jvm import ENABLED, JAR, built_for, installed_spark, unusable
-from onceflow.sources.pglog import PostgresLog
+from onceflow.sources.pglog import PostgresLog, check_payload
 from onceflow.sources.segments import FileSegments, import_segments, read_export
 from onceflow.spark import localspark
+
+log = logging.getLogger("onceflow.cli")
+STDIN_CHUNK = 100_000  # records written at once from standard input at most
 
 EPILOG = """\
 Pipelines are found by entry point (group onceflow.pipelines) and by module:attribute
@@ -103,6 +109,16 @@ def positive_int(text: str) -> int:
     value = _non_negative(text)
     if value == 0:
         raise argparse.ArgumentTypeError("0: give 1 or more")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text}: give more than 0 seconds")
     return value
 
 
@@ -231,6 +247,59 @@ def _lines(path: str):
             stream.close()
 
 
+def _live_chunks(stream, size: int, flush_s: float):
+    """Lists of at most ``size`` lines of ``stream`` (binary, UTF-8), each given at most
+    ``flush_s`` after its first line arrived: a live producer's records are written as they
+    come, not when a chunk fills. A thread reads what the pipe has (never waiting for more
+    than one read), so a quiet producer never holds back the lines it already wrote."""
+    lines: queue.Queue = queue.Queue(maxsize=64)
+    end = object()
+
+    def read() -> None:
+        tail = b""
+        try:
+            while True:
+                data = stream.read1(1 << 16)
+                if not data:
+                    break
+                *whole, tail = (tail + data).split(b"\n")
+                if whole:
+                    lines.put([line.decode("utf-8") for line in whole])
+            if tail:
+                lines.put([tail.decode("utf-8")])
+            lines.put(end)
+        except BaseException as error:  # (bad UTF-8): raised where the chunks are read
+            lines.put(error)
+
+    threading.Thread(target=read, name="produce-stdin", daemon=True).start()
+    chunk: list[str] = []
+    deadline = 0.0
+    while True:
+        try:
+            got = lines.get(timeout=max(0.0, deadline - time.monotonic()) if chunk else None)
+        except queue.Empty:
+            yield chunk
+            chunk = []
+            continue
+        if got is end:
+            if chunk:
+                yield chunk
+            return
+        if isinstance(got, BaseException):
+            if isinstance(got, UnicodeDecodeError):
+                raise ConfigError(f"standard input is not UTF-8 text ({got.reason}): give "
+                                  "one payload per line in UTF-8") from got
+            raise got
+        if not chunk:
+            deadline = time.monotonic() + flush_s
+        for line in got:
+            chunk.append(line.rstrip("\r") if line.endswith("\r") else line)
+            if len(chunk) >= size:
+                yield chunk
+                chunk = []
+                deadline = time.monotonic() + flush_s
+
+
 def cmd_produce(args) -> int:
     pipeline = _pipeline(args)
     if args.file != "-" and not os.path.isfile(args.file):
@@ -238,10 +307,20 @@ def cmd_produce(args) -> int:
         raise ConfigError(f"--file={args.file!r} does not exist: give a file with one payload "
                           "per line, or - for standard input")
     progress = Progress(f"produce {pipeline.topic}")
+    sizes = {"chunk_size": args.chunk} if args.chunk else {}
     with db.connection() as conn:
         started = time.monotonic()
-        n = pipeline.source.append(conn, _lines(args.file),
-                                   progress=lambda total: progress(f"{total} records"))
+        if args.file != "-":
+            n = pipeline.source.append(conn, _lines(args.file), **sizes,
+                                       progress=lambda total: progress(f"{total} records"))
+        else:
+            n = 0
+            for chunk in _live_chunks(sys.stdin.buffer, args.chunk or STDIN_CHUNK,
+                                      args.flush_s):
+                for i, payload in enumerate(chunk, n + 1):  # numbered over the whole input
+                    check_payload(i, payload)
+                n += pipeline.source.append(conn, chunk, **sizes)
+                progress(f"{n} records")
     progress.done()
     print(f"produced {n} records to {pipeline.source.describe()} in "
           f"{time.monotonic() - started:.1f}s")
@@ -275,7 +354,9 @@ def cmd_status(args) -> int:
     pipeline = _pipeline(args)
     with db.connection() as conn, conn.cursor() as cur:
         status = pipeline_status(cur, pipeline.source, pipeline.name, args.limit,
-                                 all_dead=args.all)
+                                 all_dead=args.all,
+                                 approval=bool(pipeline.dead_letter_approval),
+                                 lease_s=pipeline.lease_s)
     if args.json:
         print(status.as_json())
     else:
@@ -393,13 +474,36 @@ def cmd_replay_dead_letters(args) -> int:
     if positions is None and args.error_contains is None and not args.all:
         raise ConfigError("nothing chosen: pass --record P:O (repeatable), --error-contains "
                           "TEXT, or --all")
+    approval = f"onceflow_{pipeline.name}_replay_dead_letters"
+    if pipeline.dead_letter_approval and not args.force:
+        raise ConfigError(
+            f"pipeline {pipeline.name!r} replays dead letters only after a person approves "
+            f"(dead_letter_approval=True): ask for an approval with a run of the DAG "
+            f"{approval} (the onceflow view's buttons trigger it), or pass --force to replay "
+            "without one (logged with who: --by NAME, else your OS user)")
+    who = args.by or _os_user()
     with db.connection() as conn, transaction(conn) as cur:
         txlog.lock_pipeline(cur, pipeline.name)
         n = replay_dead_letters(cur, pipeline.name, positions=positions,
                                 error_contains=args.error_contains)
+    if pipeline.dead_letter_approval:
+        log.warning("REPLAY pipeline=%s: %d dead letter(s) put back WITHOUT approval "
+                    "(--force, by %s; dead_letter_approval asks for %s)", pipeline.name, n,
+                    who, approval)
+    else:
+        log.info("REPLAY pipeline=%s: %d dead letter(s) put back by %s", pipeline.name, n, who)
     print(f"put {n} dead letter(s) of {pipeline.name} back in the backflow from-queue: the "
           "next transactions replay them")
     return 0
+
+
+def _os_user() -> str:
+    import getpass
+
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):  # no name for this uid (a container)
+        return f"uid {os.getuid()}"
 
 
 def cmd_repair(args) -> int:
@@ -462,6 +566,9 @@ def cmd_spark(args) -> int:
     return 0
 
 
+UI_COMPONENTS = ("scheduler", "dag-processor", "triggerer", "api-server")
+
+
 def cmd_ui(args) -> int:
     localenv = _checkout(
         "localenv", "`onceflow ui` (airflow standalone on the checkout's DAGs folder, with a "
@@ -469,13 +576,30 @@ def cmd_ui(args) -> int:
         "pipelines their DAGs (docs/write-your-own-pipeline.md) and onceflow's view is in "
         "its navigation")
     localenv.embedded_env()
-    cmd_init(argparse.Namespace(pipeline=None, pipelines=_refs(args)))
     home = os.environ["AIRFLOW_HOME"]
-    print(f"Airflow UI: http://127.0.0.1:8080  user admin, password in "
-          f"{home}/simple_auth_manager_passwords.json.generated")
+    # The ports standalone was given, kept so that one component started again alone
+    # (--only) serves its logs where the API server looks for them.
+    kept = os.path.join(home, "onceflow-ui-ports.json")
+    if args.only is None or not os.path.exists(kept):
+        ports = localenv.ui_env(args.port)
+        with open(kept, "w", encoding="utf-8") as out:
+            json.dump(ports, out)
+    else:
+        with open(kept, encoding="utf-8") as found:
+            ports = json.load(found)
+        if args.port is not None or args.only == "api-server":
+            ports.update(localenv.ui_env(args.port or int(ports["AIRFLOW__API__PORT"])))
+    os.environ.update(ports)
+    if args.only is None:
+        cmd_init(argparse.Namespace(pipeline=None, pipelines=_refs(args)))
+    print(f"Airflow UI: http://127.0.0.1:{ports['AIRFLOW__API__PORT']}  user admin, password "
+          f"in {home}/simple_auth_manager_passwords.json.generated")
+    print(f"log servers: the scheduler's on port "
+          f"{ports['AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT']}, the triggerer's on port "
+          f"{ports['AIRFLOW__LOGGING__TRIGGER_LOG_SERVER_PORT']}")
     print(f"DAGs folder {localenv.project_dir() / 'dags'}; stop with Ctrl-C")
     sys.stdout.flush()
-    os.execvp("airflow", ["airflow", "standalone"])
+    os.execvp("airflow", ["airflow", args.only or "standalone"])
     return 0  # not reached
 
 
@@ -510,6 +634,12 @@ def build_parser() -> argparse.ArgumentParser:
             "source, when onceflow keeps it (PostgreSQL log, file segments)")
     p.add_argument("--file", default="-", metavar="FILE",
                    help="read payloads from FILE, one per line (default: standard input)")
+    p.add_argument("--chunk", type=positive_int, default=None, metavar="N",
+                   help="records per write (one PostgreSQL transaction) at most (default "
+                        "100,000 from standard input, the source's own from a file)")
+    p.add_argument("--flush-s", type=_positive_float, default=1.0, metavar="S",
+                   help="from standard input: write what has come at most S seconds after "
+                        "its first record arrived, full chunk or not (default 1)")
     p = add("import", cmd_import, "import records that have their partition and offset "
             "already (Parquet or JSON-lines files with partition, offset, payload: e.g. a Kafka "
             "export) into a file-segment source, keeping both; a second import of the same "
@@ -564,6 +694,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--error-contains", metavar="TEXT",
                    help="the dead letters with TEXT in any of their errors")
     p.add_argument("--all", action="store_true", help="every dead letter of the pipeline")
+    p.add_argument("--force", action="store_true",
+                   help="also for a pipeline with dead_letter_approval: replay without the "
+                        "approval its DAG asks for (logged, with who)")
+    p.add_argument("--by", metavar="NAME",
+                   help="who replays, for the log (default: your OS user)")
     p = add("repair", cmd_repair, "find what a crash (or a hand in the database) left "
             "inconsistent (commit records, partition offsets, committed ranges, the "
             "coordinator row, abandoned attempts, stale staging and claims), and landed files "
@@ -591,8 +726,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("action", choices=("start", "stop", "status", "jar"))
     p.add_argument("--port", type=positive_int, default=None,
                    help="its port (default ONCEFLOW_SPARK_CONNECT_PORT or 15002)")
-    add("ui", cmd_ui, "start the Airflow UI (airflow standalone on 127.0.0.1:8080) with the "
-        "embedded defaults (onceflow's checkout only: `bash run.sh ui`)", pipeline=False)
+    p = add("ui", cmd_ui, "start the Airflow UI (airflow standalone on 127.0.0.1:8080) with "
+            "the embedded defaults (onceflow's checkout only: `bash run.sh ui`)",
+            pipeline=False)
+    p.add_argument("--port", type=positive_int, default=None,
+                   help="the API server's port (default AIRFLOW__API__PORT or 8080); it must "
+                        "be free")
+    p.add_argument("--only", choices=UI_COMPONENTS, default=None,
+                   help="start this one component alone, with the same settings (to restart "
+                        "one that stopped while the others run)")
     return parser
 
 

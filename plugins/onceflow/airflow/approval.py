@@ -148,6 +148,23 @@ def preview_text(pipeline: str, choice: str, rows: list[tuple], max_replays: int
     return subject, "\n".join(lines), by_reason
 
 
+def approver_refused(approvers: Sequence[str], asked_by: str | None, answered_by: str
+                     ) -> str | None:
+    """Why ``answered_by``'s approval does not count (None: it does): with ``approvers``
+    (Pipeline.approvers), only one of them, and not the person who asked."""
+    if not approvers:
+        return None
+    if answered_by not in approvers:
+        return (f"{answered_by!r} approved, but only {', '.join(map(repr, approvers))} may "
+                "approve replays of this pipeline (its approvers): ask for the approval again")
+    if asked_by is not None and answered_by == asked_by:
+        others = [a for a in approvers if a != asked_by]
+        return (f"{answered_by!r} asked for this replay and approved it: someone else must "
+                f"approve ({', '.join(map(repr, others)) or 'no other approver is declared'}"
+                "): ask for the approval again")
+    return None
+
+
 class _DeadLetterTask:
     pipeline: str
     pipeline_refs: tuple[str, ...]
@@ -202,6 +219,11 @@ class DeadLetterPreviewOperator(_DeadLetterTask, BaseOperator):
             raise AirflowSkipException(text)
         subject, body, by_reason = preview_text(pipeline.name, choice, rows,
                                                 pipeline.max_replays)
+        if pipeline.approvers:
+            asked_by = getattr(context.get("dag_run"), "triggering_user_name", None)
+            body += ("\n\nOnly " + ", ".join(f"`{a}`" for a in pipeline.approvers)
+                     + " may approve" + (f", not `{asked_by}`, who asked" if asked_by else "")
+                     + ": another answer replays nothing.")
         self.log.info("%s\n%s", subject, body)
         _note(context, pipeline.name, f"{len(rows):,} dead letter(s) of {pipeline.name} shown "
                                       "for approval: replayed only if approved")
@@ -247,6 +269,14 @@ class ReplayApprovedDeadLettersOperator(_DeadLetterTask, BaseOperator):
         letters = shown.get("shown") or []
         with airflow_outcomes():
             pipeline = self._load()
+        asked_by = getattr(context.get("dag_run"), "triggering_user_name", None)
+        refused = approver_refused(pipeline.approvers, asked_by, who)
+        if refused:
+            self.log.warning("REPLAY pipeline=%s: refused, nothing replayed: %s",
+                             pipeline.name, refused)
+            _note(context, pipeline.name, f"not replayed: {refused}")
+            raise AirflowFailException(refused)
+        with airflow_outcomes():
             with connection(OnceflowHook(self.postgres_conn_id).dsn(),
                             application_name="onceflow-replay") as conn, \
                     transaction(conn) as cur:

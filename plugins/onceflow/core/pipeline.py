@@ -201,6 +201,10 @@ class Pipeline:
     # Replaying dead letters waits for a person's approval in the DAG
     # onceflow_<name>_replay_dead_letters (onceflow.airflow.approval).
     dead_letter_approval: bool = False
+    # Who may approve those replays (Airflow user names); set, the person who asked for a
+    # replay may not approve it: someone else of them must. Empty: anyone who may act on
+    # the approval DAG, the one who asked too.
+    approvers: tuple[str, ...] = ()
     # The transaction DAG's shape (onceflow.airflow.dags): "phases", a task per phase (begin >>
     # process >> commit), or "single", one task runs the three: one task process per run and
     # no scheduling hop between phases; processes on a Spark Connect server.
@@ -292,6 +296,14 @@ class Pipeline:
               "reference, or a tuple of those")
         check(isinstance(self.dead_letter_approval, bool), "pipeline.dead_letter_approval",
               self.dead_letter_approval, "give True or False")
+        check(isinstance(self.approvers, tuple)
+              and all(isinstance(a, str) and a.strip() == a and a for a in self.approvers)
+              and len(set(self.approvers)) == len(self.approvers), "pipeline.approvers",
+              self.approvers, "give a tuple of distinct Airflow user names, e.g. "
+              "('alice', 'bob'), or () for anyone who may act on the approval DAG")
+        check(not self.approvers or self.dead_letter_approval, "pipeline.approvers",
+              self.approvers, "approvers answer the approval of replays: set "
+              "dead_letter_approval=True too, or leave approvers empty")
         check(self.dag_shape in DAG_SHAPES, "pipeline.dag_shape", self.dag_shape,
               f"choose one of {', '.join(DAG_SHAPES)}")
         check(isinstance(self.keep_up, bool), "pipeline.keep_up", self.keep_up,

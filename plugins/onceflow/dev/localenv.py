@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import urllib.request
+from collections.abc import Mapping
 from pathlib import Path
 
 from psycopg2.extensions import parse_dsn
 
 from onceflow.core import settings
+from onceflow.core.errors import ConfigError
 from onceflow.dev import project_dir
 
 
@@ -99,6 +102,47 @@ def served_airflow_env(*, meta_dsn: str, api_port: int, dsn: str, spark: str,
         "ONCEFLOW_PG_DSN": dsn,
         "PYSPARK_PYTHON": sys.executable,
     }
+
+
+UI_PORT = 8080  # `onceflow ui`'s API server, unless --port or AIRFLOW__API__PORT says
+LOG_PORTS = {"worker_log_server_port": 8793, "trigger_log_server_port": 8794}  # Airflow's
+
+
+def port_free(port: int) -> bool:
+    """Whether nothing listens on ``port`` of 127.0.0.1 (a bind succeeds)."""
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ui_env(port: int | None = None, environ: Mapping[str, str] | None = None
+           ) -> dict[str, str]:
+    """The settings of `onceflow ui`'s Airflow: its API server on ``port`` (else
+    AIRFLOW__API__PORT, else 8080), which must be free (a second Airflow on a shared host
+    would answer instead), its task runners pointed at it, and the scheduler's and
+    triggerer's log servers on 8793 and 8794, or on free ports where those are taken (a
+    port set in the environment is kept)."""
+    environ = os.environ if environ is None else environ
+    if port is None:
+        port = int(environ.get("AIRFLOW__API__PORT") or UI_PORT)
+    if not port_free(port):
+        raise ConfigError(f"port {port} of 127.0.0.1 is taken (another Airflow or server "
+                          "listens there): pass --port with a free one")
+    env = {"AIRFLOW__API__PORT": str(port),
+           "AIRFLOW__CORE__EXECUTION_API_SERVER_URL": f"http://127.0.0.1:{port}/execution/"}
+    for key, default in LOG_PORTS.items():
+        name = f"AIRFLOW__LOGGING__{key.upper()}"
+        env[name] = environ.get(name) or str(default if port_free(default) else free_port())
+    return env
 
 
 def airflow_healthy(api_port: int) -> bool:

@@ -118,21 +118,29 @@ def release_command(pipeline: str, txid: int) -> str:
     return f"onceflow release --pipeline {pipeline} --txid {txid}"
 
 
-def _held(row: TxRow, *, run: bool = True) -> str:
+def lease_text(row: TxRow, lease_s: int | None = None) -> str:
+    """The attempt's lease as one value, ``lease_s`` (the pipeline's attempt lease); a run
+    between two tasks holds the longer hand-over lease, said as such."""
+    if lease_s is None or row.lease_s is None or row.lease_s <= lease_s:
+        return f"lease {row.lease_s if lease_s is None else lease_s}s"
+    return f"lease {lease_s}s, {row.lease_s}s between two tasks (hand-over)"
+
+
+def _held(row: TxRow, *, run: bool = True, lease_s: int | None = None) -> str:
     """Who holds planned ``row`` and for how long more: the run (unless ``run`` is False,
     where the text before already names it), the process that reported last, the time
     since, and when the next run may adopt it."""
     who = (f"attempt {row.attempt} held by run {row.run_id or '-'} "
            f"({row.holder or 'holder unknown'})" if run
            else f"held by {row.holder or 'a holder not known'}")
-    text = f"{who}, last report {row.silent_s:.0f}s ago, lease {row.lease_s}s: "
+    text = f"{who}, last report {row.silent_s:.0f}s ago, {lease_text(row, lease_s)}: "
     if row.abandoned:
         return text + "its holder is gone; the next run adopts it"
     return text + f"adoptable in {row.adoptable_in_s:.0f}s if it stays silent"
 
 
 def _stuck(pipeline: str, rows: list[TxRow], last_committed: int,
-           done: dict[int, Progress] | None = None) -> list[Stuck]:
+           done: dict[int, Progress] | None = None, lease_s: int | None = None) -> list[Stuck]:
     """Every open transaction: what holds it, and what frees it now. A planned one says what
     it is doing, names its holder and the command that frees it (refused while a task of it
     reports)."""
@@ -165,11 +173,12 @@ def _stuck(pipeline: str, rows: list[TxRow], last_committed: int,
                              f"attempt {row.attempt} {row.state}: {row.reason or '-'}", fix,
                              permanent=row.permanent))
         elif row.abandoned:
-            out.append(Stuck(row.txid, "abandoned", _held(row),
+            out.append(Stuck(row.txid, "abandoned", _held(row, lease_s=lease_s),
                              f"the next run adopts it; now: {backfill}"))
         elif row.silent_s is not None:
             doing = activity(row, (done or {}).get(row.txid), last_committed)
-            out.append(Stuck(row.txid, str(row.state), f"{doing}; {_held(row, run=False)}",
+            out.append(Stuck(row.txid, str(row.state),
+                             f"{doing}; {_held(row, run=False, lease_s=lease_s)}",
                              "if its run is dead, free it now: "
                              + release_command(pipeline, row.txid), stuck=False))
         elif row.txid > last_committed + 1:
@@ -179,14 +188,17 @@ def _stuck(pipeline: str, rows: list[TxRow], last_committed: int,
 
 
 def pipeline_status(cur, source, pipeline: str, limit: int = 20, dead_letters: int = 5,
-                    all_dead: bool = False) -> PipelineStatus:
-    """``source``: the pipeline's Source (positions and lag)."""
+                    all_dead: bool = False, approval: bool = False,
+                    lease_s: int | None = None) -> PipelineStatus:
+    """``source``: the pipeline's Source (positions and lag); ``approval``: the pipeline
+    replays dead letters only after a person approves (``dead_letter_approval``);
+    ``lease_s``: its attempt lease (Pipeline.lease_s), the one value leases are said in."""
     coordinator = _coordinator(cur, pipeline)
     rows = txlog.history(cur, pipeline, limit)
     open_rows = txlog.history(cur, pipeline, 10_000, open_only=True)
     status = PipelineStatus(pipeline, coordinator[0], coordinator[1], coordinator[2], rows,
                             _stuck(pipeline, open_rows, coordinator[1],
-                                   progress(cur, pipeline)))
+                                   progress(cur, pipeline), lease_s))
     committed = offsets.committed(cur, pipeline)
     positions = source.positions(cur)
     for partition, position in sorted(positions.items()):
@@ -204,9 +216,14 @@ def pipeline_status(cur, source, pipeline: str, limit: int = 20, dead_letters: i
     status.dead_letters = backflow.dead_letter_summary(cur, pipeline, dead_letters, all_dead)
     # A dead letter failed every replay: replaying it helps only once its cause is fixed.
     status.dead_letters["fix"] = (
+        "-" if not status.dead_letters["total"] else
+        # approvals: the CLI refuses these without --force (it would skip the approver)
+        f"once their cause is fixed (a bolt, a declared type): ask for an approval: trigger "
+        f"the DAG onceflow_{pipeline}_replay_dead_letters with records, error_contains, "
+        f"last_error or all (the onceflow view's buttons do); a person approves it in "
+        f"Airflow's Required actions" if approval else
         f"once their cause is fixed (a bolt, a declared type): onceflow replay-dead-letters "
-        f"--pipeline {pipeline} --error-contains TEXT (or --record P:O)"
-        if status.dead_letters["total"] else "-")
+        f"--pipeline {pipeline} --error-contains TEXT (or --record P:O)")
     notices = getattr(source, "notices", None)  # (a landing folder's changed files)
     if notices is not None:
         status.source = [{"what": what, "fix": fix} for what, fix in notices(cur, pipeline)]
@@ -241,8 +258,9 @@ def _coordinator(cur, pipeline: str) -> tuple[str, int, int]:
                 (pipeline,))
     row = cur.fetchone()
     if row is None:
-
-        raise NotInitialised(f"pipeline {pipeline!r} is not initialised: run `onceflow init`")
+        raise NotInitialised(f"pipeline {pipeline!r} is not initialised: `onceflow init "
+                             f"--pipeline {pipeline}` sets it up or says what keeps it from "
+                             "being set up")
     return row
 
 

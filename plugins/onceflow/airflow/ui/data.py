@@ -24,7 +24,7 @@ from onceflow.core.db import connection
 from onceflow.core.errors import NotInitialised
 from onceflow.core.registry import pipelines
 from onceflow.ops.backfill import open_transactions as find
-from onceflow.ops.status import activity, pipeline_status, progress
+from onceflow.ops.status import activity, lease_text, pipeline_status, progress
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +138,9 @@ def pipeline_view(pipeline, *, timeline: int = TIMELINE, dead_letters: int = DEA
     try:
         with cursor() as cur:
             status = pipeline_status(cur, pipeline.source, pipeline.name, timeline,
-                                     dead_letters, all_dead)
+                                     dead_letters, all_dead,
+                                     approval=bool(pipeline.dead_letter_approval),
+                                     lease_s=pipeline.lease_s)
             open_rows = txlog.history(cur, pipeline.name, 10_000, open_only=True)
             done = progress(cur, pipeline.name)
             fresh = freshness.by_txid(cur, pipeline.name,
@@ -156,7 +158,7 @@ def pipeline_view(pipeline, *, timeline: int = TIMELINE, dead_letters: int = DEA
         else:  # the next to commit, still working
             silent = f"{row.silent_s:.0f}s ago" if row.silent_s is not None else "-"
             entry.update(holds=f"{activity(row, done.get(row.txid), status.last_committed)}; "
-                               f"last reported {silent}, lease {row.lease_s}s",
+                               f"last reported {silent}, {lease_text(row, pipeline.lease_s)}",
                          fix="-", stuck=False)
         entry["waits_for"] = (status.last_committed + 1
                               if row.txid > status.last_committed + 1 else None)
@@ -257,6 +259,19 @@ def _attempts(cur, pipeline: str, txids: list[int]) -> dict[int, list[dict[str, 
         out.setdefault(txid, []).append(_jsonable({
             "attempt": attempt, "run_id": run_id, "outcome": outcome, "reason": reason,
             "started_at": started, "ended_at": ended}))
+    # A run asked for a txid already committed: begin maps it to the txid and makes no
+    # attempt, so it is listed after them as a no-op.
+    cur.execute(
+        """SELECT r.txid, r.run_id FROM transaction_runs r
+           WHERE r.pipeline = %s AND r.txid = ANY(%s) AND NOT EXISTS (
+               SELECT 1 FROM transaction_attempts a WHERE a.pipeline = r.pipeline
+                 AND a.txid = r.txid AND a.run_id = r.run_id)
+           ORDER BY r.txid, r.run_id""", (pipeline, txids))
+    for txid, run_id in cur.fetchall():
+        out.setdefault(txid, []).append({
+            "attempt": None, "run_id": run_id, "outcome": "no-op",
+            "reason": "the txid was committed already: nothing to do",
+            "started_at": None, "ended_at": None})
     return out
 
 
@@ -277,7 +292,10 @@ def txid_of_run(pipeline: str, run_id: str) -> int | None:
 
 # Per committed transaction, for the charts (one row per txid, in txid order; commits are in
 # txid order, so the txids committed by a moment are a prefix of them):
-# - records_per_s: its records (replayed ones too) over the time since the previous commit;
+# - records: the source records of its batch (as the timeline, status and run notes count
+#   them), replayed: the backflow records it replayed, apart;
+# - records_per_s: its records over its own window, from its planning to its commit (a txid
+#   committed right after another in parallel, or after an idle gap, is measured alike);
 # - commit_s: from its commit's request to the commit, commit_wait_s of it waiting for
 #   earlier txids; duration_s: from its planning to its commit;
 # - lag: the records of the source past the committed offsets when it was planned: the
@@ -296,14 +314,9 @@ _SERIES = """
     SELECT w.txid, w.planned_at, w.committed_at, w.records, w.replayed,
            EXTRACT(EPOCH FROM w.committed_at - w.commit_requested_at), w.commit_wait_s,
            EXTRACT(EPOCH FROM w.committed_at - w.planned_at),
-           EXTRACT(EPOCH FROM w.committed_at - coalesce(prev.committed_at, w.planned_at)),
            (w.backlog + inflight.records)::bigint,
            EXTRACT(EPOCH FROM w.committed_at - oldest.at)
     FROM w
-    LEFT JOIN LATERAL (
-        SELECT p.committed_at FROM transactions p
-        WHERE p.pipeline = %(p)s AND p.txid < w.txid AND p.state = 'committed'
-        ORDER BY p.txid DESC LIMIT 1) prev ON true
     LEFT JOIN LATERAL (
         SELECT coalesce(sum(u.records), 0) AS records FROM transactions u
         WHERE u.pipeline = %(p)s AND u.txid <= w.txid
@@ -332,18 +345,21 @@ def series(pipeline, *, last: int = SERIES, min_txid: int | None = None,
                               "top": 2 ** 63 - 1, "last": last, "arrivals": arrivals})
         rows = cur.fetchall()
     points = []
-    for (txid, planned, committed, records, replayed, commit_s, wait_s, duration_s, since_s,
+    for (txid, planned, committed, records, replayed, commit_s, wait_s, duration_s,
          lag, freshness_s) in rows:
-        moved = records + replayed
         points.append(_jsonable({
             "txid": txid, "planned_at": planned, "committed_at": committed,
-            "records": moved, "records_per_s": round(moved / float(since_s), 1)
-            if since_s else None,
+            "records": records, "replayed": replayed,
+            "records_per_s": round(records / float(duration_s), 1) if duration_s else None,
             "commit_s": _secs(commit_s), "commit_wait_s": _secs(wait_s),
             "duration_s": _secs(duration_s), "lag": lag, "freshness_s": _secs(freshness_s)}))
-    return {"pipeline": pipeline.name, "points": points,
+    return {"pipeline": pipeline.name, "points": points, "rate": RATE,
             "freshness": "from the arrival of the batch's oldest record in the source to "
                          "the commit" if arrivals else None}
+
+
+RATE = ("each txid's records (replays apart) over its own window, from its planning to its "
+        "commit, waits for earlier txids included")
 
 
 def _secs(value) -> float | None:

@@ -230,7 +230,7 @@ function Chart({ id, title, unit, points, second, secondLabel, note, format = sh
       stroke: "var(--chakra-colors-orange-solid)", strokeWidth: 1.5, strokeDasharray: "4 3" }) : null,
     h("polyline", { points: line(shown), fill: "none", stroke: "var(--chakra-colors-blue-solid)", strokeWidth: 1.8 }),
     shown.map((p, i) => h("circle", { key: i, cx: x(p.t.getTime()), cy: y(p.y), r: shown.length > 100 ? 1.3 : 2.4,
-      fill: "var(--chakra-colors-blue-solid)", "data-txid": p.txid },
+      fill: "var(--chakra-colors-blue-solid)", "data-txid": p.txid, "data-y": String(p.y) },
     h("title", null, `${p.label}: ${format(p.y)}${unit ? ` ${unit}` : ""}`))));
   }
   return h(C.Box, { id, className: "onceflow-chart", bg: "bg.panel", borderWidth: "1px", borderColor: "border",
@@ -251,6 +251,10 @@ function Charts({ series, last, setLast }) {
   const at = (p, key = "committed_at") => new Date(p[key]);
   const mk = (key, tkey) => points.map((p) => ({ t: at(p, tkey), y: p[key], txid: p.txid,
     label: `txid ${p.txid} · ${when(p[tkey || "committed_at"])}` }));
+  // the rate's points also say the txid's records, its replays (apart) and its window
+  const rate = points.map((p) => ({ t: at(p), y: p.records_per_s, txid: p.txid,
+    label: `txid ${p.txid} · ${num(p.records)} records${p.replayed ? ` (+ ${num(p.replayed)} replayed)` : ""}`
+      + ` in ${secs(p.duration_s)}, planned ${when(p.planned_at)}, committed ${when(p.committed_at)}` }));
   const freshnessNote = series && !series.freshness
     ? "Freshness is not recorded for this pipeline's source yet: the records' arrival times are not kept."
     : series?.freshness ? `Per txid: ${series.freshness}.` : null;
@@ -269,7 +273,7 @@ function Charts({ series, last, setLast }) {
       h(Chart, { id: "onceflow-chart-freshness", title: "Freshness", unit: "s", points: mk("freshness_s"),
         note: freshnessNote, format: (v) => short(v) }),
       h(Chart, { id: "onceflow-chart-rate", title: "Records per second", unit: "records/s",
-        points: mk("records_per_s"), note: "Each txid's records over the time since the commit before it." }),
+        points: rate, note: series?.rate ? `Per txid: ${series.rate}.` : null }),
       h(Chart, { id: "onceflow-chart-commit", title: "Commit time", unit: "s", points: mk("commit_s"),
         second: mk("commit_wait_s"), secondLabel: "of which waiting for earlier txids",
         format: (v) => short(v) })));
@@ -287,7 +291,7 @@ function Overview({ every, setEvery }) {
       N(num(p.behind)), N(num(p.dead_letters)),
       Cell(null, p.last ? h(C.HStack, { gap: 1, whiteSpace: "nowrap" }, `txid ${p.last.txid}`, h(StateBadge, { state: p.last.state }),
         h(C.Text, { as: "span", color: "fg.muted" }, when(p.last.committed_at))) : "-")]
-      : [Cell({ colSpan: 9, color: "fg.muted" }, "not initialised yet: its first DAG run registers it")])));
+      : [Cell({ colSpan: 9, color: "fg.muted", className: "onceflow-not-initialised" }, p.error)])));
   return h(C.Box, null,
     h(C.HStack, { justify: "flex-end" },
       h(Toolbar, { every, setEvery, at: state.at, onRefresh: reload, error: state.data ? state.error : null })),
@@ -373,10 +377,10 @@ function TimelineRow({ t, maxWait, highlight }) {
   if (!open) return row;
   return [row, ...t.attempts.map((a) => h(C.Table.Row, { key: `${t.txid}-${a.attempt}`, className: "onceflow-attempt",
     "data-txid": t.txid, "data-attempt": a.attempt, bg: "bg.subtle" },
-  Cell({ colSpan: 2, textAlign: "end", color: "fg.muted", fontSize: "xs" }, `attempt ${a.attempt}`),
+  Cell({ colSpan: 2, textAlign: "end", color: "fg.muted", fontSize: "xs" }, a.attempt === null ? "no-op run" : `attempt ${a.attempt}`),
   Cell(null, a.outcome ? h(StateBadge, { state: a.outcome }) : h(C.Text, { as: "span", fontSize: "xs" }, "current")),
   Cell({ colSpan: 7, fontSize: "xs", color: "fg.muted", overflowWrap: "anywhere" },
-    `${when(a.started_at)} → ${when(a.ended_at)}${a.reason ? ` · ${a.reason}` : ""}`),
+    a.attempt === null ? a.reason : `${when(a.started_at)} → ${when(a.ended_at)}${a.reason ? ` · ${a.reason}` : ""}`),
   Cell({ fontSize: "xs" }, a.run ? h(AppLink, { to: airflowPath(a.run) }, a.run_id) : "-"),
   Cell(null, h(Logs, { item: a }))))];
 }
@@ -501,7 +505,8 @@ function PipelinePage({ name, every, setEvery }) {
   const replayLabel = approval ? "Ask for approval…" : "Replay…";
   const everyOne = (d.all || []).length > 0;  // asked for every dead letter (all_dead)
   const shown = everyOne ? d.all : d.newest || [];
-  const has = (k) => p[k] !== undefined && p[k] !== null;
+  const f = p.freshness || {};
+  const has = (k) => f[k] !== undefined && f[k] !== null;
 
   return h(C.Box, null, head,
     h(C.Wrap, { gap: 2, mt: 3, id: "onceflow-summary" },
@@ -510,9 +515,9 @@ function PipelinePage({ name, every, setEvery }) {
       h(Card, { value: p.open.length, label: "open txids", id: "onceflow-open-count" }),
       h(Card, { value: stuck, label: "stuck" }),
       h(Card, { value: num(p.lag), label: "records behind in the source (lag)", id: "onceflow-lag" }),
-      has("lag_s") ? h(Card, { value: secs(p.lag_s), label: "behind in time (lag)", id: "onceflow-lag-s" }) : null,
-      has("freshness_p50_s") ? h(Card, { value: secs(p.freshness_p50_s), label: "freshness p50", id: "onceflow-freshness-p50" }) : null,
-      has("freshness_p95_s") ? h(Card, { value: secs(p.freshness_p95_s), label: "freshness p95", id: "onceflow-freshness-p95" }) : null,
+      has("lag_s") ? h(Card, { value: secs(f.lag_s), label: "behind in time (lag): how long the oldest waiting record has waited", id: "onceflow-lag-s" }) : null,
+      has("p50_s") ? h(Card, { value: secs(f.p50_s), label: `freshness p50 (arrival to commit, last ${f.transactions} txids)`, id: "onceflow-freshness-p50" }) : null,
+      has("p95_s") ? h(Card, { value: secs(f.p95_s), label: "freshness p95", id: "onceflow-freshness-p95" }) : null,
       h(Card, { value: num(p.backflow_waiting), label: "records waiting in the backflow", id: "onceflow-backflow-waiting" }),
       h(Card, { value: num(p.behind), label: "records not committed yet (both)", id: "onceflow-behind" }),
       h(Card, { value: num(d.total), label: "dead letters", id: "onceflow-dead-total" })),
@@ -564,6 +569,8 @@ function PipelinePage({ name, every, setEvery }) {
         `Dead letters of ${name} are replayed only after a person approves: ${mayReplay ? "each button asks for it with" : "ask for it with"} a run of DAG `,
         h(AppLink, { to: `/dags/${encodeURIComponent(p.approval_dag_id)}` }, p.approval_dag_id),
         ", which shows the letters in Airflow's Required actions; nothing is replayed unless it is approved.") : null,
+      d.total && d.fix && d.fix !== "-" ? h(C.Text, { color: "fg.muted", fontSize: "sm", mb: 2, id: "onceflow-dead-fix" },
+        `What frees them: ${d.fix}.`) : null,
       d.total ? h(C.Box, null,
         h(Grid, { id: "onceflow-dead-reasons", columns: [["records", 1], ["last error"], ...(mayReplay ? [[""]] : [])],
           rows: d.by_reason.map((r, i) => h(C.Table.Row, { key: i }, N(num(r.count)),
