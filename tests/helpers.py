@@ -162,9 +162,10 @@ def assert_exact(conn, pipeline: Pipeline, payloads: list[str], *, read_all: boo
     bookkeeping as the expectation: the topic holds exactly ``payloads``; committed ranges
     tile every partition from 0 (to its head when ``read_all``) and no range was skipped as
     a gap; the records in them, by the test's own classification, give the counts exactly;
-    rejected records are exactly the unusable ones read; a dead letter is always a poison
-    record, a queued one a poison or flaky one (``drained``: none queued, every poison read
-    dead), and every poison record read is one or the other. ``state_conns``: a connection
+    rejected records are exactly the unusable ones read; a dead letter is always a record
+    that fails every try (poison, or flaky past ``max_replays``), a queued one a poison or
+    flaky one (``drained``: none queued, every such record read dead), and every such record
+    read is one or the other. ``state_conns``: a connection
     per state kept in another database."""
     topic, name = pipeline.topic, pipeline.name
     log = {(p, o): payload for p, o, payload in table(
@@ -195,14 +196,18 @@ def assert_exact(conn, pipeline: Pipeline, payloads: list[str], *, read_all: boo
     kinds = {pos: t.kind for pos, t in read.items()}
     assert rejected == {p for p, k in kinds.items() if k == "rejected"}
     assert not dead & queued
-    assert {kinds.get(p) for p in dead} <= {"poison"}, "a record dead-lettered wrongly"
+    # a record dies when it fails every try it is given: poison always, a flaky one when it
+    # fails more tries than the first and max_replays replays
+    doomed = {p for p, t in read.items() if t.kind == "poison"
+              or (t.kind == "flaky" and t.flaky > pipeline.max_replays)}
+    assert dead <= doomed, "a record dead-lettered wrongly"
     assert {kinds.get(p) for p in queued} <= {"poison", "flaky"}, "a record queued wrongly"
-    poison = {p for p, k in kinds.items() if k == "poison"}
-    assert poison <= dead | queued, "a poison record neither dead nor queued"
+    assert doomed <= dead | queued, "a record that fails every try neither dead nor queued"
     if drained:
-        assert not queued and dead == poison
+        assert not queued and dead == doomed
     want: dict[str, Counter] = {"url_counts": Counter(), "domain_counts": Counter()}
-    counted = [t for pos, t in read.items() if t.kind in ("good", "flaky") and pos not in queued]
+    counted = [t for pos, t in read.items()
+               if t.kind in ("good", "flaky") and pos not in queued and pos not in dead]
     for t in counted:
         want["url_counts"][t.url] += 1
         want["domain_counts"][t.domain] += 1

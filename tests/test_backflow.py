@@ -1,6 +1,7 @@
 """Backflow on real PostgreSQL and Spark: failed records replay and count exactly once, poison
 ends in the dead letters without stalling anything, queue swaps while transactions are in
-flight lose and duplicate nothing, and verify accounts for every record after each commit."""
+flight lose and duplicate nothing, and an oracle of the tests' own (helpers.assert_exact,
+from the produced records alone) accounts for every record after each commit."""
 
 from __future__ import annotations
 
@@ -8,21 +9,30 @@ import json
 
 import pytest
 
-from helpers import run_transaction, table, tweets_pipeline
+from helpers import assert_exact, run_transaction, table, tweets_pipeline
 from onceflow.cli import main
 from onceflow.core.backflow import queue_sizes, replay_dead_letters
 from onceflow.core.begin import begin, mark_failed
 from onceflow.core.commit import commit
 from onceflow.core.db import transaction
 from onceflow.core.txlog import lock_pipeline
-from onceflow.ops.verify import recount as verify
 from onceflow.spark.processing import process_batch
 
 
-def verified(conn, pipeline):
-    report = verify(conn, pipeline)
-    assert report.ok, report.mismatches
-    return report
+def verified(conn, pipeline) -> Checked:
+    """The committed state against the tests' own oracle (helpers.assert_exact) over the
+    records this test produced into the topic."""
+    payloads = [p for (p,) in table(conn, "SELECT payload FROM source_log WHERE topic = %s",
+                                    (pipeline.topic,))]
+    return Checked(assert_exact(conn, pipeline, payloads, read_all=False))
+
+
+class Checked:
+    """What the oracle found, as counts: records counted or rejected, queued, dead."""
+
+    def __init__(self, exact):
+        self.queued, self.dead = len(exact.queued), len(exact.dead)
+        self.records = exact.read - self.queued - self.dead
 
 
 def sizes(conn, pipeline):

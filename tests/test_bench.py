@@ -59,13 +59,12 @@ def _bench(script: str, args: list[str], tmp_path: Path, dsn: str) -> str:
 
 def test_the_peer_comparison_runs_every_system_and_checks_it(tmp_path, dsn, monkeypatch,
                                                             spark_connect_server):
-    # two of the sources (all are run by the small bench command in bench/RESULTS.md): the
-    # JSON lines folder, which every system reads, and a user's table, which Structured
-    # Streaming reads as JSON lines; the run's warm Spark Connect server (a user's running
-    # server: --spark-connect)
+    # one source, the JSON lines folder, which every system reads (every source is run by the
+    # small bench command in bench/RESULTS.md); the run's warm Spark Connect server (a
+    # user's running server: --spark-connect)
     out = _bench("compare.py", ["--events", "20000", "--batches", "2", "--acker-events", "4000",
                                 "--acker-rounds", "1", "--folder", str(tmp_path / "bench"),
-                                "--server-warm-up", "1", "--sources", "landing-json,table",
+                                "--server-warm-up", "1", "--sources", "landing-json",
                                 "--spark-connect", f"sc://127.0.0.1:{spark_connect_server}"],
                  tmp_path, dsn)
     rows, source = {}, None
@@ -77,19 +76,12 @@ def test_the_peer_comparison_runs_every_system_and_checks_it(tmp_path, dsn, monk
             rows[source, line[:36].strip()] = line.split()[-3:]
     ss = "Structured Streaming"
     ours = {"onceflow library (Spark Connect)", "onceflow through Airflow, one task"}
-    assert set(rows) == {
-        *(("landing-json", name) for name in {
-            ss, "Structured Streaming, JSON source", "raw Spark batch",
-            "onceflow library (local session)", "onceflow through Airflow, 3 tasks", *ours}),
-        *(("table", name) for name in {ss, "Structured Streaming, JSON source", *ours})}, out
+    assert set(rows) == {("landing-json", name) for name in {
+        ss, "Structured Streaming, JSON source", "raw Spark batch",
+        "onceflow library (local session)", "onceflow through Airflow, 3 tasks", *ours}}, out
     assert {check for _, _, check in rows.values()} == {"OK"}, out
     # every system's CPU seconds, measured
     assert all(float(cpu) > 0 for cpu, _, _ in rows.values()), out
-    # the table's Structured Streaming is the JSON lines run, said so
-    assert rows["table", ss] == rows["landing-json", ss], out
-    assert ("source table: a PostgreSQL table (the events as rows, an identity key; rows "
-            "decoded as read, json_schema); Structured Streaming reads the same events from "
-            "the JSON lines files") in out, out
     # Structured Streaming's JVM start, apart, and the ratios with and without it
     jvm = [line for line in out.splitlines()
            if line.startswith("Structured Streaming's JVM and session start: ")]
@@ -97,7 +89,7 @@ def test_the_peer_comparison_runs_every_system_and_checks_it(tmp_path, dsn, monk
     assert "vs SS+JVM" in out, out
     # one timed round per system by default: no untimed round of the same workload before it
     assert "round 2 of" not in out, out
-    # the Spark Connect server ran the workload once (asked for here) before the table, checked
+    # the Spark Connect server ran the workload once (asked for here) before the sources, checked
     assert "Spark Connect server warm-up round 1 of 1: " in out, out
     assert out.index("warm-up round 1 of 1: ") < out.index("source landing-json: ")
     assert [line.split()[-1] for line in out.splitlines()

@@ -73,8 +73,10 @@ def setup(dsn, events: int, **settings):
 
 
 def exact(conn, pipeline, payloads) -> None:
-    """Drained: every record read, every poison one dead, nothing queued."""
-    assert_exact(conn, pipeline, payloads, read_all=True, drained=True)
+    """Drained: every record read, every poison one dead, nothing queued; and there were
+    poison records, or "every poison one dead" would hold of none."""
+    result = assert_exact(conn, pipeline, payloads, read_all=True, drained=True)
+    assert result.dead, "the run read no poison record: its dead letters proved nothing"
 
 
 def test_a_postgres_crash_between_staging_and_commit_loses_nothing(spark, crashable,
