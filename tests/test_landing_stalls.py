@@ -7,6 +7,8 @@ committed counts checked against a count of the files the test wrote."""
 from __future__ import annotations
 
 import json
+import os
+import time
 from collections import Counter
 
 import pytest
@@ -93,3 +95,54 @@ def test_a_removed_file_fails_in_one_line_and_status_points_to_repair(
     assert loop.committed[0] == 2
     assert table(conn, "SELECT state FROM transactions WHERE txid = 2") == [("committed",)]
     assert _committed_urls(conn) == _urls(first[:150]) + _urls(second)
+
+
+def test_a_parquet_file_with_a_column_of_another_type_is_set_aside(spark, conn, dsn, tmp_path):
+    """Declared ``n bigint``: a file whose n is a string, one whose n is a double (which
+    Spark's Parquet reader refuses to read as bigint, so each would fail every try) are set
+    aside at indexing naming the column, both types and the file, as a file with a missing
+    column is; status and repair show them. A file whose n is int32 (which Spark widens) is
+    read. The pipeline commits exactly the rows of the files it can read."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder = tmp_path / "typed"
+    folder.mkdir()
+    source = LandingFolder(topic="pq_types", path=str(folder), format="parquet",
+                           schema="url string, n bigint")
+    pipeline = get_pipeline("tweets", source=source, batch_size=100)
+    register(conn, pipeline, create_source=True)
+    rows = {"good": (["https://a.example/1", "https://b.example/2"], pa.int64()),
+            "as_string": (["https://c.example/3"], pa.string()),
+            "as_double": (["https://d.example/4"], pa.float64()),
+            "as_int32": (["https://e.example/5", "https://a.example/1"], pa.int32())}
+    for age, (name, (urls, kind)) in enumerate(rows.items()):
+        path = folder / f"{name}.parquet"
+        values = [str(i) if kind == pa.string() else i for i in range(len(urls))]
+        pq.write_table(pa.table({"url": urls, "n": pa.array(values, kind)}), path)
+        when = time.time() - 20 + age
+        os.utime(path, (when, when))
+    # the fault: Spark's reader refuses such a file as declared (every try of a batch would)
+    with pytest.raises(Exception, match="PARQUET_COLUMN_DATA_TYPE_MISMATCH"):
+        spark.read.schema(source.schema).parquet(str(folder / "as_double.parquet")).collect()
+
+    batch, result = run_transaction(spark, dsn, conn, pipeline, "run-1")
+    assert result.status == "committed" and batch.records == 4
+    assert run_transaction(spark, dsn, conn, pipeline, "run-2")[0].records == 0
+    assert _committed_urls(conn) == Counter(rows["good"][0] + rows["as_int32"][0])
+    string_why = ("column n is string in the file, declared bigint (Spark's Parquet reader "
+                  "cannot read it as declared)")
+    double_why = string_why.replace("is string", "is double")
+    assert table(conn, "SELECT path, records, refused FROM landing_files ORDER BY file_no") == [
+        (str(folder / "good.parquet"), 2, None),
+        (str(folder / "as_string.parquet"), 0, string_why),
+        (str(folder / "as_double.parquet"), 0, double_why),
+        (str(folder / "as_int32.parquet"), 2, None)]
+    status = " ".join(_status(conn, pipeline).split())
+    assert (f"landed file {folder / 'as_string.parquet'} is set aside (it holds no record): "
+            f"{string_why}") in status
+    assert f"landed file {folder / 'as_double.parquet'} is set aside" in status
+    assert "land a copy that matches source.schema under a new name" in status
+    said = "\n".join(repair(conn, pipeline).lines())
+    assert f"  - {folder / 'as_double.parquet'}: {double_why}" in said
+    assert "set aside at indexing (nothing to repair" in said

@@ -43,7 +43,7 @@ from onceflow.core.errors import ConfigError
 from onceflow.core.pipeline import Pipeline
 from onceflow.ops import bookkeeping
 from onceflow.sources import landing_repair
-from onceflow.sources.landing import LandingFolder
+from onceflow.sources.landing import SET_ASIDE_FIX, LandingFolder
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +68,7 @@ class RepairReport:
     applied: bool
     findings: list[Finding] = field(default_factory=list)
     landed: list[LandedFinding] = field(default_factory=list)
+    set_aside: list[str] = field(default_factory=list)  # landed files that hold no record
 
     @property
     def unresolved(self) -> int:
@@ -80,8 +81,11 @@ class RepairReport:
         return all(f.fixable for f in self.findings) and (self.applied or not self.findings)
 
     def lines(self) -> list[str]:
+        aside = [f"repair {self.pipeline}: landed files set aside at indexing (nothing to "
+                 f"repair: they hold no record; {SET_ASIDE_FIX}):"] + \
+            [f"  - {what}" for what in self.set_aside] if self.set_aside else []
         if not self.findings and not self.landed:
-            return [f"repair {self.pipeline}: nothing to repair"]
+            return [f"repair {self.pipeline}: nothing to repair", *aside]
         out = []
         if self.findings:
             head = "repaired" if self.applied else "would repair (pass --yes to do it)"
@@ -100,7 +104,7 @@ class RepairReport:
                     out.append("    nothing done; choose one (each is one PostgreSQL "
                                "transaction):")
                     out += [f"      {choice}" for choice in f.choices]
-        return out
+        return out + aside
 
 
 def _contiguous_committed(cur, pipeline: str) -> int:
@@ -257,6 +261,7 @@ def _landed(conn, pipeline: Pipeline, report: RepairReport, accept: list[str],
         cur.execute("SELECT partition FROM source_partitions WHERE topic = %s "
                     "ORDER BY partition FOR UPDATE", (source.topic,))
         found = landing_repair.inspect(cur, source)
+        report.set_aside = landing_repair.set_aside(cur, source)
         chosen = {}
         for names, how in ((accept, "accept"), (skip, "skip")):
             for wanted in names:

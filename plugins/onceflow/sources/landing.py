@@ -38,7 +38,8 @@ is a range over the manifest.
 - JSON lines with a declared ``json_schema``: each line is decoded where it is read
   (onceflow.sources.json_records): the records carry the declared columns and
   ``_corrupt_record`` instead of ``payload``.
-- Parquet: a file whose schema is not the declared ``schema`` is set aside
+- Parquet: a file whose schema is not the declared ``schema`` (a column missing, or of a
+  type Spark's Parquet reader cannot read as declared: see _reads_as) is set aside
   (``on_mismatch="skip"``: recorded with its reason, indexed with no records, shown by
   status) or stops the pipeline (``on_mismatch="stop"``: begin fails naming the file).
   With ``typed`` the records carry the declared columns (and ``_corrupt_record``, always
@@ -84,6 +85,9 @@ FORMATS = ("jsonl", "csv", "parquet")
 HIDDEN_SUFFIXES = (".tmp", ".part", "._COPYING_")
 # What a refusal of a changed file tells the user to run (status matches it in failures).
 REPAIR_HINT = "`onceflow repair` says what changed and how to go on"
+# What to do with a file set aside at indexing (status and repair say it).
+SET_ASIDE_FIX = ("land a copy that matches source.schema under a new name (this file is "
+                 "never read), or declare the schema it has")
 # A Parquet row group's bytes are checked in pieces of this size (a row group may be large).
 CHECK_BYTES = 8 << 20
 
@@ -479,9 +483,15 @@ class LandingFolder(Source):
         import pyarrow.parquet as pq
 
         with filesystem.open_input_file(path) as f:
-            have = {field.name for field in pq.ParquetFile(f).schema_arrow}
-        missing = sorted(set(column_types(self.schema)) - have)
-        return f"missing column(s) {missing}" if missing else None
+            have = {field.name: field.type for field in pq.ParquetFile(f).schema_arrow}
+        declared = column_types(self.schema)
+        missing = sorted(set(declared) - set(have))
+        if missing:
+            return f"missing column(s) {missing}"
+        wrong = [f"column {name} is {have[name]} in the file, declared {kind}"
+                 for name, kind in declared.items() if not _reads_as(have[name], kind)]
+        return "; ".join(wrong) + " (Spark's Parquet reader cannot read it as declared)" \
+            if wrong else None
 
     def index(self, cur, enough=None) -> int:
         """Index what landed since the last look (in the caller's transaction, which holds
@@ -928,14 +938,18 @@ class LandingFolder(Source):
         or waits: changed ones, skipped ones, and lines waiting a minute or more for their
         newline (onceflow status shows them). The index as the caller's look left it."""
         cur.execute(
-            """SELECT path, changed, skipped, size - indexed_to, mtime FROM landing_files
+            """SELECT path, changed, skipped, size - indexed_to, mtime, refused
+               FROM landing_files
                WHERE topic = %s AND (changed IS NOT NULL OR skipped IS NOT NULL
-                                     OR (size > indexed_to AND %s))
+                                     OR refused IS NOT NULL OR (size > indexed_to AND %s))
                ORDER BY file_no""", (self.topic, self.format != "parquet"))
         now = datetime.now(UTC).timestamp()
         out = []
-        for path, changed, skipped, waiting, mtime in cur.fetchall():
-            if changed is not None:
+        for path, changed, skipped, waiting, mtime, refused in cur.fetchall():
+            if refused is not None:
+                out.append((f"landed file {path} is set aside (it holds no record): {refused}",
+                            SET_ASIDE_FIX))
+            elif changed is not None:
                 out.append((f"landed file {path} changed after it was indexed: {changed}; "
                             "its unread records are refused",
                             f"onceflow repair --pipeline {pipeline} (says which records it "
@@ -951,6 +965,46 @@ class LandingFolder(Source):
 
     def describe(self) -> str:
         return f"landing folder {self.path!r} ({self.format}, topic {self.topic!r})"
+
+
+def _reads_as(arrow_type, declared: str) -> bool:
+    """Whether Spark's Parquet reader reads a column of ``arrow_type`` as the declared Spark
+    type, each value as it is (a narrower integer or float widened, a decimal of the same
+    scale and no more digits); a type Spark would refuse, or convert to other values (an
+    integer read as a date, a wider integer cut), is not. Nested types are left to Spark."""
+    # imported here: pyarrow is heavy: it loads only where files are read or written
+    import pyarrow as pa
+    import pyarrow.types as t
+
+    if declared.startswith(("array", "map", "struct")):
+        return True
+    ints = {"tinyint": 8, "smallint": 16, "int": 32, "bigint": 64}
+    if declared in ints:
+        width = ints[declared]
+        return (t.is_signed_integer(arrow_type) and arrow_type.bit_width <= width) or \
+            (t.is_unsigned_integer(arrow_type) and arrow_type.bit_width < min(width, 64)
+             and width > 8)
+    if declared == "double":
+        return t.is_floating(arrow_type) and arrow_type.bit_width >= 32 or \
+            (t.is_integer(arrow_type) and arrow_type.bit_width <= 32)
+    if declared == "float":
+        return arrow_type == pa.float32()
+    if declared == "string" or declared == "binary":
+        return t.is_string(arrow_type) or t.is_large_string(arrow_type) or \
+            t.is_binary(arrow_type) or t.is_large_binary(arrow_type)
+    if declared == "boolean":
+        return t.is_boolean(arrow_type)
+    if declared == "date":
+        return t.is_date32(arrow_type)
+    if declared in ("timestamp", "timestamp_ntz"):
+        return t.is_timestamp(arrow_type) or (declared == "timestamp_ntz"
+                                              and t.is_date32(arrow_type))
+    if declared.startswith("decimal"):
+        digits = [int(x) for x in declared[len("decimal"):].strip("()").split(",") if x]
+        precision, scale = (digits + [10, 0][len(digits):])[:2]
+        return t.is_decimal(arrow_type) and arrow_type.scale == scale and \
+            arrow_type.precision <= precision
+    return True  # a type this does not know: Spark's reader decides
 
 
 def _float_columns(records: JsonRecords) -> list[str]:

@@ -262,6 +262,14 @@ def inspect(cur, source: LandingFolder) -> list[ChangedFile]:
     return found
 
 
+def set_aside(cur, source: LandingFolder) -> list[str]:
+    """The topic's files set aside at indexing (a Parquet file of another schema), each as
+    ``path: why``: they hold no record, so there is nothing to repair."""
+    cur.execute("SELECT path, refused FROM landing_files WHERE topic = %s "
+                "AND refused IS NOT NULL ORDER BY file_no", (source.topic,))
+    return [f"{path}: {why}" for path, why in cur.fetchall()]
+
+
 def _pick(found: list[ChangedFile], wanted: str) -> ChangedFile:
     """The changed file named ``wanted`` (its path, or a name only one of them has)."""
     matches = [f for f in found if f.path == wanted] or \
