@@ -29,7 +29,9 @@ COMMIT_STEPS = ["locked", "state:url_counts", "state:domain_counts", "contributi
 
 
 class Crash(RuntimeError):
-    pass
+    """An error raised at a step of the commit, in this process: what its transaction leaves
+    when it rolls back. What a process killed at each step leaves (SIGKILL inside and after
+    the commit's transaction, a PostgreSQL crash) is tested in tests/test_faults.py."""
 
 
 def crash_at(step_name):
@@ -83,7 +85,7 @@ def test_txid_n_plus_1_never_commits_before_n(spark, conn, dsn):
 
 
 @pytest.mark.parametrize("step", COMMIT_STEPS)
-def test_a_crash_inside_the_commit_leaves_nothing_and_the_rerun_applies_once(
+def test_an_error_inside_the_commit_leaves_nothing_and_the_rerun_applies_once(
         spark, conn, dsn, step):
     payloads = tweets_events(1500)
     pipeline = tweets_pipeline(conn, payloads=payloads, batch_size=1000)
@@ -277,8 +279,8 @@ def staged_txids(conn) -> list[tuple]:
                               GROUP BY 1) s GROUP BY 1 ORDER BY 1""")
 
 
-def test_a_crash_after_the_commit_leaves_its_staging_to_the_next_commit(conn):
-    """The staging is deleted after the commit's COMMIT, out of the serial section. A crash
+def test_an_error_after_the_commit_leaves_its_staging_to_the_next_commit(conn):
+    """The staging is deleted after the commit's COMMIT, out of the serial section. An error
     in between leaves the txid committed and its staging behind, read by nothing: a retry of
     the commit deletes it, and so does the next txid's commit."""
     pipeline = tweets_pipeline(conn, events=300)

@@ -89,11 +89,12 @@ def test_concurrent_writers_out_of_order_every_row_exactly_once(spark, dsn, conn
 
 
 @pytest.mark.timeout(600)
-def test_a_failed_attempt_and_a_crash_between_two_databases_leave_exact_state(
+def test_a_failed_attempt_and_an_error_between_two_databases_leave_exact_state(
         spark, dsn, conn, second_dsn, monkeypatch):
     """States in a second database (conn_id): the commit applies them there first, then
-    commits the coordinator. A crash in between, then a new attempt: the opaque previous
-    values undo the first write, the append table replaces its txid's rows."""
+    commits the coordinator. An error in between (raised in this process; a SIGKILL there is
+    tests/test_faults_outside.py's), then a new attempt: the opaque previous values undo the
+    first write, the append table replaces its txid's rows."""
     from onceflow.core import commit as commit_module
     from onceflow.core.begin import begin
     from onceflow.spark.processing import process_batch

@@ -1,6 +1,6 @@
 """Stateful bolts in transactions on real PostgreSQL, Redis and Spark: the first-seen bolt
-emits each URL exactly once over many transactions with failures, the hooks run in order, a
-crash between the store's commit and the coordinator's is exact on replay, and bad settings
+emits each URL exactly once over many transactions with failures, the hooks run in order, an
+error between the store's commit and the coordinator's is exact on replay, and bad settings
 fail at start naming the fix."""
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 class Crash(RuntimeError):
-    pass
+    """An error raised at a step of the commit, in this process (a SIGKILL at the same steps:
+    tests/test_faults_outside.py)."""
 
 
 def first_seen_pipeline(conn, events: int, **overrides):
@@ -194,9 +195,9 @@ def test_hooks_are_called_in_order(spark, dsn, conn):
     assert total == counted > 0
 
 
-def test_a_crash_after_the_store_commit_then_a_replay_is_exact(spark, dsn, conn,
+def test_an_error_after_the_store_commit_then_a_replay_is_exact(spark, dsn, conn,
                                                                redis_settings):
-    """Redis commits first, the coordinator crashes before its COMMIT; the re-attempt reads
+    """Redis commits first, the coordinator's commit fails before its COMMIT; the re-attempt reads
     the state as before the txid and its commit puts back what the first one changed."""
     pipeline = first_seen_pipeline(conn, 900, batch_size=300, state_provider="redis",
                                    state_provider_config=redis_settings(),
