@@ -1,5 +1,5 @@
 """Declarations checked before data flows: a pipeline whose topology, sources and state tables
-disagree is refused by `onceflow pipelines`, `onceflow init` and the DAG's build, naming the
+disagree is refused by `onceflow pipelines`, `onceflow init` and the run's begin, naming the
 pipeline, the stream, the field and the fix, without Spark and without data; a value that does
 not fit its declared type fails its record alone; a sum keeps the type it declares. The
 declarations are tests/outside/amounts (a user's package, not installed)."""
@@ -7,12 +7,14 @@ declarations are tests/outside/amounts (a user's package, not installed)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import random
 import re
 import subprocess
 import sys
 from decimal import Decimal
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -22,6 +24,8 @@ from onceflow import Count, Last, Max, Min, Pipeline, PostgresLog, StateSpec, Su
 from onceflow.core.errors import ConfigError, DeclarationError, Permanent, StateOverflow
 from onceflow.core.registration import register
 from onceflow.core.topology import SPOUT, Topology
+
+DAGS = Path(__file__).resolve().parents[1] / "dags"
 
 
 @pytest.fixture
@@ -169,35 +173,78 @@ dag = transaction_dag({name})
 
 
 @pytest.mark.timeout(300)
-def test_a_dag_file_with_a_bad_declaration_is_an_import_error_naming_it(amounts, airflow_db,
-                                                                        tmp_path, monkeypatch):
-    """Airflow's own way: the DagBag holds the good file's DAG and the bad file's import
-    error, which names the pipeline, the state, the measure and the column; a DAG file for
-    every pipeline names each bad one at once. A task's own parse of its DAG file does not
-    check again (begin and commit load no topology module)."""
+def test_a_bad_declaration_parses_and_its_run_fails_in_begin_naming_it(
+        amounts, airflow_db, conn, tmp_path, monkeypatch):
+    """The scheduler's parse imports no topology (no Spark there): a DAG file of a bad
+    declaration gives its DAG like a good one. Its run fails in begin, on its first try
+    (retrying cannot help), before any txid is planned, with the error naming the pipeline,
+    the state, the measure and the column."""
     from airflow.dag_processing.dagbag import DagBag
 
-    from onceflow.airflow.dags import transaction_dag, transaction_dags
+    from onceflow.airflow.operators import BeginBatchOperator
+    from onceflow.core.registry import clear_cache
+    from onceflow.dev.demo import load_dag
 
     (tmp_path / "good_amounts.py").write_text(DAG_FILE.format(name="AMOUNTS"))
     (tmp_path / "bad_amounts.py").write_text(DAG_FILE.format(name="MISSING_COLUMN"))
     bag = DagBag(dag_folder=str(tmp_path))
-    assert sorted(bag.dags) == ["onceflow_amounts"]
-    errors = {os.path.basename(path): error for path, error in bag.import_errors.items()}
-    assert list(errors) == ["bad_amounts.py"]
-    assert ("pipeline 'missing_column': state 'missing_column_totals' (fed by sink 'totals'): "
+    assert not bag.import_errors, bag.import_errors
+    assert sorted(bag.dags) == ["onceflow_amounts", "onceflow_missing_column"]
+
+    # its run, from the DAGs folder's file (dag.test() runs what that folder holds)
+    monkeypatch.setenv("ONCEFLOW_PIPELINES", "amounts.pipelines:MISSING_COLUMN")
+    clear_cache()
+    dr = load_dag(DAGS, "onceflow_missing_column").test()
+    tis = {ti.task_id: ti for ti in dr.get_task_instances()}
+    assert str(dr.state) == "failed"
+    assert str(tis["begin"].state) == "failed" and tis["begin"].try_number == 1
+    assert table(conn, "SELECT count(*) FROM transactions") == [(0,)]
+    # what the failed begin said (the same call, outside Airflow's task runner)
+    begin_task = BeginBatchOperator(task_id="begin", pipeline="missing_column",
+                                    pipeline_refs=["amounts.pipelines:MISSING_COLUMN"])
+    with pytest.raises(Exception, match=re.escape(
+            "pipeline 'missing_column': state 'missing_column_totals' (fed by sink 'totals'): "
             "measures['largest'] = Max('amont', 'numeric(12,2)') reads column 'amont', which "
-            "stream 'orders' (emitted by bolt 'parse') does not carry") in errors["bad_amounts.py"]
+            "stream 'orders' (emitted by bolt 'parse') does not carry")) as refused:
+        begin_task._begin({"params": {}, "run_id": "manual"})
+    assert type(refused.value).__name__ == "AirflowFailException"  # no retry
 
-    with pytest.raises(ConfigError, match=r"2 pipeline\(s\) cannot have a DAG until their "
-                                          r"declaration is fixed: pipeline 'missing_column': .*; "
-                                          r"pipeline 'type_conflict': column 'amount'"):
-        transaction_dags(["amounts.pipelines:ALL"])
 
-    from amounts.pipelines import MISSING_COLUMN
+PARSE = """
+import json, os, sys
+from airflow.dag_processing.dagbag import DagBag
 
-    monkeypatch.setenv("_AIRFLOW_PARSING_CONTEXT_DAG_ID", "onceflow_missing_column")
-    assert transaction_dag(MISSING_COLUMN).dag_id == "onceflow_missing_column"
+bag = DagBag(dag_folder=sys.argv[1])
+loaded = sorted(m for m in sys.modules if m == "pyspark" or m.startswith("pyspark."))
+from onceflow.core.registry import get_pipeline
+
+get_pipeline("page_views").build_topology()  # what begin and `onceflow pipelines` do
+print(json.dumps({"dags": sorted(bag.dags), "errors": {k: str(v) for k, v in
+                  bag.import_errors.items()}, "parse": loaded, "check": len(
+                  [m for m in sys.modules if m.startswith("pyspark.")])}))
+"""
+
+
+@pytest.mark.timeout(300)
+def test_parsing_the_dag_file_loads_no_pyspark_module(airflow_db, tmp_path):
+    """dags/onceflow_pipelines.py parsed as Airflow's DAG processor does, in a fresh
+    interpreter, with a user's pipeline whose topology module imports pyspark.sql.functions
+    at its top (tests/outside/pageviews) and the examples' registered: every DAG is there
+    and not one pyspark module was imported. The declaration check, run after the parse
+    in the same process, does import them (the count means something)."""
+    env = {**os.environ, "ONCEFLOW_PIPELINES": "pageviews.pipelines:PAGE_VIEWS",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(OUTSIDE),
+                                                       os.environ.get("PYTHONPATH")]))}
+    assert "from pyspark.sql import functions as F" in \
+        (OUTSIDE / "pageviews" / "topology.py").read_text()
+    done = subprocess.run([sys.executable, "-c", PARSE, str(DAGS)], env=env,
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.splitlines()[-1])
+    assert not out["errors"], out["errors"]
+    assert {"onceflow_page_views", "onceflow_tweets", "onceflow_orders"} <= set(out["dags"])
+    assert out["parse"] == []
+    assert out["check"] > 50
 
 
 def order(merchant: str, amount: str) -> str:

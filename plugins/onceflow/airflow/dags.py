@@ -9,8 +9,9 @@ A DAG file is one call (wiring only; nothing heavy at import)::
     dag = transaction_dag(PAGE_VIEWS, schedule="@hourly")
 
 or a DAG for every registered pipeline: ``globals().update(transaction_dags())``. Building
-a DAG checks its pipeline's declaration (Pipeline.build_topology): a bad one is the file's
-import error, naming the pipeline, the stream, the field and the fix. Airflow's
+a DAG imports no topology module (no Spark in the scheduler's parse): the declaration check
+that needs the topology (Pipeline.build_topology) runs where Spark does, in begin and
+process, and in `onceflow pipelines` and `onceflow init`. Airflow's
 safe-mode parsing only opens DAG files whose text contains "airflow" and "dag": a file that
 only calls these says both words in its docstring.
 """
@@ -143,11 +144,6 @@ def transaction_dag(pipeline: Pipeline | str, *, dag_id: str | None = None,
                 "declare it at the top level of an importable module (not the DAG file), or "
                 "register it (entry point onceflow.pipelines / ONCEFLOW_PIPELINES)")
         refs = (*refs, ref) if ref not in refs else refs
-    if not get_parsing_context().dag_id:
-        # The declaration, checked where Airflow parses the DAG (a bad one is the file's
-        # import error, naming it). A task's own parse skips it: the DAG processor checked
-        # it, and begin and commit load no topology module.
-        pipeline.build_topology()
     args = {
         # a task's last failure marks its attempt failed: the next run adopts the txid
         "on_failure_callback": mark_transaction_failed,

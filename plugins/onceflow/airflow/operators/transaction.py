@@ -297,6 +297,9 @@ class _Begins(_PipelineTask):
                            for name in ("batch_size", "groups", "txid")}
                 pipeline = self._pipeline(batch_size=setting["batch_size"],
                                           groups=setting["groups"])
+                # the declaration, checked before a txid is planned (the DAG's parse does
+                # not import the topology): a bad one fails the run naming it, no retry
+                pipeline.build_topology()
                 txid = setting["txid"]
                 # a run the source watcher started plans no transaction of no records
                 skip_empty = started_by_watcher(context)
