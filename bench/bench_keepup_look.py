@@ -14,6 +14,7 @@ minute. Uses a database of its own (onceflow_bench_keepup, dropped at the start)
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import tempfile
@@ -98,8 +99,11 @@ def main() -> None:
         path = folder / f"f{i:05d}.jsonl"
         path.write_text("".join(json.dumps({"n": n}) + "\n" for n in range(10)))
         os.utime(path, (time.time() - 60, time.time() - 60))
-    landed = get_pipeline("tweets", batch_size=10 * args.files, keep_up=True).with_settings(
-        name="tweets_landed", source=LandingFolder(topic="landed", path=str(folder)))
+    tweets = get_pipeline("tweets", batch_size=10 * args.files, keep_up=True)
+    landed = tweets.with_settings(  # tables of its own: two pipelines never share one
+        name="tweets_landed", source=LandingFolder(topic="landed", path=str(folder)),
+        states=tuple(dataclasses.replace(s, name=f"landed_{s.name}", source=s.source_name)
+                     for s in tweets.states))
     register(conn, landed, create_source=True)
     begin(conn, landed, "index")  # indexes every file, plans them all
     with conn.cursor() as cur:

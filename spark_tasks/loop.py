@@ -29,6 +29,7 @@ from onceflow.core.commit import commit
 from onceflow.core.db import connection
 from onceflow.core.errors import OnceflowError, is_permanent
 from onceflow.core.pipeline import Pipeline, check
+from onceflow.core.registration import ensure_ready
 from onceflow.core.txlog import Batch
 from onceflow.kvstate import open_state_provider
 from onceflow.spark.processing import process_batch
@@ -80,6 +81,9 @@ def run_batches(spark, dsn: str, pipeline: Pipeline, *, in_flight: int = 1,
     broken = False  # a batch failed: it and every later one cannot commit
     with connection(dsn, application_name=f"onceflow-loop-{pipeline.name}") as conn, \
             ThreadPoolExecutor(in_flight, thread_name_prefix="onceflow-batch") as pool:
+        # registered (as the first begin of an Airflow run does): a table another pipeline
+        # holds is refused before any batch begins
+        ensure_ready(conn, pipeline)
         while True:
             while not last and failure is None and not broken and len(pending) < in_flight:
                 try:

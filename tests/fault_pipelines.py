@@ -40,12 +40,17 @@ def tally_topology(pipeline=None):
             .count("new_urls", "new_urls"))
 
 
+# Tables of their own (external_*, tally_*): two pipelines never share one, and these are
+# loaded with the examples' TWEETS and TWEETS_FIRST_SEEN.
 TWEETS_EXTERNAL = dataclasses.replace(
     TWEETS, name="tweets_external", source=ONE_PARTITION, mode="opaque",
-    states=(StateSpec("url_counts"), StateSpec("domain_counts", conn_id="state2")))
+    states=(StateSpec("external_url_counts", source="url_counts"),
+            StateSpec("domain_counts", conn_id="state2")))
 
 TWEETS_TALLY = dataclasses.replace(
     TWEETS_FIRST_SEEN, name="tweets_tally", source=ONE_PARTITION, mode="opaque",
-    topology="fault_pipelines:tally_topology", state_provider="redis")
+    topology="fault_pipelines:tally_topology", state_provider="redis",
+    states=tuple(dataclasses.replace(s, name=f"tally_{s.name}", source=s.source_name)
+                 for s in TWEETS_FIRST_SEEN.states))
 
 PIPELINES = (TWEETS_EXTERNAL, TWEETS_TALLY)

@@ -28,12 +28,22 @@ from tweets_example.pipelines import TWEETS
 
 OUTSIDE = Path(__file__).parent / "outside"  # the outside pipeline package (pageviews)
 
+
+
+def another(pipeline: Pipeline, name: str, **changes) -> Pipeline:
+    """``pipeline`` as another pipeline ``name``, its states in tables of its own
+    (``<name>_<table>``, fed by the same sinks): two pipelines never share a table."""
+    states = tuple(dataclasses.replace(s, name=f"{name}_{s.name}", source=s.source_name)
+                   for s in pipeline.states)
+    return dataclasses.replace(pipeline, name=name, states=states, **changes)
+
+
 # The tweets pipeline with a one-task transaction DAG, reached as "helpers:TWEETS_SINGLE"
 # (tests/test_single_task_dag.py)
-TWEETS_SINGLE = dataclasses.replace(TWEETS, name="tweets_single", dag_shape="single")
+TWEETS_SINGLE = another(TWEETS, "tweets_single", dag_shape="single")
 # The tweets pipeline whose dead letters are replayed only after a person approves, reached as
 # "helpers:TWEETS_APPROVED" (tests/test_ui.py)
-TWEETS_APPROVED = dataclasses.replace(TWEETS, name="tweets_approved", dead_letter_approval=True)
+TWEETS_APPROVED = another(TWEETS, "tweets_approved", dead_letter_approval=True)
 
 
 @contextmanager

@@ -322,8 +322,8 @@ def check_exact(deployment: Deployment, txids: int) -> None:
     assert dict(_query(db, "SELECT partition, \"offset\" FROM partition_offsets "
                            "WHERE pipeline = %s", (PIPELINE,))) == heads
     countries, pages, rejected, failing = oracle(deployment.records)
-    assert dict(_query(db, "SELECT key, value FROM views_per_country")) == dict(countries)
-    assert dict(_query(db, "SELECT key, value FROM views_per_page")) == dict(pages)
+    assert dict(_query(db, "SELECT key, value FROM landed_views_per_country")) == dict(countries)
+    assert dict(_query(db, "SELECT key, value FROM landed_views_per_page")) == dict(pages)
     assert _query(db, "SELECT count(*) FROM rejected_records") == [(rejected,)]
     parked = _query(db, "SELECT (SELECT count(*) FROM backflow_items) "
                         "+ (SELECT count(*) FROM dead_letters)")[0][0]

@@ -102,11 +102,11 @@ def test_kills_inside_a_state_commit_in_another_database_end_exact(
     register(conn, pipeline, {"domain_counts": second_dsn}, create_source=True)
     pipeline.source.append(conn, payloads)
     second = db.connect(second_dsn)
-    local: dict = {}  # url_counts, in the coordinator: only committed attempts count
+    local: dict = {}  # external_url_counts, in the coordinator: committed attempts only
     external: dict = {}  # domain_counts: every attempt that passed its own COMMIT
 
     def check() -> None:
-        assert state_rows(conn, "url_counts") == model_rows(local)
+        assert state_rows(conn, "external_url_counts") == model_rows(local)
         assert state_rows(second, "domain_counts") == model_rows(external)
 
     def committed(batch, start, end) -> None:
@@ -199,11 +199,11 @@ def test_kills_inside_a_key_value_commit_end_exact(spark, dsn, conn, fault_pipel
     register(conn, pipeline, create_source=True)
     pipeline.source.append(conn, payloads)
     kv: dict = {}  # Redis: every attempt whose Redis commit ran
-    counts: dict = {}  # fs_url_counts, in the coordinator
+    counts: dict = {}  # tally_fs_url_counts, in the coordinator
 
     def check() -> None:
         assert redis_records(client, prefix, name, "tally") == kv
-        assert state_rows(conn, "fs_url_counts") == model_rows(counts)
+        assert state_rows(conn, "tally_fs_url_counts") == model_rows(counts)
 
     def redis_committed(batch, start, end) -> None:
         opaque.apply_batch(kv, batch.attempt.txid, deltas(payloads, start, end, "url"),
@@ -264,7 +264,7 @@ def test_kills_inside_a_key_value_commit_end_exact(spark, dsn, conn, fault_pipel
         check()
         everything = deltas(payloads, 0, 900, "url")
         assert {k: v.value for k, v in kv.items()} == everything  # (the model's own sum)
-        assert dict(table(conn, "SELECT key, value FROM first_seen_urls")) == dict.fromkeys(
+        assert dict(table(conn, "SELECT key, value FROM tally_first_seen_urls")) == dict.fromkeys(
             everything, 1)
         assert_exact(conn, pipeline, payloads, read_all=True, drained=True)
     finally:

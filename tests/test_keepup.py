@@ -6,7 +6,6 @@ and the runs against a real scheduler and triggerer: tests/test_keepup_airflow.p
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 from datetime import UTC, datetime, timedelta
@@ -16,7 +15,7 @@ import psycopg2
 import pytest
 from airflow.triggers.base import BaseEventTrigger
 
-from helpers import produce, run_transaction, table, tweets_pipeline
+from helpers import another, produce, run_transaction, table, tweets_pipeline
 from onceflow.airflow.dags import transaction_dag
 from onceflow.airflow.triggers import SourceWatchTrigger
 from onceflow.core import freshness, keepup
@@ -40,9 +39,8 @@ def _look(conn, pipeline, seen=None) -> Look:
 
 
 def _named(name: str, source):
-    """The tweets pipeline as another one, reading ``source``."""
-    return dataclasses.replace(get_pipeline("tweets"), name=name, source=source,
-                               keep_up=True).validate()
+    """The tweets pipeline as another one, reading ``source`` (its tables its own)."""
+    return another(get_pipeline("tweets"), name, source=source, keep_up=True).validate()
 
 
 def _age(conn, topic: str, seconds: float) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from psycopg2 import sql
 
 from helpers import run_transaction, table
 from onceflow.core.begin import begin
@@ -118,9 +119,11 @@ def settled(*paths: Path, age_s: float = 5.0) -> None:
         os.utime(path, (when, when))
 
 
-def counted(conn) -> tuple[Counter, int]:
-    """What the pipeline committed: url_counts, and its committed records."""
-    urls = Counter(dict(table(conn, "SELECT key, value FROM url_counts")))
+def counted(conn, state: str = "url_counts") -> tuple[Counter, int]:
+    """What the pipeline committed: its URL counts (the table ``state``), and its committed
+    records."""
+    urls = Counter(dict(table(conn, sql.SQL("SELECT key, value FROM {}").format(
+        sql.Identifier(state)))))
     records = table(conn, "SELECT coalesce(sum(records), 0) FROM transactions "
                           "WHERE state = 'committed'")[0][0]
     return urls, records
@@ -315,11 +318,11 @@ def test_a_changed_file_is_held_back_until_it_is_as_indexed_again(conn, landed):
 
 
 PIPES = """
-import dataclasses
+from helpers import another
 from onceflow.sources.landing import LandingFolder
 from tweets_example.pipelines import TWEETS
 
-PIPE = dataclasses.replace(TWEETS, name="landed_tweets", batch_size=300, source=LandingFolder(
+PIPE = another(TWEETS, "landed_tweets", batch_size=300, source=LandingFolder(
     topic="rewritten", path={folder!r}, chunk_bytes=4096))
 """
 
@@ -371,7 +374,8 @@ def test_a_rewritten_file_stops_nothing_but_itself_and_repair_moves_on(
     assert main([*cli, "repair", "--pipeline", "landed_tweets"]) == 0  # done, once
     assert "nothing to repair" in capsys.readouterr().out
     drain(spark, dsn, conn, pipeline, "after")
-    urls, _ = counted(conn)  # (a batch's records count the void offsets it planned too)
+    # (a batch's records count the void offsets it planned too)
+    urls, _ = counted(conn, "landed_tweets_url_counts")
     if how == "accept":  # the files as they are now
         assert urls == outside_count(a, b)[0]
         assert table(conn, "SELECT count(*) FROM offset_gaps") == [(0,)]

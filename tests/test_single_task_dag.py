@@ -86,7 +86,8 @@ def test_each_run_is_one_task_that_commits_its_transaction_in_order(
             AssetModel, AssetEvent.asset_id == AssetModel.id).filter(
             AssetEvent.source_run_id.in_([dr.run_id for dr in runs])).all()
     assert sorted((name, extra["txid"]) for name, extra in events) == sorted(
-        (f"onceflow/tweets_single/{t}", txid) for t in ("url_counts", "domain_counts")
+        (f"onceflow/tweets_single/tweets_single_{t}", txid)
+        for t in ("url_counts", "domain_counts")
         for txid in (1, 2))
 
 

@@ -22,7 +22,7 @@ from onceflow.airflow.backfill import starter
 from onceflow.core import db, settings, txlog
 from onceflow.core.backflow import replay_dead_letters
 from onceflow.core.db import transaction
-from onceflow.core.errors import ConfigError, OnceflowError, Permanent, Unavailable
+from onceflow.core.errors import ConfigError, OnceflowError, Permanent, SharedTable, Unavailable
 from onceflow.core.registration import external_dsns, register, reset_offsets
 from onceflow.core.registry import get_pipeline, pipelines
 from onceflow.core.txlog import TxState
@@ -175,9 +175,10 @@ def cmd_pg(args) -> int:
 
 def cmd_init(args) -> int:
     dsn = db.dsn_from_env()
+    # the declarations first: pipelines that cannot load together create nothing
+    chosen = [_pipeline(args)] if args.pipeline else list(_known(args).values())
     if db.ensure_database(dsn):
         print(f"created database {db.database_name(dsn)}")
-    chosen = [_pipeline(args)] if args.pipeline else list(_known(args).values())
     refused = 0
     with db.connection(dsn) as conn:
         applied = db.migrate(conn)
@@ -193,6 +194,13 @@ def cmd_init(args) -> int:
                 continue
             try:
                 instance = register(conn, pipeline, external_dsns(pipeline), create_source=True)
+            except SharedTable as exc:  # another pipeline's table: refused, not postponed
+                if args.pipeline:
+                    raise
+                conn.rollback()
+                refused += 1
+                print(f"pipeline {pipeline.name} not set up: {exc}", file=sys.stderr)
+                continue
             except ConfigError as exc:
                 if args.pipeline:
                     raise

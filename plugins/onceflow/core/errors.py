@@ -30,6 +30,13 @@ class DeclarationError(ConfigError):
     pipelines`, `onceflow init`, the DAG's build and every processing."""
 
 
+class SharedTable(DeclarationError):
+    """Two pipelines declare one table (a state, an upsert or an append table): each
+    pipeline's txids are its own, so one's replay rule would overwrite or delete the other's
+    keys and rows. Refused when the pipelines load together, and by the coordinator's
+    database for a table another pipeline registered there."""
+
+
 class StateOverflow(Permanent):
     """A state's running total outgrew the type its declaration gives the column (a
     numeric(6,2) sum past 9999.99). No record is at fault: the txid cannot commit until the

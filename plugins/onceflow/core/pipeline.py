@@ -29,7 +29,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from onceflow.core import settings, tables
-from onceflow.core.errors import ConfigError, DeclarationError
+from onceflow.core.errors import ConfigError, DeclarationError, SharedTable
 from onceflow.core.source import RECORD_KEYS, Source
 from onceflow.core.topology import Topology, TopologyError
 
@@ -414,6 +414,45 @@ class Pipeline:
         if self.recompute is None:
             return None
         return resolve(self.recompute, f"pipeline[{self.name}].recompute")
+
+
+def table_place(spec: StateSpec) -> str:
+    """Where a state's table lives, in words: the coordinator's database, or another."""
+    if spec.conn_id is None:
+        return "in the coordinator's database"
+    return f"in the database of connection {spec.conn_id!r}"
+
+
+def one_owner(table: str, sink: str, owner: str) -> str:
+    """Why a table belongs to one pipeline, that onceflow offers no shared table, and the
+    fix: the state of pipeline ``owner`` renamed, still fed by its sink ``sink``."""
+    return (f"a table belongs to one pipeline: each pipeline's txids are its own, so the "
+            f"replay rule of one would overwrite the other's keys and delete its rows. "
+            f"onceflow does not share a table between pipelines, not even on purpose (its "
+            f"rows carry no pipeline). Rename the state in one of them: its name is the "
+            f"table, and source={sink!r} keeps the sink that feeds it, e.g. "
+            f"name='{owner}_{table}', source={sink!r} in pipeline {owner!r}")
+
+
+def check_shared_tables(pipelines: Any) -> None:
+    """Refuse two pipelines that declare one table (the same state name in the same
+    database): SharedTable naming the table, both pipelines and the fix."""
+    declared: dict[tuple[str | None, str], list[tuple[Pipeline, StateSpec]]] = {}
+    for pipeline in sorted(pipelines, key=lambda p: p.name):
+        for spec in pipeline.states:
+            declared.setdefault((spec.conn_id, spec.table), []).append((pipeline, spec))
+    problems = []
+    for (_, table), users in declared.items():
+        if len(users) < 2:
+            continue
+        named = " and ".join(
+            f"{p.name!r} (state[{s.name}]{f', from {p.ref}' if p.ref else ''})"
+            for p, s in users)
+        problems.append(f"table {table!r} ({table_place(users[0][1])}) is declared by "
+                        f"pipelines {named}: "
+                        f"{one_owner(table, users[-1][1].source_name, users[-1][0].name)}")
+    if problems:
+        raise SharedTable("; ".join(problems))
 
 
 def _seconds(value: Any) -> float | None:

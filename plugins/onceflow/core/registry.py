@@ -28,7 +28,7 @@ from importlib.metadata import EntryPoint, entry_points
 
 from onceflow.core import settings
 from onceflow.core.errors import ConfigError
-from onceflow.core.pipeline import Pipeline, resolve
+from onceflow.core.pipeline import Pipeline, check_shared_tables, resolve
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +137,7 @@ def pipelines(refs: Iterable[str] = ()) -> dict[str, Pipeline]:
     for ref in key:
         for pipeline in load_ref(ref):
             _add(found, pipeline, ref)
+    check_shared_tables(found.values())
     _cache[key] = found
     return found
 
