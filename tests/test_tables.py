@@ -161,6 +161,27 @@ def test_staging_is_made_again_when_the_declaration_changes(conn):
         assert cur.fetchone()[0] == "txid,attempt,grp,merchant,day,total"
 
 
+
+def test_the_staging_follows_a_widened_declaration_once(conn):
+    """begin's step (follow_declaration): a staging made for Max numeric(5,2) is made again
+    for numeric(8,2) (a value over 999.99 then stages), said once; nothing when it matches,
+    and a staging that is missing is made."""
+    def spec(largest: str) -> StateSpec:
+        return StateSpec("totals", key={"merchant": "text"},
+                         measures={"largest": Max("amount", largest), "orders": Count()})
+
+    with db.transaction(conn) as cur:
+        tables.ensure_staging(cur, "p", spec("numeric(5,2)").shape())
+        assert tables.follow_declaration(cur, "p", [spec("numeric(5,2)").shape()]) == []
+        assert tables.follow_declaration(cur, "p", [spec("numeric(8,2)").shape()]) == [
+            "totals: largest numeric(5,2) -> numeric(8,2)"]
+        assert tables.follow_declaration(cur, "p", [spec("numeric(8,2)").shape()]) == []
+        cur.execute("""INSERT INTO onceflow_staging."p.totals"
+                       (txid, attempt, grp, merchant, largest, orders)
+                       VALUES (1, 1, 0, 'b', 1780.25, 1)""")
+        assert tables.follow_declaration(cur, "q", [spec("numeric(8,2)").shape()]) == [
+            "totals: made"]
+
 def test_an_external_batch_round_trips_through_csv(conn, second_dsn):
     """copy_out / apply_csv: what the commit uses for a state in another database; numeric,
     dates and NULL-free keys survive the CSV exactly."""

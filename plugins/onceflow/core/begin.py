@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import logging
 
-from onceflow.core import backflow, offsets, timings, txlog
+from onceflow.core import backflow, offsets, tables, timings, txlog
 from onceflow.core.db import transaction
 from onceflow.core.errors import MaxPendingReached, NothingToPlan, UnknownTransaction
 from onceflow.core.lease import this_process
@@ -60,6 +60,12 @@ def begin(conn, pipeline: Pipeline, run_id: str, *, txid: int | None = None,
             coordinator = txlog.lock_pipeline(cur, pipeline.name)
         cur.execute("UPDATE pipelines SET begins = begins + 1 WHERE name = %s",
                     (pipeline.name,))
+        # the staging follows the declaration (a measure's type widened): an attempt staged
+        # before with the old columns fails the commit's proof and is processed again
+        for change in tables.follow_declaration(cur, pipeline.name,
+                                                [s.shape() for s in pipeline.typed_states()]):
+            log.warning("STAGING pipeline=%s: made again for the declaration: %s",
+                        pipeline.name, change)
         target, why = txid, "requested"
         if target is None:
             target, why = txlog.run_txid(cur, pipeline.name, run_id), "the run's own txid"

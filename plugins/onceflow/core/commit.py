@@ -169,7 +169,8 @@ def _commit(conn, pipeline: Pipeline, ta: TransactionAttempt, on_step: Step,
             raise StagingIncomplete(
                 f"{ta} of {pipeline.name}: staging is not whole (deltas, rejects, failures "
                 f"recorded {proof.expected}, found {proof.found}; PostgreSQL may have crashed "
-                "and emptied its unlogged staging tables, or a worker of an onceflow older "
+                "and emptied its unlogged staging tables, a begin made a state's staging "
+                "again for a changed declaration, or a worker of an onceflow older "
                 "than its database staged it without its figures: upgrade every worker): the "
                 "batch is processed again")
         on_step("locked")

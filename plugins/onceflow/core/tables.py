@@ -333,14 +333,18 @@ def expected_columns(shape: Shape, opaque: bool) -> list[tuple[str, str]]:
     return out
 
 
+def _staging_columns(shape: Shape) -> list[tuple[str, str]]:
+    return [("txid", "bigint"), ("attempt", "integer"), ("grp", "integer")] + [
+        (c, _spelled(t)) for c, t in shape.staged()]
+
+
 def ensure_staging(cur, pipeline: str, shape: Shape) -> None:
     """The state's staging table (UNLOGGED: emptied by a crash, which the commit's proof
     notices), indexed by attempt. Made again when the declaration changed (an attempt staged
     with the old shape then fails the commit's proof and is processed again)."""
     cur.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(STAGING_SCHEMA)))
     table = staging_table(pipeline, shape)
-    want = [("txid", "bigint"), ("attempt", "integer"), ("grp", "integer")] + [
-        (c, _spelled(t)) for c, t in shape.staged()]
+    want = _staging_columns(shape)
     have = _columns(cur, STAGING_SCHEMA, f"{pipeline}.{shape.name}")
     if have and have != want:
         cur.execute(sql.SQL("DROP TABLE {}").format(table))
@@ -350,6 +354,38 @@ def ensure_staging(cur, pipeline: str, shape: Shape) -> None:
         "grp integer NOT NULL, {})").format(table, sql.SQL(", ").join(cols)))
     cur.execute(sql.SQL("CREATE INDEX IF NOT EXISTS {} ON {} (txid, attempt, grp)").format(
         sql.Identifier(f"{pipeline}.{shape.name}.attempt"[:63]), table))
+
+
+def follow_declaration(cur, pipeline: str, shapes: list[Shape]) -> list[str]:
+    """Make again each staging table whose columns are not the declaration's (a measure's
+    type widened since `onceflow init` made it: COPY into the old type would fail); one
+    catalog query when none differs. Called by begin under the pipeline's lock, so no commit
+    reads the staging meanwhile. Returns what changed, one text per state."""
+    if not shapes:
+        return []
+    names = [f"{pipeline}.{shape.name}" for shape in shapes]
+    cur.execute("""SELECT c.relname, array_agg(a.attname::text ORDER BY a.attnum),
+                          array_agg(format_type(a.atttypid, a.atttypmod) ORDER BY a.attnum)
+                   FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+                   JOIN pg_attribute a ON a.attrelid = c.oid
+                   WHERE n.nspname = %s AND c.relname = ANY(%s) AND a.attnum > 0
+                     AND NOT a.attisdropped
+                   GROUP BY c.relname""", (STAGING_SCHEMA, names))
+    have = {name: list(zip(cols, types, strict=True)) for name, cols, types in cur.fetchall()}
+    changed = []
+    for name, shape in zip(names, shapes, strict=True):
+        want, old = _staging_columns(shape), have.get(name)
+        if old == want:
+            continue
+        ensure_staging(cur, pipeline, shape)
+        if old is None:
+            changed.append(f"{shape.name}: made")
+            continue
+        was = dict(old)
+        diff = [f"{c} {was.get(c, 'absent')} -> {t}" for c, t in want if was.get(c) != t]
+        diff += [f"{c} {t} -> absent" for c, t in old if c not in dict(want)]
+        changed.append(f"{shape.name}: {', '.join(diff)}")
+    return changed
 
 
 def ensure_table(cur, shape: Shape, opaque: bool, with_txid_index: bool) -> None:
