@@ -2,7 +2,8 @@
 
 Exit codes: 0 done; 1 a failure (verify found a mismatch, a run failed); 2 a usage or
 configuration error (a bad argument, an unknown pipeline, a database that does not answer),
-always with one line saying what to change.
+always with one line saying what to change; 3 (verify) no mismatch, but a txid could not be
+re-read.
 """
 
 from __future__ import annotations
@@ -405,10 +406,13 @@ def cmd_verify(args) -> int:
                                   state_dsns=external_dsns(pipeline), progress=progress,
                                   txids=span)
             progress.done()
-    for mismatch in report.mismatches:
-        print("  " + mismatch)
+    for txid, why in sorted(report.unreadable.items()):
+        print(f"  txid {txid} could not be re-read: {why}")
+    for line in report.mismatches + [f"note: {note}" for note in report.notes]:
+        print("  " + line)
     print(report.line())
-    return 0 if report.ok else 1
+    # 3: nothing mismatched in what could be read, but some txid could not be checked
+    return 1 if report.found or report.mismatches else 3 if report.unreadable else 0
 
 
 def cmd_reset(args) -> int:
@@ -666,8 +670,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print it as JSON")
     p.add_argument("--all", action="store_true", help="list every dead letter")
     p = add("verify", cmd_verify, "check the committed state: re-run the topology over every "
-            "committed batch and compare (exit 1 on a mismatch); --txids or --last re-run "
-            "only some (what each proves: docs/import-verify-repair.md)")
+            "committed batch and compare (exit 1 on a mismatch, 3 when no mismatch but a txid "
+            "could not be re-read); --txids or --last re-run only some (what each proves: "
+            "docs/import-verify-repair.md)")
     p.add_argument("--recount", action="store_true",
                    help="compare with the pipeline's own recount function instead")
     p.add_argument("--txids", type=txid_range, metavar="A..B",

@@ -8,7 +8,13 @@ it replayed, with the replay count they had), and the result is compared with:
   before the key's last txid) and ``txid`` (its last txid);
 - the rejected records (the same positions);
 - the failed records: each is waiting in a backflow queue, is a dead letter, or was replayed
-  by a later committed txid; and every parked record is a failure of the re-run.
+  by a later committed txid (a parked record the re-run no longer fails is a note).
+
+A try of a record that its commit failed (a later committed txid replayed it, or it is parked)
+is compared as failed, whatever the re-run does with it: once its cause is fixed (a type
+widened) and it is replayed, the record counts once, where it committed. A txid whose records
+cannot be read again (a landed chunk edited in place) is reported with the reason in one line
+(its Spark job is split in halves until it is alone) and the others are still checked.
 
 Batches whose records retention deleted cannot run again: then the check is partial (for a
 key last written by a batch that re-ran, ``value - prev_value`` equals that batch's delta, and
@@ -47,6 +53,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import re
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -54,7 +61,7 @@ from dataclasses import dataclass, field
 from onceflow.core import backflow, offsets, rejects, tables, txlog
 from onceflow.core import state_tables as state_tables
 from onceflow.core.db import connect
-from onceflow.core.errors import ConfigError
+from onceflow.core.errors import ConfigError, SparkServerGone
 from onceflow.core.pipeline import Pipeline
 from onceflow.core.planner import PartitionRange
 from onceflow.core.registration import external_dsn
@@ -86,10 +93,13 @@ class VerifyReport:
     contributions: int = 0  # committed txids whose recorded contributions were compared
     totals: str = ""  # a range check: the state tables against every recorded contribution
     outside: int = 0  # mismatches (of ``found``) that the range's batches do not explain
+    unreadable: dict[int, str] = field(default_factory=dict)  # txid: why it could not re-run
+    failed_before: int = 0  # re-run records their commit failed (compared as failed)
+    notes: list[str] = field(default_factory=list)  # printed, but no mismatch
 
     @property
     def ok(self) -> bool:
-        return not self.found and not self.mismatches
+        return not self.found and not self.mismatches and not self.unreadable
 
     def add(self, found: list[str], limit: int = 5, *, outside: bool = False) -> None:
         """Keep ``found`` (mismatches of one kind): the first ``limit`` to print, then how
@@ -107,6 +117,10 @@ class VerifyReport:
     def _verdict(self) -> str:
         if self.ok:
             return "OK"
+        if not self.found and not self.mismatches:
+            return f"INCOMPLETE ({self._unread()})"
+        if self.unreadable:
+            return f"FAILED ({_count(self.found, 'mismatch')}; {self._unread()})"
         if self.span is None:
             return f"FAILED ({self.found} mismatches)"
         inside, txids = self.found - self.outside, f"txids {self.span[0]}..{self.span[1]}"
@@ -115,6 +129,9 @@ class VerifyReport:
                     "the state tables that no re-run batch explains)")
         return (f"FAILED ({_count(inside, 'mismatch')} in {txids}"
                 + (f", {self.outside} the range does not explain)" if self.outside else ")"))
+
+    def _unread(self) -> str:
+        return f"{_count(len(self.unreadable), 'txid')} could not be re-read"
 
     def line(self) -> str:
         verdict = self._verdict()
@@ -129,8 +146,12 @@ class VerifyReport:
         if self.span is not None:
             what = (f"committed txids re-run of {self.committed[0]}..{self.committed[1]}")
             states = ", ".join(f"{name} {n} keys read" for name, n in self.keys.items())
-        cover = (f"{self.txids_checked} of {self.txids} {what} (the others' records are "
-                 "gone: partial check)" if self.partial else f"{self.txids} {what}")
+        gone = self.txids - self.txids_checked - len(self.unreadable)
+        why = ", ".join(filter(None, [
+            f"{gone} lost their records to retention" if gone else "",
+            f"{len(self.unreadable)} could not be re-read" if self.unreadable else ""]))
+        cover = (f"{self.txids_checked} of {self.txids} {what} ({why}: partial check)"
+                 if self.partial else f"{self.txids} {what}")
         skipped = (f"; not checked (stateful bolts): {', '.join(self.skipped_states)}"
                    if self.skipped_states else "")
         head = "re-run" if self.span is None else f"re-run of txids {self.span[0]}..{self.span[1]}"
@@ -139,6 +160,9 @@ class VerifyReport:
             tail += (f"; recorded contributions of {self.contributions} txids compared")
         if self.totals:
             tail += f"; state totals: {self.totals}"
+        if self.failed_before:
+            tail += (f"; {self.failed_before} tries of records their commit failed and a "
+                     "later txid replayed, compared as failed")
         return (f"verify {self.pipeline} ({head}): {verdict}: {cover}, {self.records} records "
                 f"+ {self.replays} replays; {states}; {self.rejected_committed} rejected "
                 f"(expected {self.rejected_expected}); {self.failed} failed: {self.queued} "
@@ -241,10 +265,43 @@ def _chunks(intact: list[tuple[int, PartitionRange]], least: int
     return [chunk for chunk in out if chunk]
 
 
-def _run(pipeline: Pipeline, topology, source, txid_of):
+MAX_UNREADABLE = 10  # txids told apart; past it, a failing job's txids are reported whole
+
+
+@dataclass
+class _Job:
+    """One Spark job of a re-run: ``items`` (txid first) are what it reads; ``again`` makes
+    the same job over some of them."""
+
+    source: Callable
+    txid_of: Callable[[int, int], int]
+    label: str
+    size: int  # records of the source it reads
+    items: list[tuple]
+    again: Callable[[list[tuple]], _Job]
+
+
+def one_line(error: BaseException) -> str:
+    """A Spark job's failure in one line: the innermost cause a JVM or Python traceback
+    names (a refusal of onceflow's reader names the file, the chunk and the fix), without
+    its frames."""
+    text = str(error)
+    causes = re.findall(r"(?m)^\s*(?:Caused by: )?(?:[\w$]+\.)*([A-Z][\w$]*"
+                        r"(?:Exception|Error|Changed|Shortfall)): (\S[^\n]*)$", text)
+    ours = [c for c in causes if "onceflow" in c[1] or c[0] in ("SourceChanged",
+                                                                  "SourceShortfall")]
+    name, message = (ours or causes or [(type(error).__name__, text.strip() or "-")])[-1]
+    message = " ".join(message.split("JVM stacktrace:")[0].split())
+    return f"{name}: {message}"[:400]
+
+
+def _run(pipeline: Pipeline, topology, source, txid_of, failed_before=None):
     """Run the topology over ``source``; map each output to its txid with
     ``txid_of(partition, offset)``. Returns (deltas {(state, key): {txid: delta}}, rejected
-    positions, failures [(partition, offset, txid, error)])."""
+    positions, failures [(partition, offset, txid, error)], typed rows, how many records
+    were left out). ``failed_before(partition, offset, txid)``: that try of the record
+    failed in its commit (it was replayed later, or is parked), so its outputs are left out
+    (a cause fixed since, e.g. a type widened, lets the re-run use it)."""
     # imported here: pyspark loads with it: only where Spark is used
     from onceflow.spark.runner import run_topology
 
@@ -255,18 +312,30 @@ def _run(pipeline: Pipeline, topology, source, txid_of):
                        shapes={s.source_name: s.shape() for s in pipeline.typed_states()}
                        ).collect()
 
-    def txid_of_root(root: int) -> int:
-        return txid_of((root >> OFFSET_BITS) & MAX_PARTITION, root & MAX_OFFSET)
+    left_out: set[tuple[int, int, int]] = set()
+
+    def txid_of_root(root: int) -> int | None:
+        """The root's txid, or None when its commit failed that try."""
+        p, o = (root >> OFFSET_BITS) & MAX_PARTITION, root & MAX_OFFSET
+        txid = txid_of(p, o)
+        if failed_before is not None and failed_before(p, o, txid):
+            left_out.add((p, o, txid))
+            return None
+        return txid
 
     deltas: dict[tuple[str, str], dict[int, int]] = {}
     for (state, key, root), delta in out.deltas.items():
         txid = txid_of_root(root)
+        if txid is None:
+            continue
         per = deltas.setdefault((state, key), {})
         per[txid] = per.get(txid, 0) + delta
-    typed = {state: [(txid_of_root(row.pop("root")), row) for row in rows.to_pylist()]
-             for state, rows in out.tables.items()}
+    typed = {}
+    for state, rows in out.tables.items():
+        typed[state] = [(txid, row) for row in rows.to_pylist()
+                        if (txid := txid_of_root(row.pop("root"))) is not None]
     failures = [(p, o, txid_of(p, o), error) for (p, o, _), error in out.failed.items()]
-    return deltas, set(out.rejected), failures, typed
+    return deltas, set(out.rejected), failures, typed, len(left_out)
 
 
 def _range_lookup(intact: list[tuple[int, PartitionRange]]):
@@ -333,21 +402,55 @@ def rerun(conn, dsn: str, pipeline: Pipeline, spark, *,
     re_rejected: set[tuple[int, int]] = set()
     failures: list[tuple[int, int, int, str]] = []
     typed: dict[str, list[tuple[int, dict]]] = {}
-    jobs = []
-    for chunk in _chunks(intact, chunk_records):
-        size = sum(r.size for _, r in chunk)
-        jobs.append((lambda chunk=chunk: batch_records(
-            spark, dsn, pipeline.source, [r for _, r in chunk]), _range_lookup(chunk),
-            f"txids {chunk[0][0]}..{chunk[-1][0]}", size))
-    for i, rows in enumerate(_rounds(replays)):
+    # A try of a record failed in its commit when a later committed txid replayed it, or
+    # when it waits in a queue or as a dead letter: its outputs are compared as failed
+    # (counted once, where it committed), whatever the code does with it now.
+    tries: dict[tuple[int, int], int] = {}
+    for t, p, o, *_ in later:
+        tries[(p, o)] = max(t, tries.get((p, o), t))
+
+    def failed_before(p: int, o: int, txid: int) -> bool:
+        return (p, o) in parked or tries.get((p, o), 0) > txid
+
+    def range_job(chunk: list[tuple[int, PartitionRange]]) -> _Job:
+        return _Job(lambda: batch_records(spark, dsn, pipeline.source, [r for _, r in chunk]),
+                    _range_lookup(chunk), f"txids {chunk[0][0]}..{chunk[-1][0]}",
+                    sum(r.size for _, r in chunk), chunk, range_job)
+
+    def replay_job(rows: list[tuple], label: str) -> _Job:
         mapping = {(p, o): t for t, p, o, _, _ in rows}
-        jobs.append((lambda rows=rows: replayed_records(
+        return _Job(lambda: replayed_records(
             spark, pipeline.source, [(p, o, payload, n) for _, p, o, n, payload in rows]),
-            lambda p, o, m=mapping: m[(p, o)], f"replay round {i + 1}", 0))
+            lambda p, o: mapping[(p, o)], label, 0, rows,
+            lambda part: replay_job(part, label))
+
+    jobs = [range_job(chunk) for chunk in _chunks(intact, chunk_records)]
+    for i, rows in enumerate(_rounds(replays)):
+        jobs.append(replay_job(rows, f"replay round {i + 1}"))
         report.replays += len(rows)
     done = 0
-    for source, txid_of, label, size in jobs:
-        deltas, rej, failed, typed_rows = _run(pipeline, topology, source(), txid_of)
+    while jobs:
+        job = jobs.pop(0)
+        try:
+            deltas, rej, failed, typed_rows, left_out = _run(
+                pipeline, topology, job.source(), job.txid_of, failed_before)
+        except (SparkServerGone, ConfigError):
+            raise  # no txid is at fault: nothing could be checked
+        except Exception as error:  # noqa: BLE001 (Spark's and the JVM's errors vary)
+            why = one_line(error)
+            txids = sorted({item[0] for item in job.items})
+            if len(txids) == 1 or len(report.unreadable) >= MAX_UNREADABLE:
+                for txid in txids:
+                    report.unreadable[txid] = why
+                say(f"{job.label}: could not be re-read ({why})")
+                continue
+            say(f"{job.label} could not be read ({why}): re-running them apart")
+            # halves, until each txid that fails is alone: a few jobs more for one bad txid
+            half = set(txids[:len(txids) // 2])
+            jobs[:0] = [job.again([item for item in job.items if item[0] in half]),
+                        job.again([item for item in job.items if item[0] not in half])]
+            continue
+        report.failed_before += left_out
         for state, rows in typed_rows.items():
             typed.setdefault(state, []).extend(rows)
         for key, per in deltas.items():
@@ -356,10 +459,20 @@ def rerun(conn, dsn: str, pipeline: Pipeline, spark, *,
                 into[txid] = into.get(txid, 0) + delta
         re_rejected |= rej
         failures += failed
-        done += size
-        report.records += size
-        say(f"{label} re-run: {done} of {total} records"
+        done += job.size
+        report.records += job.size
+        say(f"{job.label} re-run: {done} of {total} records"
             + (f" ({100 * done // total}%)" if total else ""))
+    if report.unreadable:  # checked as records retention deleted are: partially
+        lost |= set(report.unreadable)
+        report.txids_checked = len(set(committed) - lost)
+        intact = [(t, r) for t, r in intact if t not in lost]
+        failures = [f for f in failures if f[2] not in lost]
+        typed = {state: [(t, row) for t, row in rows if t not in lost]
+                 for state, rows in typed.items()}
+        for per in expected.values():
+            for txid in lost & set(per):
+                del per[txid]
     _compare_contributions(conn, report, pipeline, recorded, expected,
                            sorted(t for t in set(committed) - lost if t >= since))
     if span:
@@ -697,9 +810,13 @@ def _account_failures(report: VerifyReport, failures: list, parked: dict, replay
     report.failed = len(failing)
     report.queued = sum(1 for kind in parked.values() if kind == "queued")
     report.dead = sum(1 for kind in parked.values() if kind == "dead")
-    if whole and not lost:
-        out += [f"record p{p}:{o} is {kind} but the re-run never fails it"
-                for (p, o), kind in sorted(parked.items()) if (p, o) not in failing]
+    if whole and not lost:  # its commits failed it: a cause fixed since, or a flaky one
+        report.notes += [f"record p{p}:{o} is {'a dead letter' if kind == 'dead' else kind}, "
+                         "but the re-run does not fail it: once its cause is fixed, "
+                         "`onceflow replay-dead-letters` puts it back" if kind == "dead" else
+                         f"record p{p}:{o} is queued for replay, but the re-run does not fail "
+                         "it: its replay may count it"
+                         for (p, o), kind in sorted(parked.items()) if (p, o) not in failing]
     report.add(out)
 
 
