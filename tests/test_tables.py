@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import random
+import re
 from datetime import date
 from decimal import Decimal
 
@@ -181,6 +182,29 @@ def test_the_staging_follows_a_widened_declaration_once(conn):
                        VALUES (1, 1, 0, 'b', 1780.25, 1)""")
         assert tables.follow_declaration(cur, "q", [spec("numeric(8,2)").shape()]) == [
             "totals: made"]
+
+
+def test_begin_refuses_a_table_narrower_than_its_widened_declaration(conn):
+    """The declaration widened, the table not: refused naming the ALTER TABLE (the commit
+    would fail on the value); once altered, accepted."""
+    narrow = StateSpec("totals", key={"merchant": "text"},
+                       measures={"largest": Max("amount", "numeric(5,2)")})
+    wide = StateSpec("totals", key={"merchant": "text"},
+                     measures={"largest": Max("amount", "numeric(8,2)")})
+    with db.transaction(conn) as cur:
+        tables.ensure_table(cur, narrow.shape(), narrow.opaque, with_txid_index=False)
+        tables.check_types(cur, [(narrow.shape(), narrow.opaque)])
+    with pytest.raises(ConfigError, match=re.escape(
+            "table totals exists with column types other than the declaration's (largest "
+            "numeric(5,2), declared numeric(8,2), prev_largest numeric(5,2), declared "
+            "numeric(8,2)): alter it to the declared types (ALTER TABLE totals ALTER COLUMN "
+            "largest TYPE numeric(8,2), ALTER COLUMN prev_largest TYPE numeric(8,2);")):
+        with db.transaction(conn) as cur:
+            tables.check_types(cur, [(wide.shape(), wide.opaque)])
+    with db.transaction(conn) as cur:
+        cur.execute("ALTER TABLE totals ALTER COLUMN largest TYPE numeric(8,2), "
+                    "ALTER COLUMN prev_largest TYPE numeric(8,2)")
+        tables.check_types(cur, [(wide.shape(), wide.opaque)])
 
 def test_an_external_batch_round_trips_through_csv(conn, second_dsn):
     """copy_out / apply_csv: what the commit uses for a state in another database; numeric,

@@ -60,10 +60,13 @@ def begin(conn, pipeline: Pipeline, run_id: str, *, txid: int | None = None,
             coordinator = txlog.lock_pipeline(cur, pipeline.name)
         cur.execute("UPDATE pipelines SET begins = begins + 1 WHERE name = %s",
                     (pipeline.name,))
-        # the staging follows the declaration (a measure's type widened): an attempt staged
-        # before with the old columns fails the commit's proof and is processed again
-        for change in tables.follow_declaration(cur, pipeline.name,
-                                                [s.shape() for s in pipeline.typed_states()]):
+        # A table left of other types than its declaration is refused now, not at the
+        # commit; the staging follows the declaration (a measure's type widened): an
+        # attempt staged before with the old columns fails the commit's proof and is
+        # processed again.
+        typed = pipeline.typed_states()
+        tables.check_types(cur, [(s.shape(), s.opaque) for s in typed if s.conn_id is None])
+        for change in tables.follow_declaration(cur, pipeline.name, [s.shape() for s in typed]):
             log.warning("STAGING pipeline=%s: made again for the declaration: %s",
                         pipeline.name, change)
         target, why = txid, "requested"

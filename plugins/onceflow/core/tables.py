@@ -388,13 +388,8 @@ def follow_declaration(cur, pipeline: str, shapes: list[Shape]) -> list[str]:
     return changed
 
 
-def ensure_table(cur, shape: Shape, opaque: bool, with_txid_index: bool) -> None:
-    """The state table itself (in the coordinator's database or the state's own). A table
-    that exists with other columns than the declaration's is refused, not altered."""
-    ident = sql.Identifier(shape.name)
-    cur.execute("SELECT current_schema()")
-    have = _columns(cur, cur.fetchone()[0], shape.name)
-    want = expected_columns(shape, opaque)
+def _refuse_other_types(shape: Shape, have: list[tuple[str, str]],
+                        want: list[tuple[str, str]]) -> None:
     if have and [c for c, _ in have] == [c for c, _ in want] and have != want:
         # the same columns of other types (a sum made numeric(38,s) before sums kept their
         # declared type, a measure's type changed): the statement that migrates it
@@ -406,6 +401,34 @@ def ensure_table(cur, shape: Shape, opaque: bool, with_txid_index: bool) -> None
             f"): alter it to the declared types (ALTER TABLE {shape.name} "
             f"{', '.join(f'ALTER COLUMN {c} TYPE {new}' for c, _, new in changed)}; a value "
             "that does not fit a new type makes it fail), or declare the types it has")
+
+
+def check_types(cur, states: list[tuple[Shape, bool]]) -> None:
+    """Refuse (ConfigError, with the ALTER TABLE) a state table of the coordinator's
+    database whose columns have other types than the declaration gives ((shape, opaque)
+    pairs): a type widened in the declaration only would fail the commit. One catalog
+    query."""
+    if not states:
+        return
+    cur.execute("""SELECT c.relname, array_agg(a.attname::text ORDER BY a.attnum),
+                          array_agg(format_type(a.atttypid, a.atttypmod) ORDER BY a.attnum)
+                   FROM pg_class c JOIN pg_attribute a ON a.attrelid = c.oid
+                   WHERE c.relnamespace = current_schema()::regnamespace
+                     AND c.relname = ANY(%s) AND a.attnum > 0 AND NOT a.attisdropped
+                   GROUP BY c.relname""", ([shape.name for shape, _ in states],))
+    have = {name: list(zip(cols, types, strict=True)) for name, cols, types in cur.fetchall()}
+    for shape, opaque in states:
+        _refuse_other_types(shape, have.get(shape.name, []), expected_columns(shape, opaque))
+
+
+def ensure_table(cur, shape: Shape, opaque: bool, with_txid_index: bool) -> None:
+    """The state table itself (in the coordinator's database or the state's own). A table
+    that exists with other columns than the declaration's is refused, not altered."""
+    ident = sql.Identifier(shape.name)
+    cur.execute("SELECT current_schema()")
+    have = _columns(cur, cur.fetchone()[0], shape.name)
+    want = expected_columns(shape, opaque)
+    _refuse_other_types(shape, have, want)
     if have and have != want:
         raise ConfigError(
             f"state[{shape.name}]: table {shape.name} exists with columns "
