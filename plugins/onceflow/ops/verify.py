@@ -811,12 +811,14 @@ def _account_failures(report: VerifyReport, failures: list, parked: dict, replay
     report.queued = sum(1 for kind in parked.values() if kind == "queued")
     report.dead = sum(1 for kind in parked.values() if kind == "dead")
     if whole and not lost:  # its commits failed it: a cause fixed since, or a flaky one
-        report.notes += [f"record p{p}:{o} is {'a dead letter' if kind == 'dead' else kind}, "
-                         "but the re-run does not fail it: once its cause is fixed, "
-                         "`onceflow replay-dead-letters` puts it back" if kind == "dead" else
-                         f"record p{p}:{o} is queued for replay, but the re-run does not fail "
-                         "it: its replay may count it"
-                         for (p, o), kind in sorted(parked.items()) if (p, o) not in failing]
+        for (p, o), kind in sorted(parked.items()):
+            if (p, o) in failing:
+                continue
+            report.notes.append(
+                f"record p{p}:{o} is a dead letter the re-run does not fail: once its cause "
+                "is fixed, `onceflow replay-dead-letters` puts it back" if kind == "dead" else
+                f"record p{p}:{o} is queued for replay, and the re-run does not fail it: its "
+                "replay counts it")
     report.add(out)
 
 
