@@ -145,7 +145,7 @@ def test_the_version_ranges_are_the_two_locks():
     locks is inside it. pyspark and pyspark-client share a folder: equal in both locks."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     oldest, newest = _lock("constraints-oldest.txt"), _lock("constraints.txt")
-    for line in [*project["dependencies"], *project["optional-dependencies"]["spark"]]:
+    for line in project["dependencies"]:
         req = Requirement(line)
         name = canonicalize_name(req.name)
         floors = [s.version for s in req.specifier if s.operator == ">="]
@@ -154,3 +154,12 @@ def test_the_version_ranges_are_the_two_locks():
             f"{newest[name]}"
     for lock in (oldest, newest):
         assert lock["pyspark"] == lock["pyspark-client"]
+    # the spark extra: both distributions of one folder at one version, the newest lock's
+    spark = {canonicalize_name(r.name): str(r.specifier) for r in map(
+        Requirement, project["optional-dependencies"]["spark"])}
+    assert spark == {"pyspark": f"=={newest['pyspark']}", "pyspark-client":
+                     f"=={newest['pyspark']}"}
+    # the suite's own pins are no part of the published metadata
+    assert "test" not in project["optional-dependencies"]
+    assert "pytest==9.1.1" in tomllib.loads((ROOT / "pyproject.toml").read_text())[
+        "dependency-groups"]["test"]
