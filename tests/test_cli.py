@@ -31,11 +31,23 @@ def test_help_lists_every_command():
     out = cli("--help")
     assert out.returncode == 0
     for command in ("pg", "init", "pipelines", "produce", "status", "verify", "backfill",
-                    "retention", "reset", "replay-dead-letters", "repair", "ui"):
+                    "retention", "reset", "replay-dead-letters", "repair", "ui", "dags"):
         assert command in out.stdout
     assert "ONCEFLOW_PG_DSN" in out.stdout and "ONCEFLOW_PIPELINES" in out.stdout
     for command in ("status", "retention", "repair"):
         assert cli(command, "--help").returncode == 0
+
+
+def test_dags_prints_the_dag_file_the_checkout_has(tmp_path):
+    """`onceflow dags` gives a wheel's user the DAG file: the checkout's, to the byte, and a
+    file Airflow's safe-mode parse opens (it says "airflow" and "dag")."""
+    from pathlib import Path
+
+    out = cli("dags")
+    assert out.returncode == 0, out.stderr
+    shipped = Path(__file__).resolve().parents[1] / "dags" / "onceflow_pipelines.py"
+    assert out.stdout == shipped.read_text()
+    assert "airflow" in out.stdout.lower() and "dag" in out.stdout.lower()
 
 
 def produce_lines(n: int, seed: int = 42, **shares) -> str:

@@ -173,6 +173,14 @@ def _locked(lock: str) -> dict[str, str]:
     return {name.lower(): version for name, version in pins}
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _wait_until(what: str, check, timeout: float, proc: subprocess.Popen | None = None,
                 log: Path | None = None):
     """Poll ``check`` until it returns something true; fails when ``proc`` ends first."""
@@ -210,21 +218,44 @@ def test_a_fresh_virtualenv_runs_a_users_pipeline_through_airflow(lock, wheels, 
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     python = venv / "bin" / "python"
     onceflow, outside = wheels
-    # --no-compile: what runs is compiled as it is imported, not all of Airflow and pyspark
-    done = subprocess.run(
-        [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
-         "--no-compile", "-c", str(ROOT / LOCKS[lock]), f"{onceflow}[spark]", str(outside)],
-        capture_output=True, text=True, timeout=1500, cwd=elsewhere)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    pins = _locked(lock)
+
+    def pip(*args: str) -> None:
+        # --no-compile: what runs is compiled as it is imported, not all of Airflow and pyspark
+        done = subprocess.run(
+            [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+             "--no-compile", "-c", str(ROOT / LOCKS[lock]), *args],
+            capture_output=True, text=True, timeout=1500, cwd=elsewhere)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    def frozen() -> dict[str, str]:
+        out = subprocess.run([str(python), "-m", "pip", "list", "--format", "json",
+                              "--disable-pip-version-check"], capture_output=True, text=True,
+                             check=True).stdout
+        return {p["name"].lower(): p["version"] for p in json.loads(out)}
+
+    # docs/install.md: Airflow first, as Airflow's docs install it (its constraints file; here
+    # the lock), then onceflow's wheel and the user's package with the same constraints: no
+    # package Airflow installed changes version. The spark extra pins pyspark and
+    # pyspark-client to one version; another tested version names both (the oldest).
+    pip(f"apache-airflow=={pins['apache-airflow']}")
+    airflow_alone = frozen()
+    spark = [f"{onceflow}[spark]"] if pins["pyspark"] == metadata.version("pyspark") else [
+        str(onceflow), f"pyspark=={pins['pyspark']}", f"pyspark-client=={pins['pyspark']}"]
+    pip(*spark, str(outside))
+    with_onceflow = frozen()
+    changed = {name: (version, with_onceflow.get(name))
+               for name, version in airflow_alone.items() if with_onceflow.get(name) != version}
+    assert not changed, changed
+    assert with_onceflow["pyspark"] == with_onceflow["pyspark-client"] == pins["pyspark"]
     installed_s = time.monotonic() - started
 
-    (elsewhere / "dags").mkdir()
-    shutil.copy(ROOT / "dags" / "onceflow_pipelines.py", elsewhere / "dags")
+    home = tmp_path / "af"
+    (home / "dags").mkdir(parents=True)
     env = {k: v for k, v in _clean_env().items() if not k.startswith("AIRFLOW")}
     env.update(
         PATH=os.pathsep.join([str(venv / "bin"), "/usr/local/bin", "/usr/bin", "/bin"]),
-        ONCEFLOW_HOME=str(elsewhere), ONCEFLOW_PG_DSN=dsn, AIRFLOW_HOME=str(tmp_path / "af"),
-        AIRFLOW__CORE__DAGS_FOLDER=str(elsewhere / "dags"),
+        ONCEFLOW_HOME=str(elsewhere), ONCEFLOW_PG_DSN=dsn, AIRFLOW_HOME=str(home),
         AIRFLOW__CORE__LOAD_EXAMPLES="False",
         AIRFLOW_CONN_ONCEFLOW_PG=airflow_connection_json(dsn),
         AIRFLOW_CONN_SPARK_DEFAULT=spark_connection(None),
@@ -242,7 +273,6 @@ def test_a_fresh_virtualenv_runs_a_users_pipeline_through_airflow(lock, wheels, 
     assert where.returncode == 0, where.stderr
     assert str(ROOT) not in where.stdout and where.stdout.split()[-1].startswith(str(venv))
     airflow, task_sdk, pyspark = where.stdout.splitlines()[-2].split()
-    pins = _locked(lock)
     assert (airflow, task_sdk, pyspark) == (pins["apache-airflow"],
                                              pins["apache-airflow-task-sdk"], pins["pyspark"])
     assert "ModuleNotFoundError: No module named 'onceflow.dev'" in \
@@ -263,6 +293,10 @@ def test_a_fresh_virtualenv_runs_a_users_pipeline_through_airflow(lock, wheels, 
         assert jar.returncode == 2 and f"this Spark is {pyspark}, another minor version" in \
             jar.stderr and "Traceback" not in jar.stderr, jar.stderr
 
+    # the DAG file from the package (docs/install.md)
+    dag_file = run("onceflow", "dags")
+    assert dag_file.returncode == 0 and "transaction_dags()" in dag_file.stdout
+    (home / "dags" / "onceflow_pipelines.py").write_text(dag_file.stdout)
     assert run("airflow", "db", "migrate").returncode == 0
     assert run("onceflow", "init").returncode == 0
     if task_sdk == "1.1.0":
@@ -339,6 +373,33 @@ def test_a_fresh_virtualenv_runs_a_users_pipeline_through_airflow(lock, wheels, 
     assert result["rows"] == ["a", "b"]
     if not built_for_this_spark:
         assert f"this Spark is {pyspark}, another minor version" in ran.stdout + ran.stderr
+
+    # The Spark Connect path (docs/install.md): onceflow's local server, the connection of
+    # type spark_connect, a run with `airflow dags test`; this client's retry policy is built
+    # from what its DefaultPolicy takes.
+    port = _free_port()
+    env.update(ONCEFLOW_SPARK_CONNECT_PORT=str(port), AIRFLOW_CONN_SPARK_DEFAULT=json.dumps(
+        {"conn_type": "spark_connect", "host": "127.0.0.1", "port": port}))
+    server = run("onceflow", "spark", "start")
+    try:
+        assert server.returncode == 0, server.stdout + server.stderr[-3000:]
+        more = payloads(200, seed=12)
+        assert "produced 200 records" in run("onceflow", "produce", "--pipeline", "page_views",
+                                             stdin="\n".join(more) + "\n").stdout
+        tested = run("airflow", "dags", "test", "onceflow_page_views")
+        assert tested.returncode == 0, tested.stdout[-3000:] + tested.stderr[-3000:]
+        assert "on sc://127.0.0.1:" in tested.stdout + tested.stderr  # processed on Connect
+    finally:
+        run("onceflow", "spark", "stop")
+    assert table(conn, "SELECT txid, state FROM transactions ORDER BY txid") == [
+        (1, "committed"), (2, "committed")]
+    countries, pages, rejected, _ = oracle(records + more)
+    assert dict(table(conn, "SELECT key, value FROM views_per_country")) == dict(countries)
+    assert dict(table(conn, "SELECT key, value FROM views_per_page")) == dict(pages)
+    assert "TypeError" not in tested.stdout + tested.stderr
+    status = run("onceflow", "status", "--pipeline", "page_views", "--json")
+    assert status.returncode in (0, 1) and "Traceback" not in status.stderr, status.stderr
+    assert json.loads(status.stdout)["last_committed"] == 2
     print(f"{lock} (Airflow {airflow}, pyspark {pyspark}): installed in {installed_s:.0f}s, "
           f"killed in its commit at {killed_s:.0f}s, committed once at "
           f"{time.monotonic() - started:.0f}s")
@@ -355,7 +416,7 @@ try:
 except ImportError:  # Airflow 3.1
     from airflow.models.dagbag import DagBag
 
-bag = DagBag(dag_folder=os.environ["AIRFLOW__CORE__DAGS_FOLDER"])
+bag = DagBag(dag_folder=os.path.join(os.environ["AIRFLOW_HOME"], "dags"))
 assert not bag.import_errors, bag.import_errors
 run = bag.get_dag("onceflow_page_views").test()
 if "--read-json-lines" not in sys.argv:

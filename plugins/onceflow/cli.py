@@ -578,6 +578,13 @@ def cmd_spark(args) -> int:
     return 0
 
 
+def cmd_dags(args) -> int:
+    from onceflow.airflow.dag_file import TEXT
+
+    sys.stdout.write(TEXT)
+    return 0
+
+
 UI_COMPONENTS = ("scheduler", "dag-processor", "triggerer", "api-server")
 
 
@@ -642,6 +649,8 @@ def build_parser() -> argparse.ArgumentParser:
         "create their sources (default: every registered pipeline)")
     add("pipelines", cmd_pipelines, "list the registered pipelines and where they come from",
         pipeline=False)
+    add("dags", cmd_dags, "print the DAG file that gives every registered pipeline its DAG: "
+        "onceflow dags > $AIRFLOW_HOME/dags/onceflow_pipelines.py", pipeline=False)
     p = add("produce", cmd_produce, "append records (one payload per line) to a pipeline's "
             "source, when onceflow keeps it (PostgreSQL log, file segments)")
     p.add_argument("--file", default="-", metavar="FILE",
