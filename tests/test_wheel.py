@@ -199,17 +199,21 @@ def _wait_until(what: str, check, timeout: float, proc: subprocess.Popen | None 
 @pytest.mark.parametrize("lock", list(LOCKS))
 def test_a_fresh_virtualenv_runs_a_users_pipeline_through_airflow(lock, wheels, dsn, conn,
                                                                     tmp_path):
-    """`pip install` of the wheel (with the spark extra) and of an outside package into a new
-    virtualenv without system site-packages, from a lock file (the newest or the oldest
-    versions onceflow supports); no checkout on any path. There: only the user's pipeline is
+    """docs/install.md's steps: Airflow into a new virtualenv without system site-packages,
+    then the wheel (the spark extra, or pyspark and pyspark-client named at the lock's
+    version) and an outside package, from a lock file (the newest or the oldest versions
+    onceflow supports), changing no package Airflow installed; no checkout on any path.
+    There: only the user's pipeline is
     registered, the checkout's commands say they are the checkout's. With an Airflow home of
-    its own and a DAG file of the user's (the three lines of dags/onceflow_pipelines.py), the
+    its own and the DAG file `onceflow dags` prints (docs/install.md), the
     pipeline's transaction runs through its Airflow DAG (spark-submit in local mode) and is
     killed in the middle of its commit: SIGKILL of the process running the commit task, while
     its PostgreSQL transaction has written one state table and waits for the other. Nothing of
     it shows; `onceflow release` frees the txid, the next DAG run adopts it and commits it
     once, exact against a count of the payloads. The packaged jar reads JSON lines in a local
-    Spark of the version it was built for, and the Python reader takes over in another."""
+    Spark of the version it was built for, and the Python reader takes over in another. A
+    second transaction commits on the Spark Connect path (`onceflow spark start`, `airflow
+    dags test`), exact as well."""
     from onceflow.dev.localenv import airflow_connection_json, spark_connection
 
     venv, elsewhere = tmp_path / "venv", tmp_path / "cwd"
