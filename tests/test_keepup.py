@@ -21,7 +21,7 @@ from onceflow.airflow.triggers import SourceWatchTrigger
 from onceflow.core import freshness, keepup
 from onceflow.core.begin import begin, mark_failed
 from onceflow.core.errors import ConfigError, NothingToPlan
-from onceflow.core.keepup import Look, Watch
+from onceflow.core.keepup import Look, Runs, Watch
 from onceflow.core.registration import register
 from onceflow.core.registry import clear_cache, get_pipeline
 from onceflow.ops.status import pipeline_status, render
@@ -69,14 +69,15 @@ def test_a_kept_up_pipeline_is_scheduled_on_its_watched_source(monkeypatch):
         assert asset.uri == "onceflow-source://keepup/"
         (watcher,) = asset.watchers
         assert isinstance(watcher.trigger, BaseEventTrigger)
-        assert dag.max_active_runs == pipeline.max_pending == 3
+        # max_pending in flight, twice as many waiting in their begin for a place
+        assert dag.max_active_runs == 3 * pipeline.max_pending == 9
         # the triggerer rebuilds the trigger from what it stores: the same settings
         classpath, kwargs = watcher.trigger.serialize()
         assert classpath == "onceflow.airflow.triggers.SourceWatchTrigger"
         again = SourceWatchTrigger(**kwargs)
         assert again.serialize() == (classpath, kwargs)
-        assert (kwargs["min_records"], kwargs["max_delay_s"], kwargs["max_pending"]) == \
-            (8000, 6.0, 3)
+        assert (kwargs["min_records"], kwargs["max_delay_s"], kwargs["max_pending"],
+                kwargs["dag_id"], kwargs["max_runs"]) == (8000, 6.0, 3, dag.dag_id, 9)
         with pytest.raises(ConfigError, match="keeps up"):
             transaction_dag("keepup", schedule="@hourly")
     finally:
@@ -157,6 +158,75 @@ def test_the_watcher_drains_a_backlog_with_max_pending_in_flight():
     clock.now += 2
     assert watch.decide(_sight(0, open_=1, begins=4)) is None
     assert watch.fired == 4
+
+
+def test_with_the_dags_runs_the_watcher_keeps_a_place_waiting_behind_max_pending():
+    pipeline = get_pipeline("tweets", batch_size=1000, max_pending=3, keep_up=True,
+                            min_records=100, max_delay=5)
+    clock = Clock()
+    watch = Watch(pipeline, clock=clock, max_runs=6)
+    assert watch.decide(_sight(10_000), Runs(0, 0)) == "backlog"
+    clock.now += 2
+    # Airflow has not made the run yet: a second event would fold into the first's run
+    assert watch.decide(_sight(10_000), Runs(0, 0)) is None
+    for made in range(1, 6):  # each event's run made, one more asked for
+        clock.now += 2
+        assert watch.decide(_sight(10_000), Runs(made, made)) == "backlog", made
+    clock.now += 2
+    # six runs: three in flight, three waiting in their begin for a place
+    assert watch.decide(_sight(7_000, open_=3), Runs(6, 6)) is None
+    clock.now += 2
+    # one committed, its run ended, a waiting one planned: a place for one more run
+    assert watch.decide(_sight(6_000, open_=3), Runs(5, 6)) == "backlog"
+    clock.now += 2
+    # what the runs still to plan will read is not asked for again
+    assert watch.decide(_sight(2_050, open_=3, oldest=1.0), Runs(5, 7)) is None
+    clock.now += 2
+    assert watch.decide(_sight(2_600, open_=3, oldest=1.0), Runs(5, 7)) == "records"
+    clock.now += 2
+    assert watch.decide(_sight(0, open_=1), Runs(1, 8)) is None  # drained
+    assert watch.fired == 8
+    # a trickle waits for min_records or max_delay, as without the run count
+    clock.now += 2
+    assert watch.decide(_sight(50, oldest=1.0), Runs(0, 8)) is None
+    clock.now += 5
+    assert watch.decide(_sight(60, oldest=6.0), Runs(0, 8)) == "delay"
+
+
+def test_status_shows_the_watcher_and_says_when_no_triggerer_runs_it(conn):
+    pipeline = tweets_pipeline(conn, events=100, batch_size=400, partitions=2, keep_up=True)
+    with conn.cursor() as cur:
+        before = pipeline_status(cur, pipeline.source, pipeline.name,
+                                 watch_interval=pipeline.watch_interval)
+        assert pipeline_status(cur, pipeline.source, pipeline.name).watcher == {}
+    assert not before.watcher["running"] and "no watcher has looked yet" in before.watcher["line"]
+    seen = _look(conn, pipeline)
+    with conn.cursor() as cur:
+        keepup.record_watch(cur, pipeline, "host-a pid 7", seen, Runs(4, 9), 6, "backlog")
+        keepup.record_watch(cur, pipeline, "host-a pid 7", seen, Runs(4, 9), 6)  # no event
+    conn.commit()
+    with conn.cursor() as cur:
+        status = pipeline_status(cur, pipeline.source, pipeline.name,
+                                 watch_interval=pipeline.watch_interval)
+    w = status.watcher
+    assert (w["running"], w["holder"], w["event_reason"], w["runs_active"], w["runs_waiting"],
+            w["max_runs"], w["fix"]) == (True, "host-a pid 7", "backlog", 4, 4, 6, "-")
+    assert w["looked_s_ago"] < 5 and w["event_s_ago"] < 5
+    text = " ".join(" ".join(render(status)).split())  # the lines wrapped back
+    assert "watcher: last look 0s ago in the triggerer (host-a pid 7), last event 0s ago " \
+           "(backlog); runs 4 of 6 active, 4 not planned yet" in text, text
+    # the triggerer died: the watcher's last look grows old
+    with conn.cursor() as cur:
+        cur.execute("UPDATE source_watchers SET looked_at = now() - interval '90 seconds'")
+    conn.commit()
+    with conn.cursor() as cur:
+        status = pipeline_status(cur, pipeline.source, pipeline.name,
+                                 watch_interval=pipeline.watch_interval)
+    assert not status.watcher["running"]
+    text = " ".join(" ".join(render(status)).split())
+    assert "watcher: NOT RUNNING: no triggerer runs the watcher (its last look was 90s ago, " \
+           "by host-a pid 7)" in text, text
+    assert "`airflow triggerer`" in status.watcher["fix"]
 
 
 def test_the_watcher_waits_for_min_records_or_max_delay_and_is_quiet_when_caught_up():

@@ -365,7 +365,8 @@ def cmd_status(args) -> int:
         status = pipeline_status(cur, pipeline.source, pipeline.name, args.limit,
                                  all_dead=args.all,
                                  approval=bool(pipeline.dead_letter_approval),
-                                 lease_s=pipeline.lease_s)
+                                 lease_s=pipeline.lease_s, watch_interval=pipeline.
+                                 watch_interval if pipeline.keep_up else None)
     if args.json:
         print(status.as_json())
     else:

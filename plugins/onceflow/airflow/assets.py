@@ -31,7 +31,8 @@ def state_asset(pipeline: str, table: str) -> Asset:
 
 
 def source_asset(pipeline, refs: Iterable[str] = (),
-                 postgres_conn_id: str = DEFAULT_CONN_ID) -> Asset:
+                 postgres_conn_id: str = DEFAULT_CONN_ID, *, dag_id: str | None = None,
+                 max_runs: int | None = None) -> Asset:
     """The Asset of ``pipeline``'s source (``onceflow-source://<pipeline>``), watched by a
     SourceWatchTrigger in the triggerer: what its transaction DAG is scheduled on when it
     keeps up (``keep_up=True``, docs/keep-up.md). The trigger's arguments are the pipeline's
@@ -40,7 +41,8 @@ def source_asset(pipeline, refs: Iterable[str] = (),
         pipeline=pipeline.name, pipeline_refs=list(refs), postgres_conn_id=postgres_conn_id,
         watch_interval=float(pipeline.watch_interval), min_records=pipeline.batch_start_records,
         max_delay_s=pipeline.max_delay_s, max_pending=pipeline.max_pending,
-        batch_size=pipeline.batch_size)
+        batch_size=pipeline.batch_size, dag_id=dag_id or f"onceflow_{pipeline.name}",
+        max_runs=max_runs)
     return Asset(name=f"onceflow-source/{pipeline.name}",
                  uri=f"onceflow-source://{pipeline.name}", group="onceflow",
                  watchers=[AssetWatcher(name=f"onceflow_{pipeline.name}_source",

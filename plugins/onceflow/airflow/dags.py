@@ -39,6 +39,7 @@ from onceflow.airflow.operators import (
     mark_transaction_failed,
     seconds_setting,
 )
+from onceflow.core import keepup
 from onceflow.core.connections import DEFAULT_CONN_ID
 from onceflow.core.errors import ConfigError
 from onceflow.core.pipeline import DAG_SHAPES, Pipeline, check
@@ -101,8 +102,9 @@ Source: {source}. States: {states}.
 KEEP_UP_DOC = """
 Runs start by themselves (`keep_up`): a watcher in the triggerer looks at the source every
 {interval:g}s and starts a run once {min_records:,} records wait or the oldest has waited
-{max_delay:g}s, up to {max_pending} at a time; a run it started that finds nothing to read ends
-without a txid. Trigger and backfills work as well. See docs/keep-up.md.
+{max_delay:g}s, up to {max_pending} in flight (twice as many more wait in their begin for
+a place); a run it started that finds nothing to read ends without a txid. Trigger and
+backfills work as well. See docs/keep-up.md.
 """
 
 
@@ -129,7 +131,8 @@ def transaction_dag(pipeline: Pipeline | str, *, dag_id: str | None = None,
     A pipeline declared with ``keep_up=True`` is scheduled on its source
     (onceflow.airflow.triggers.source_watch: a watcher in the triggerer starts runs when
     records wait),
-    ``max_active_runs`` defaulting to its ``max_pending``; ``schedule`` is then refused.
+    ``max_active_runs`` defaulting to three times its ``max_pending`` (the runs past it wait in
+    their begin: onceflow.core.keepup.max_runs); ``schedule`` is then refused.
     """
     refs = tuple(pipeline_refs)
     if isinstance(pipeline, str):
@@ -161,8 +164,9 @@ def transaction_dag(pipeline: Pipeline | str, *, dag_id: str | None = None,
         check(schedule is None, "schedule", schedule,
               f"pipeline {pipeline.name!r} keeps up (keep_up=True): its runs start when its "
               "source has records. Leave schedule out, or declare keep_up=False")
-        schedule = [source_asset(pipeline, refs, postgres_conn_id)]
-        runs = max_active_runs or pipeline.max_pending
+        runs = max_active_runs or keepup.max_runs(pipeline)
+        schedule = [source_asset(pipeline, refs, postgres_conn_id,
+                                 dag_id=dag_id or f"onceflow_{pipeline.name}", max_runs=runs)]
     with DAG(
         dag_id=dag_id or f"onceflow_{pipeline.name}",
         description=description or pipeline.description or f"onceflow pipeline {pipeline.name}",

@@ -24,14 +24,25 @@ position). No Spark, no file is read, nothing is indexed.
 - replays waiting in the backflow start a run as records do;
 - caught up: nothing.
 
-An event is *outstanding* until a begin ran after it (``pipelines.begins`` grew), or for
-four times the usual wait from an event to its begin (10 to 60 s): Airflow turns the events
-that arrive before the scheduler created their run into one run, so an event may start no
-run of its own. Two events are ``SPACING_S`` apart at least, which leaves the scheduler a loop
-between them. The records the outstanding events' runs will read (a batch each) are not
-counted again, so a trickle starts one run at a time and never a run that finds nothing (a
-begin that does anyway, because a manual run took the records, ends without a txid:
-onceflow.core.begin's ``skip_empty``).
+**Standby runs.** A keep-up DAG lets ``WAITING_RUNS`` times ``max_pending`` runs more than
+``max_pending`` be active (``max_runs``): they wait in their begin for a place and plan the
+moment a transaction commits (woken by its announcement), so a commit is followed by a plan
+at once, not after the watcher's next look, the scheduler's next loop and a task's start.
+The watcher keeps them there while records wait: it counts the DAG's active runs (``Runs``,
+from the triggerer) and asks for one more while fewer than ``max_runs`` are active and the
+records that no run will read start a batch. Airflow makes one run of the events that wait
+for the scheduler, and none while the DAG has ``max_active_runs`` active, so the watcher has
+one event outstanding at a time, settled when the DAG's runs grew. It also looks at once
+when a transaction of the pipeline commits.
+
+Without the run count (a trigger run outside a triggerer), an event is *outstanding* until a
+begin ran after it (``pipelines.begins`` grew), or for four times the usual wait from an
+event to its begin (10 to 60 s): Airflow turns the events that arrive before the scheduler
+created their run into one run, so an event may start no run of its own. Two events are
+``SPACING_S`` apart at least, which leaves the scheduler a loop between them. The records
+the outstanding events' runs will read (a batch each) are not counted again, so a trickle
+starts one run at a time and never a run that finds nothing (a begin that does anyway,
+because a manual run took the records, ends without a txid: onceflow.core.begin's ``skip_empty``).
 """
 
 from __future__ import annotations
@@ -52,6 +63,10 @@ MIN_TTL_S, MAX_TTL_S = 10.0, 60.0
 # Two events are this far apart at least: the scheduler makes one run of the events it finds
 # at once, and it looks for them about every second.
 SPACING_S = 2.0
+# Runs waiting in their begin per place in flight, in a keep-up DAG: a run that committed
+# stays active until its task ended and the scheduler saw it, and a new one takes a scheduler
+# loop and a task's start before it waits, so a wave of commits can use them all.
+WAITING_RUNS = 2
 # A failed transaction is adopted after this back-off, doubled for each attempt it had.
 RETRY_BACKOFF_S = 15
 MAX_BACKOFF_S = 600
@@ -87,6 +102,21 @@ SELECT now(), p.begins,
             GROUP BY x.partition) r)
 FROM pipelines p WHERE p.name = %(pipeline)s
 """
+
+
+def max_runs(pipeline: Pipeline) -> int:
+    """The active runs a keep-up DAG allows (its ``max_active_runs``): ``max_pending`` in
+    flight and WAITING_RUNS times as many waiting in their begin for a place (see the module
+    docstring)."""
+    return (1 + WAITING_RUNS) * pipeline.max_pending
+
+
+@dataclass(frozen=True)
+class Runs:
+    """The DAG's runs, as Airflow counts them: ``active`` (queued or running), ``total``."""
+
+    active: int
+    total: int
 
 
 @dataclass(frozen=True)
@@ -175,6 +205,8 @@ class Watch:
     last_fired: float | None = None
     start_wait_s: float | None = None  # the usual wait from an event to its begin
     unread_since: float | None = None  # since when records wait (their arrival unknown)
+    max_runs: int | None = None  # the DAG's max_active_runs (default: keepup.max_runs)
+    runs: Runs | None = None  # the DAG's runs at the last look, when the triggerer told
 
     @property
     def ttl_s(self) -> float:
@@ -182,16 +214,19 @@ class Watch:
             return MAX_TTL_S
         return min(MAX_TTL_S, max(MIN_TTL_S, 4 * self.start_wait_s))
 
-    def _settle(self, seen: Look | None) -> None:
+    def _settle(self, seen: Look | None, runs: Runs | None) -> None:
         now = self.clock()
+        if runs is not None and self.runs is not None:
+            for _ in range(min(len(self.outstanding), max(0, runs.total - self.runs.total))):
+                self._started(now)  # Airflow created a run: the event was taken
+        if runs is not None:
+            self.runs = runs
         if seen is None:
             self.begins = 0  # not initialised: no begin ran yet
         else:
-            if self.begins is not None:
+            if self.begins is not None and runs is None:
                 for _ in range(min(len(self.outstanding), max(0, seen.begins - self.begins))):
-                    waited = now - self.outstanding.popleft()  # a begin ran: its run started
-                    self.start_wait_s = waited if self.start_wait_s is None \
-                        else 0.7 * self.start_wait_s + 0.3 * waited
+                    self._started(now)  # a begin ran: its run started
             self.begins = seen.begins
             if seen.unread <= 0:
                 self.unread_since = None
@@ -200,14 +235,19 @@ class Watch:
         while self.outstanding and now - self.outstanding[0] > self.ttl_s:
             self.outstanding.popleft()
 
-    def decide(self, seen: Look | None) -> str | None:
+    def _started(self, now: float) -> None:
+        waited = now - self.outstanding.popleft()
+        self.start_wait_s = waited if self.start_wait_s is None \
+            else 0.7 * self.start_wait_s + 0.3 * waited
+
+    def decide(self, seen: Look | None, runs: Runs | None = None) -> str | None:
         """Why a run should start now (the event's reason), or None. Each reason given is an
-        event the caller fires."""
-        self._settle(seen)
+        event the caller fires. ``runs``: the DAG's runs now (None: not known)."""
+        self._settle(seen, runs)
         now = self.clock()
         if self.last_fired is not None and now - self.last_fired < self.spacing_s:
             return None
-        why = self._why(seen)
+        why = self._why(seen) if runs is None else self._why_with_runs(seen, runs)
         if why is not None:
             self.outstanding.append(now)
             self.last_fired = now
@@ -239,3 +279,105 @@ class Watch:
                 or (seen.replay_wait_s or 0.0) >= p.max_delay_s):
             return "replays"
         return None
+
+    def _why_with_runs(self, seen: Look | None, runs: Runs) -> str | None:
+        """``_why`` when the DAG's runs are known: up to ``max_runs`` active, the runs that
+        planned nothing yet each counted as reading a batch (see the module docstring)."""
+        p = self.pipeline
+        if self.outstanding:  # Airflow would fold a second event into the first's run
+            return None
+        if seen is None:
+            return None if runs.active else "initialise"
+        if runs.active >= (self.max_runs or max_runs(p)):
+            return None
+        unplanned = max(0, runs.active - seen.open)  # runs still to plan (or to adopt)
+        if seen.adopt and not unplanned:
+            return "adopt"
+        if seen.undecided and not unplanned:
+            return "start"
+        unread = seen.unread - unplanned * p.batch_size
+        if unread >= p.batch_start_records:
+            return "backlog" if unread >= p.batch_size else "records"
+        waited = seen.oldest_wait_s
+        if waited is None and self.unread_since is not None:
+            waited = self.clock() - self.unread_since
+        if unread > 0 and waited is not None and waited >= p.max_delay_s:
+            return "delay"
+        if seen.replays and not unplanned and seen.unread <= 0 and (
+                seen.replays >= p.batch_start_records
+                or (seen.replay_wait_s or 0.0) >= p.max_delay_s):
+            return "replays"
+        return None
+
+
+# The watcher writes what it did at most this often (and at each event), so that a look stays
+# one read; status calls it gone after STALE_LOOKS looks missed (STALE_MIN_S at least).
+RECORD_EVERY_S = 5.0
+STALE_LOOKS, STALE_MIN_S = 5, 20.0
+
+
+def record_watch(cur, pipeline: Pipeline, holder: str, seen: Look | None, runs: Runs | None,
+                 max_runs_: int, event: str | None = None) -> None:
+    """Record the watcher's last look (and ``event``: the reason of the event it fired) for
+    ``watcher_state``. The database's clock times it."""
+    waiting = max(0, runs.active - seen.open) if runs is not None and seen is not None else None
+    cur.execute("""
+        INSERT INTO source_watchers AS w (pipeline, holder, watch_interval, looked_at,
+                                          event_at, event_reason, runs_active, runs_waiting,
+                                          max_runs)
+        VALUES (%(p)s, %(holder)s, %(interval)s, now(),
+                CASE WHEN %(event)s::text IS NOT NULL THEN now() END, %(event)s, %(active)s,
+                %(waiting)s, %(max_runs)s)
+        ON CONFLICT (pipeline) DO UPDATE SET
+            holder = EXCLUDED.holder, watch_interval = EXCLUDED.watch_interval,
+            looked_at = EXCLUDED.looked_at,
+            event_at = coalesce(EXCLUDED.event_at, w.event_at),
+            event_reason = coalesce(EXCLUDED.event_reason, w.event_reason),
+            runs_active = EXCLUDED.runs_active, runs_waiting = EXCLUDED.runs_waiting,
+            max_runs = EXCLUDED.max_runs""",
+                {"p": pipeline.name, "holder": holder, "interval": pipeline.watch_interval,
+                 "event": event, "active": runs.active if runs is not None else None,
+                 "waiting": waiting, "max_runs": max_runs_})
+
+
+def watcher_state(cur, pipeline: str, watch_interval: float) -> dict[str, Any]:
+    """What status and the view say of a keep-up pipeline's watcher: ``looked_s_ago``,
+    ``holder`` (the triggerer's host and pid), ``event_s_ago`` and ``event_reason``, the
+    DAG's ``runs_active`` of ``max_runs`` and ``runs_waiting`` (active runs that planned
+    nothing yet: waiting for a place, or to start), ``running`` (whether a triggerer runs
+    it: it looked within STALE_LOOKS looks), and ``fix`` when none does."""
+    cur.execute("""SELECT holder, EXTRACT(EPOCH FROM now() - looked_at),
+                          EXTRACT(EPOCH FROM now() - event_at), event_reason, runs_active,
+                          runs_waiting, max_runs
+                   FROM source_watchers WHERE pipeline = %s""", (pipeline,))
+    row = cur.fetchone()
+    stale_s = max(STALE_MIN_S, STALE_LOOKS * watch_interval)
+    fix = ("start Airflow's triggerer (`airflow triggerer`, beside the scheduler; "
+           "docs/operations.md#restarting-a-component): it runs the watcher, which starts "
+           "the runs")
+    if row is None:
+        return {"running": False, "looked_s_ago": None, "holder": None, "event_s_ago": None,
+                "event_reason": None, "runs_active": None, "runs_waiting": None,
+                "max_runs": None, "fix": "no watcher has looked yet: " + fix}
+    holder, looked, event, reason, active, waiting, most = row
+    looked = round(float(looked), 1)
+    running = looked <= stale_s
+    return {"running": running, "looked_s_ago": looked, "holder": holder,
+            "event_s_ago": round(float(event), 1) if event is not None else None,
+            "event_reason": reason, "runs_active": active, "runs_waiting": waiting,
+            "max_runs": most,
+            "fix": "-" if running else f"no triggerer runs the watcher (its last look was "
+                                       f"{looked:.0f}s ago, by {holder}): {fix}"}
+
+
+def watcher_line(state: dict[str, Any]) -> str:
+    """``watcher_state`` in one line of `onceflow status`."""
+    if not state.get("running"):
+        return f"watcher: NOT RUNNING: {state['fix']}"
+    event = (f"last event {state['event_s_ago']:.0f}s ago ({state['event_reason']})"
+             if state.get("event_s_ago") is not None else "no event yet")
+    runs = (f"; runs {state['runs_active']} of {state['max_runs']} active, "
+            f"{state['runs_waiting']} not planned yet (waiting for a place or to start)"
+            if state.get("runs_active") is not None else "")
+    return (f"watcher: last look {state['looked_s_ago']:.0f}s ago in the triggerer "
+            f"({state['holder']}), {event}{runs}")

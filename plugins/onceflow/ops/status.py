@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from onceflow.core import backflow, freshness, offsets, txlog
+from onceflow.core import backflow, freshness, keepup, offsets, txlog
 from onceflow.core.errors import NotInitialised
 from onceflow.core.txlog import TxRow, TxState
 from onceflow.ops import bookkeeping
@@ -61,6 +61,8 @@ class PipelineStatus:
     source: list[dict[str, str]] = field(default_factory=list)  # what the source holds up
     # arrival to commit over the last transactions, and the lag now (onceflow.core.freshness)
     freshness: dict[str, Any] = field(default_factory=dict)
+    # a keep-up pipeline's source watcher (onceflow.core.keepup.watcher_state); {}: none
+    watcher: dict[str, Any] = field(default_factory=dict)
 
     def as_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), default=str, indent=2)
@@ -189,10 +191,12 @@ def _stuck(pipeline: str, rows: list[TxRow], last_committed: int,
 
 def pipeline_status(cur, source, pipeline: str, limit: int = 20, dead_letters: int = 5,
                     all_dead: bool = False, approval: bool = False,
-                    lease_s: int | None = None) -> PipelineStatus:
+                    lease_s: int | None = None, watch_interval: float | None = None
+                    ) -> PipelineStatus:
     """``source``: the pipeline's Source (positions and lag); ``approval``: the pipeline
     replays dead letters only after a person approves (``dead_letter_approval``);
-    ``lease_s``: its attempt lease (Pipeline.lease_s), the one value leases are said in."""
+    ``lease_s``: its attempt lease (Pipeline.lease_s), the one value leases are said in;
+    ``watch_interval``: a keep-up pipeline's (its watcher is shown)."""
     coordinator = _coordinator(cur, pipeline)
     rows = txlog.history(cur, pipeline, limit)
     open_rows = txlog.history(cur, pipeline, 10_000, open_only=True)
@@ -210,6 +214,9 @@ def pipeline_status(cur, source, pipeline: str, limit: int = 20, dead_letters: i
     counted = {line.partition: line.head - line.lag for line in status.partitions}
     status.freshness = freshness.measure(cur, pipeline, source, positions,
                                          committed=counted).as_dict()
+    if watch_interval is not None:
+        watcher = keepup.watcher_state(cur, pipeline, watch_interval)
+        status.watcher = {**watcher, "line": keepup.watcher_line(watcher)}
     status.gaps = [dict(zip(("partition", "from", "to", "txid", "policy", "at"), g,
                             strict=True)) for g in offsets.gaps(cur, pipeline)]
     status.backflow = dataclasses.asdict(backflow.queue_sizes(cur, pipeline))
@@ -314,6 +321,8 @@ def render(status: PipelineStatus) -> list[str]:
                                      subsequent_indent="       ", break_on_hyphens=False)
     if status.freshness:
         out += _wrapped(freshness.Freshness(**status.freshness).line(), "  ")
+    if status.watcher:
+        out += _wrapped(status.watcher["line"], "  ")
     out.append("partitions:")
     for p in status.partitions:
         committed = p.committed if p.committed is not None else "-"

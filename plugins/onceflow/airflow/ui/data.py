@@ -140,7 +140,8 @@ def pipeline_view(pipeline, *, timeline: int = TIMELINE, dead_letters: int = DEA
             status = pipeline_status(cur, pipeline.source, pipeline.name, timeline,
                                      dead_letters, all_dead,
                                      approval=bool(pipeline.dead_letter_approval),
-                                     lease_s=pipeline.lease_s)
+                                     lease_s=pipeline.lease_s, watch_interval=pipeline.
+                                     watch_interval if pipeline.keep_up else None)
             open_rows = txlog.history(cur, pipeline.name, 10_000, open_only=True)
             done = progress(cur, pipeline.name)
             fresh = freshness.by_txid(cur, pipeline.name,
@@ -184,6 +185,7 @@ def pipeline_view(pipeline, *, timeline: int = TIMELINE, dead_letters: int = DEA
         # now in records and seconds (onceflow.core.freshness.Freshness)
         freshness=status.freshness,
         keep_up=bool(pipeline.keep_up),
+        watcher=status.watcher or None,  # a keep-up pipeline's (onceflow.core.keepup)
         gaps=_jsonable(status.gaps),
         backflow=status.backflow,
         **behind(status),

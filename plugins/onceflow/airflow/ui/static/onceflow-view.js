@@ -131,6 +131,14 @@ function ErrorBox({ children, id }) {
     whiteSpace: "pre-wrap" }, children);
 }
 
+// A keep-up pipeline's source watcher: the line `onceflow status` prints; an alert when no
+// triggerer runs it (no run starts until one does).
+function Watcher({ watcher }) {
+  return watcher.running
+    ? h(C.Text, { id: "onceflow-watcher", color: "fg.muted", fontSize: "sm", mt: 2 }, watcher.line)
+    : h(ErrorBox, { id: "onceflow-watcher" }, watcher.line);
+}
+
 function Card({ value, label, id }) {
   return h(C.Box, { className: "onceflow-card", bg: "bg.panel", borderWidth: "1px",
     borderColor: "border", rounded: "md", px: 3, py: 2, minW: "9rem" },
@@ -521,6 +529,7 @@ function PipelinePage({ name, every, setEvery }) {
       h(Card, { value: num(p.backflow_waiting), label: "records waiting in the backflow", id: "onceflow-backflow-waiting" }),
       h(Card, { value: num(p.behind), label: "records not committed yet (both)", id: "onceflow-behind" }),
       h(Card, { value: num(d.total), label: "dead letters", id: "onceflow-dead-total" })),
+    p.watcher ? h(Watcher, { watcher: p.watcher }) : null,
 
     h(Section, { title: "Over time", id: "onceflow-over-time" },
       seriesState.error && !seriesState.data ? h(ErrorBox, null, seriesState.error) : null,
