@@ -148,8 +148,8 @@ def retry_policy(budget_s: float):
     pyspark.sql.connect.client.retries.DefaultPolicy, set with
     SparkConnectClient.set_retry_policies), with as many retries as fit in ``budget_s``
     seconds of waiting, jitter included; a server's own retry delay is held to the same
-    ceiling where the client has that setting (pyspark-client 4.2 and later; 4.0 and 4.1
-    have no ``max_server_retry_delay``)."""
+    ceiling where the client has that setting (pyspark-client 4.0 has no
+    ``max_server_retry_delay``; 4.1.3 and 4.2.0 have it)."""
 
     b = _BACKOFF_MS
     retries, waited, wait = 0, 0.0, float(b["initial_backoff"])

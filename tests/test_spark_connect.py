@@ -134,7 +134,7 @@ def test_the_client_retries_a_server_that_is_gone_for_a_bounded_time(monkeypatch
     bounded = retry_policy(server_retry_s())
     assert 20_000 < sum(waits_ms(bounded)) <= 30_000
     assert bounded.max_server_retry_delay <= 5_000
-    # a client without that setting (pyspark-client 4.0, 4.1) is given only what it takes
+    # a client without that setting (pyspark-client 4.0's) is given only what it takes
     from onceflow.spark.session import _accepted
 
     def old_policy(max_retries=15, backoff_multiplier=4.0, initial_backoff=50,
