@@ -154,7 +154,9 @@ def test_a_commit_record_changed_by_hand_is_found_and_restored(committed, spark,
     assert code == 0 and "did: mark txid 4 failed" in out
     assert table(conn, "SELECT state FROM transactions WHERE txid = 4") == [("failed",)]
     assert table(conn, "SELECT last_committed_txid FROM pipelines") == [(3,)]
-    assert run(capsys, "status")[0] == 0
+    code, out = run(capsys, "status")  # no damage left; a failed txid stalls the pipeline
+    assert code == 1 and "PROBLEMS" not in out
+    assert "STALLED until someone acts (each is listed above): txid 4 failed" in out
     report = recount(conn, committed)
     assert report.ok and report.records == 600, report.mismatches
 

@@ -360,3 +360,82 @@ def test_ui_uses_the_port_it_prints_and_free_log_server_ports():
     finally:
         for s in held:
             s.close()
+
+
+def test_status_exits_1_when_stalled_and_says_a_jvm_error_in_one_line(spark, dsn, conn,
+                                                                      capsys):
+    """In flight only: exit 0. A txid failed with a real Spark error (its JVM stack trace,
+    stored as the task stores it, repr and all): exit 1, the STALLED line names it, and the
+    reason is one line with its cause, no JVM frames."""
+    from helpers import tweets_pipeline
+    from onceflow.core.begin import begin, mark_failed
+    from onceflow.ops.status import brief
+
+    tweets_pipeline(conn, events=400, batch_size=200)
+    batch = begin(conn, get_pipeline("tweets", batch_size=200), "run-1")
+    capsys.readouterr()
+    assert main(["status", "--pipeline", "tweets"]) == 0  # in flight, its holder reporting
+    out = capsys.readouterr().out
+    assert "txid 1 (planned)" in out and "STALLED" not in out
+    try:
+        spark.range(3).selectExpr("assert_true(id < 1, 'a bad record')").collect()
+    except Exception as error:  # noqa: BLE001 (Spark's own type, whichever it is)
+        failure = error
+    # as PySpark words it with spark.sql.pyspark.jvmStacktrace.enabled, stored as
+    # run_batches stores it (a task stores an exception's repr: escaped breaks, tried below)
+    reason = f"{type(failure).__name__}: {failure}\n\nJVM stacktrace:\n{failure._stackTrace}"
+    assert reason.count("\n\tat ") > 10  # the JVM's frames, as the issue saw them
+    assert "\\tat " not in brief(repr(reason)) and "a bad record" in brief(repr(reason))
+    mark_failed(conn, "tweets", batch.attempt, reason)
+    capsys.readouterr()
+    assert main(["status", "--pipeline", "tweets"]) == 1
+    out = capsys.readouterr().out
+    assert "\tat " not in out and "\\tat " not in out and "JVM stacktrace" not in out, out
+    said = out[out.index("txid 1 (failed)"):out.index("-> the next run adopts it")]
+    assert len(said.splitlines()) <= 3 and "a bad record" in said, said  # wrapped at 100
+    assert "STALLED until someone acts (each is listed above): txid 1 failed" in out
+    capsys.readouterr()
+    assert main(["status", "--pipeline", "tweets", "--json"]) == 1
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["stalled"] == ["txid 1 failed"]
+    assert shown["transactions"][0]["reason"] == reason[:2000]  # kept whole for --json
+
+
+BAD = """from onceflow import Pipeline, PostgresLog, StateSpec
+
+BAD = Pipeline(name="bad", source=PostgresLog(topic="bad"), topology="x:y",
+               states=(StateSpec("bad_counts"),), batch_size=0)
+"""
+
+
+def test_one_invalid_pipeline_stops_no_other_and_is_named_with_its_module(
+        tmp_path, monkeypatch, dsn, conn, capsys):
+    """batch_size=0 in one registered pipeline: the others' commands work; a command for it
+    exits 2 naming the pipeline, its module, the field, the value and the fix; `pipelines`
+    lists it as invalid and `init` sets up the others."""
+    from onceflow.core.registry import clear_cache
+
+    (tmp_path / "bad_pipes.py").write_text(BAD)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("ONCEFLOW_PIPELINES", "bad_pipes:BAD")
+    clear_cache()
+    try:
+        capsys.readouterr()
+        assert main(["init"]) == 2
+        out = capsys.readouterr()
+        assert "pipeline tweets ready" in out.out
+        said = ("pipeline 'bad' (from bad_pipes:BAD) is invalid: pipeline.batch_size=0 is "
+                "invalid: give a positive number of records per transaction")
+        assert f"pipeline bad not set up: {said}" in out.err
+        assert table(conn, "SELECT count(*) FROM pipelines WHERE name = 'bad'") == [(0,)]
+        assert main(["status", "--pipeline", "tweets"]) == 0
+        assert main(["status", "--pipeline", "bad"]) == 2
+        assert said in capsys.readouterr().err
+        assert main(["pipelines"]) == 2
+        out = capsys.readouterr()
+        assert ("bad: INVALID (from bad_pipes:BAD):\n    pipeline.batch_size=0 is invalid"
+                in out.out)
+        assert re.search(r"^tweets: postgres-log source 'tweets'", out.out, re.M)
+        assert "1 of " in out.err and "Traceback" not in out.out + out.err
+    finally:
+        clear_cache()

@@ -357,8 +357,9 @@ def test_a_rewritten_file_stops_nothing_but_itself_and_repair_moves_on(
     assert drain(spark, dsn, conn, pipeline, "stuck") == [0]
     capsys.readouterr()
     cli = ["--pipelines", f"landed_pipes_{how}:PIPE"]
-    assert main([*cli, "status", "--pipeline", "landed_tweets"]) == 0
+    assert main([*cli, "status", "--pipeline", "landed_tweets"]) == 1  # stalled
     said = " ".join(capsys.readouterr().out.split())  # (its long lines are wrapped)
+    assert "STALLED until someone acts" in said
     assert f"landed file {a} changed after it was indexed: it shrank to" in said
     assert "-> onceflow repair --pipeline landed_tweets" in said
     assert main([*cli, "repair", "--pipeline", "landed_tweets"]) == 1

@@ -48,9 +48,10 @@ def short_lease(monkeypatch):
     monkeypatch.setenv("ONCEFLOW_ATTEMPT_LEASE_S", str(LEASE_S))
 
 
-def status_text(capsys) -> str:
+def status_text(capsys, code: int = 0) -> str:
+    """``code``: 0 while every txid is in flight, 1 when one is stalled (abandoned)."""
     capsys.readouterr()
-    assert main(["status", "--pipeline", "tweets"]) == 0
+    assert main(["status", "--pipeline", "tweets"]) == code
     return " ".join(capsys.readouterr().out.split())  # lines wrap at 100 columns
 
 
@@ -110,7 +111,7 @@ def test_a_killed_holder_loses_its_txid_within_the_lease_a_live_one_keeps_it(con
         holder.kill()
         holder.wait()
     assert waited < 60, "adopted within about a minute, not the lease of ten minutes"
-    assert "(abandoned)" in status_text(capsys)
+    assert "(abandoned)" in status_text(capsys, code=1)
     adopter = begin(conn, pipeline, "adopting-run")
     assert adopter.attempt == TransactionAttempt(1, 2)
     assert table(conn, """SELECT attempt, run_id, outcome FROM transaction_attempts

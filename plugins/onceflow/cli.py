@@ -25,7 +25,7 @@ from onceflow.core.backflow import replay_dead_letters
 from onceflow.core.db import transaction
 from onceflow.core.errors import ConfigError, OnceflowError, Permanent, SharedTable, Unavailable
 from onceflow.core.registration import external_dsns, register, reset_offsets
-from onceflow.core.registry import get_pipeline, pipelines
+from onceflow.core.registry import get_pipeline, invalid_pipelines, pipelines
 from onceflow.core.txlog import TxState
 from onceflow.kvstate import check_state_config
 from onceflow.ops import retention, verify
@@ -85,7 +85,11 @@ def _pipeline(args):
     name = getattr(args, "pipeline", None)
     if name is None:
         known = _known(args)
-        if len(known) != 1:
+        invalid = invalid_pipelines(_refs(args))
+        if len(known) + len(invalid) == 1 and invalid:
+            raise ConfigError(next(iter(invalid.values())).message())
+        if len(known) + len(invalid) != 1:
+            known = {**known, **invalid}
             raise ConfigError(
                 "--pipeline is needed: " + (f"choose one of {', '.join(sorted(known))}" if known
                                             else "no pipeline is registered (entry point "
@@ -214,6 +218,10 @@ def cmd_init(args) -> int:
             check_state_config(pipeline, dsn)
             print(f"pipeline {pipeline.name} ready ({pipeline.source.describe()}, instance "
                   f"{instance})")
+    if not args.pipeline:
+        for bad in invalid_pipelines(_refs(args)).values():
+            refused += 1
+            print(f"pipeline {bad.name} not set up: {bad.message()}", file=sys.stderr)
     if not chosen:
         print("no pipeline is registered yet: see `onceflow pipelines`")
     return 2 if refused else 0
@@ -222,11 +230,13 @@ def cmd_init(args) -> int:
 def cmd_pipelines(args) -> int:
     """Each pipeline with its declaration checked (Pipeline.build_topology): exit 2 when
     one is refused, each refused one marked and its reason under it."""
-    known = _known(args)
-    if not known:
+    known, invalid = _known(args), invalid_pipelines(_refs(args))
+    if not known and not invalid:
         print("no pipeline is registered: add an entry point in the group onceflow.pipelines, "
               "or set ONCEFLOW_PIPELINES=package.module:attribute (or --pipelines)")
-    refused = 0
+    refused = len(invalid)
+    for name, bad in sorted(invalid.items()):  # left out of every command, the others go on
+        print(f"{name}: INVALID (from {bad.where}):\n    {bad.error}")
     for name, p in sorted(known.items()):
         states = ", ".join(s.table for s in p.states)
         line = (f"{name}: {p.source.describe()} -> {states} ({p.mode}, batch {p.batch_size}; "
@@ -239,8 +249,8 @@ def cmd_pipelines(args) -> int:
         else:
             print(line)
     if refused:
-        print(f"onceflow pipelines: {refused} of {len(known)} pipelines have declaration "
-              "errors (each is named above): fix them before their DAGs can run",
+        print(f"onceflow pipelines: {refused} of {len(known) + len(invalid)} pipelines have "
+              "declaration errors (each is named above): fix them before their DAGs can run",
               file=sys.stderr)
         return 2
     return 0
@@ -371,7 +381,7 @@ def cmd_status(args) -> int:
         print(status.as_json())
     else:
         print("\n".join(render(status)))
-    return 1 if status.problems else 0
+    return 1 if status.stalled else 0  # stalled (ops.status.stalls): someone must act
 
 
 def cmd_verify(args) -> int:
@@ -675,7 +685,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "head. There is no replace: batches may have read those offsets")
     p = add("status", cmd_status, "transactions in commit order, what holds up open ones, "
             "partition offsets and lag, gaps, backflow queues, dead letters, damaged "
-            "bookkeeping (exit 1 when there is some: see `onceflow repair`)")
+            "bookkeeping. Exit 1 when the pipeline is stalled: an open txid failed, "
+            "superseded, abandoned by its run or behind one that needs a fix, a source file "
+            "that needs `onceflow repair`, or damaged bookkeeping; 0 when transactions are "
+            "only in flight")
     p.add_argument("--limit", type=positive_int, default=20, help="last N transactions (20)")
     p.add_argument("--json", action="store_true", help="print it as JSON")
     p.add_argument("--all", action="store_true", help="list every dead letter")

@@ -43,7 +43,12 @@ from onceflow.core import keepup
 from onceflow.core.connections import DEFAULT_CONN_ID
 from onceflow.core.errors import ConfigError
 from onceflow.core.pipeline import DAG_SHAPES, Pipeline, check
-from onceflow.core.registry import installed_entry_points, pipelines, reference_of
+from onceflow.core.registry import (
+    installed_entry_points,
+    invalid_pipelines,
+    pipelines,
+    reference_of,
+)
 
 # Runs a transaction DAG lets start past its pipeline's max_pending, by DAG shape: each waits
 # in its begin for a place and plans the moment a transaction commits. A one-task DAG lets two,
@@ -229,7 +234,8 @@ def transaction_dags(refs: Iterable[str] = (), **kwargs: Any) -> dict[str, DAG]:
 
     wanted = get_parsing_context().dag_id
     out = {}
-    refused = []
+    refused = [bad.message() for bad in invalid_pipelines(tuple(refs)).values()
+               if not wanted or wanted == f"onceflow_{bad.name}"]
     for name, pipeline in sorted(pipelines(tuple(refs)).items()):
         if not wanted or wanted == f"onceflow_{name}":
             try:

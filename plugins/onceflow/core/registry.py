@@ -24,6 +24,7 @@ import logging
 import os
 import sys
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
 
 from onceflow.core import settings
@@ -35,7 +36,7 @@ log = logging.getLogger(__name__)
 GROUP = "onceflow.pipelines"
 ENV = settings.env_name("pipelines")
 
-_cache: dict[tuple[str, ...], dict[str, Pipeline]] = {}
+_cache: dict[tuple[str, ...], tuple[dict[str, Pipeline], dict[str, Invalid]]] = {}
 _entry_points: dict[str, tuple[tuple, list[EntryPoint]]] = {}
 _bare: dict[str, int] = {}  # directory -> its modification time when it held no package
 
@@ -82,6 +83,20 @@ def installed_entry_points(group: str) -> list[EntryPoint]:
     return known[1]
 
 
+@dataclass(frozen=True)
+class Invalid:
+    """A registered pipeline (or a reference) that cannot be used: its declaration is
+    refused, or its module cannot be loaded. The others are used without it."""
+
+    name: str  # the pipeline's name (an entry point's name, or the reference, if not known)
+    where: str  # the entry point (name = module:attribute) or the module:attribute reference
+    error: str  # the refusal, naming the field, the value and the fix
+
+    def message(self) -> str:
+        return (f"pipeline {self.name!r} (from {self.where}) is invalid: {self.error}. Fix "
+                "its declaration there; the other pipelines are not affected")
+
+
 def _as_pipelines(value, where: str) -> list[Pipeline]:
     if callable(value) and not isinstance(value, Pipeline):
         value = value()
@@ -109,48 +124,82 @@ def _with_ref(pipeline: Pipeline, ref: str) -> Pipeline:
     return dataclasses.replace(pipeline, ref=ref)
 
 
-def _add(found: dict[str, Pipeline], pipeline: Pipeline, where: str) -> None:
+def _add(found: dict[str, Pipeline], invalid: dict[str, Invalid], pipeline: Pipeline,
+         where: str) -> None:
     old = found.get(pipeline.name)
     if old is not None and old != pipeline:
         raise ConfigError(f"pipeline {pipeline.name!r} is declared twice, differently: by "
                           f"{old.ref} and by {where}; give one of them another name")
-    if old is None:
-        found[pipeline.name] = pipeline.validate()
+    if old is None and pipeline.name not in invalid:
+        try:
+            found[pipeline.name] = pipeline.validate()
+        except ConfigError as error:
+            _refuse(invalid, Invalid(str(pipeline.name), where, str(error)))
 
 
-def pipelines(refs: Iterable[str] = ()) -> dict[str, Pipeline]:
-    """Every pipeline this process can see: entry points, then ``ONCEFLOW_PIPELINES``, then
-    ``refs``. Cached per set of references."""
+def _refuse(invalid: dict[str, Invalid], bad: Invalid) -> None:
+    invalid[bad.name] = bad
+    log.warning("%s", bad.message())
+
+
+def _registered(refs: Iterable[str]) -> tuple[dict[str, Pipeline], dict[str, Invalid]]:
+    """(the usable pipelines, the invalid ones) by name: entry points, then
+    ``ONCEFLOW_PIPELINES``, then ``refs``. Cached per set of references. One pipeline whose
+    declaration is refused, or whose module cannot be loaded, is left out of the usable ones
+    (and named, with where it comes from, in the invalid ones): it stops no other."""
     key = tuple(env_refs()) + tuple(refs)
     if key in _cache:
         return _cache[key]
     found: dict[str, Pipeline] = {}
+    invalid: dict[str, Invalid] = {}
     for ep in installed_entry_points(GROUP):
+        where = f"entry point {ep.name} = {ep.value} (group {GROUP})"
         try:
-            value = ep.load()
-        except Exception as error:
-            raise ConfigError(f"entry point {ep.name} = {ep.value!r} (group {GROUP}) cannot be "
-                              f"loaded: {type(error).__name__}: {error}") from error
-        for pipeline in _as_pipelines(value, f"entry point {ep.name} = {ep.value!r}"):
-            _add(found, pipeline if pipeline.ref else _with_ref(pipeline, ep.value),
-                 f"entry point {ep.value}")
+            value = _as_pipelines(ep.load(), f"entry point {ep.name} = {ep.value!r}")
+        except Exception as error:  # a user's module: whatever it raises names it
+            _refuse(invalid, Invalid(ep.name, where, f"it cannot be loaded: "
+                                                    f"{type(error).__name__}: {error}"))
+            continue
+        for pipeline in value:
+            _add(found, invalid, pipeline if pipeline.ref else _with_ref(pipeline, ep.value),
+                 where)
     for ref in key:
-        for pipeline in load_ref(ref):
-            _add(found, pipeline, ref)
+        try:
+            loaded = load_ref(ref)
+        except Exception as error:  # a user's module: whatever it raises names it
+            _refuse(invalid, Invalid(ref, ref, f"it cannot be loaded: "
+                                               f"{type(error).__name__}: {error}"))
+            continue
+        for pipeline in loaded:
+            _add(found, invalid, pipeline, ref)
     check_shared_tables(found.values())
-    _cache[key] = found
-    return found
+    _cache[key] = (found, invalid)
+    return found, invalid
+
+
+def pipelines(refs: Iterable[str] = ()) -> dict[str, Pipeline]:
+    """Every usable pipeline this process can see (see ``_registered``)."""
+    return _registered(refs)[0]
+
+
+def invalid_pipelines(refs: Iterable[str] = ()) -> dict[str, Invalid]:
+    """The registered pipelines that cannot be used, each with where it comes from and why."""
+    return _registered(refs)[1]
 
 
 def get_pipeline(name: str, refs: Iterable[str] = (), **overrides) -> Pipeline:
-    """The pipeline ``name``, with optional setting overrides (e.g. batch_size)."""
-    known = pipelines(refs)
+    """The pipeline ``name``, with optional setting overrides (e.g. batch_size). An invalid
+    one is refused naming where it comes from, the field, the value and the fix."""
+    known, invalid = _registered(refs)
+    if name in invalid:
+        raise ConfigError(invalid[name].message())
     if name not in known:
         listing = ", ".join(sorted(known)) or "none"
+        bad = "".join(f"; {i.message()}" for i in invalid.values())
         raise ConfigError(
             f"pipeline={name!r} is not registered: known pipelines are {listing}. Register "
             f"yours with an entry point in the group {GROUP!r}, or name its module in "
-            f"{ENV}=package.module:attribute (or --pipelines)")
+            f"{ENV}=package.module:attribute (or --pipelines){bad}")
     pipeline = known[name]
     return pipeline.with_settings(**overrides) if overrides else pipeline
 

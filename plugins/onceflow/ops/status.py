@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import textwrap
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -63,6 +64,7 @@ class PipelineStatus:
     freshness: dict[str, Any] = field(default_factory=dict)
     # a keep-up pipeline's source watcher (onceflow.core.keepup.watcher_state); {}: none
     watcher: dict[str, Any] = field(default_factory=dict)
+    stalled: list[str] = field(default_factory=list)  # what stalls it (see ``stalls``)
 
     def as_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), default=str, indent=2)
@@ -157,7 +159,7 @@ def _stuck(pipeline: str, rows: list[TxRow], last_committed: int,
         refused = REPAIR_HINT in (row.reason or "")
         if row.state in txlog.ADOPTABLE and row.permanent and not refused:
             out.append(Stuck(row.txid, str(row.state),
-                             f"attempt {row.attempt} {row.state}: {row.reason or '-'}",
+                             f"attempt {row.attempt} {row.state}: {brief(row.reason)}",
                              "retrying cannot help until its cause is fixed: do what the "
                              f"reason says (a declaration, a state table, a setting), then: "
                              f"{backfill}", permanent=True))
@@ -172,7 +174,7 @@ def _stuck(pipeline: str, rows: list[TxRow], last_committed: int,
                    "removed)" if refused else
                    f"the next run adopts it; now: {backfill}")
             out.append(Stuck(row.txid, str(row.state),
-                             f"attempt {row.attempt} {row.state}: {row.reason or '-'}", fix,
+                             f"attempt {row.attempt} {row.state}: {brief(row.reason)}", fix,
                              permanent=row.permanent))
         elif row.abandoned:
             out.append(Stuck(row.txid, "abandoned", _held(row, lease_s=lease_s),
@@ -234,7 +236,45 @@ def pipeline_status(cur, source, pipeline: str, limit: int = 20, dead_letters: i
     notices = getattr(source, "notices", None)  # (a landing folder's changed files)
     if notices is not None:
         status.source = [{"what": what, "fix": fix} for what, fix in notices(cur, pipeline)]
+    status.stalled = stalls(status)
     return status
+
+
+def stalls(status: PipelineStatus) -> list[str]:
+    """What stalls the pipeline until someone acts (`onceflow status` exits 1 when there is
+    any): an open txid listed with an action that frees it and no holder reporting (failed,
+    superseded, abandoned by its run, or behind one that needs a fix), a source file that
+    needs `onceflow repair`, damaged bookkeeping. Transactions in flight, their holders
+    reporting, and dead letters stall nothing."""
+    out = [f"txid {s.txid} {s.state}" for s in status.stuck if s.stuck and s.fix != "-"]
+    out += [f"a source file: {notice['what']}" for notice in status.source]
+    if status.problems:
+        out.append(f"damaged bookkeeping ({len(status.problems)} problem(s))")
+    return out
+
+
+# A JVM's stack frames and the lines around them, in a stored reason (real line breaks, or
+# escaped ones where the reason holds an exception's repr).
+_FRAME = re.compile(r"^(at |\.\.\. \d+ more|JVM stacktrace:|Driver stacktrace:)")
+
+
+def brief(reason: str | None, width: int = 400) -> str:
+    """A stored failure ``reason`` in one line: a Spark or JVM error's first line and its
+    innermost cause, without the stack frames."""
+    if not reason:
+        return "-"
+    text = reason.replace("\\n", "\n").replace("\\t", "\t")
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if len(lines) < 2:
+        return reason
+    head = [line for line in lines if not _FRAME.match(line)
+            and not line.startswith("Caused by:")]
+    causes = [line.removeprefix("Caused by:").strip() for line in lines
+              if line.startswith("Caused by:")]
+    out = head[0] if head else lines[0]
+    if causes and causes[-1] not in out:
+        out += f" (cause: {causes[-1]})"
+    return out if len(out) <= width else out[:width - 1] + "…"
 
 
 def _lag(position, done: int | None) -> int:
@@ -350,6 +390,9 @@ def render(status: PipelineStatus) -> list[str]:
         out.append(f"    p{item['partition']}:{item['offset']} failures={item['failures']} "
                    f"txid={item['txid']} {item['last_error']}")
     out += _render_problems(status)
+    if status.stalled:  # what the exit status 1 means
+        out += _wrapped("STALLED until someone acts (each is listed above): "
+                        + "; ".join(status.stalled), "  ")
     return [_fit(line) for line in out]
 
 
