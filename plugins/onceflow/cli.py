@@ -1,10 +1,9 @@
 """The `onceflow` command.
 
 Exit codes: 0 done; 1 a failure (verify found a mismatch, a run failed, status found the
-pipeline stalled); 2 a usage or
-configuration error (a bad argument, an unknown pipeline, a database that does not answer),
-always with one line saying what to change; 3 (verify) no mismatch, but a txid could not be
-re-read.
+pipeline stalled); 2 a usage or configuration error (a bad argument, an unknown or invalid
+pipeline, a database that does not answer), always with one line saying what to change; 3
+(verify) no mismatch, but a txid could not be re-read.
 """
 
 from __future__ import annotations
