@@ -12,10 +12,13 @@ import time
 from collections import Counter
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_landing import clean, land
 
 from helpers import run_transaction, table
 from onceflow.core.errors import SourceChanged, is_permanent
+from onceflow.core.planner import PartitionRange
 from onceflow.core.registration import register
 from onceflow.core.registry import get_pipeline
 from onceflow.ops.repair import repair
@@ -146,3 +149,130 @@ def test_a_parquet_file_with_a_column_of_another_type_is_set_aside(spark, conn, 
     said = "\n".join(repair(conn, pipeline).lines())
     assert f"  - {folder / 'as_double.parquet'}: {double_why}" in said
     assert "set aside at indexing (nothing to repair" in said
+
+
+def _payload_topology(pipeline=None):
+    """Each record's payload counted as it is (url_counts), and every record (domain_counts
+    under "records"): what the test then parses with Python's csv module."""
+    from pyspark.sql import functions as F
+
+    from onceflow import ANCHORS, SPOUT, Topology
+
+    def bolt(records):
+        return records.select(*ANCHORS, F.explode(F.array(
+            F.struct(F.lit("payloads").alias("_stream"), F.col("payload").alias("key")),
+            F.struct(F.lit("all").alias("_stream"), F.lit("records").alias("key")))
+        ).alias("t")).select(*ANCHORS, "t.*")
+
+    return (Topology("csv").bolt("keys", input=SPOUT, fn=bolt,
+                                 outputs={"payloads": "key string", "all": "key string"})
+            .count("payloads", "url_counts").count("all", "domain_counts"))
+
+
+def _csv_rows(data: bytes) -> list[tuple[str, ...]]:
+    """The oracle: Python's csv module over a file's bytes; an empty line is no row."""
+    import csv
+    import io
+
+    return [tuple(row) for row in csv.reader(io.StringIO(data.decode(), newline="")) if row]
+
+
+@pytest.mark.parametrize("reader", ["jvm", "python"])
+def test_csv_records_follow_rfc_4180(spark, conn, dsn, tmp_path, monkeypatch, reader):
+    """A CSV file whose quoted fields hold newlines (LF and CRLF), commas and quotes, with
+    empty lines: each record is one payload whole (a quoted newline does not cut it), an
+    empty line is no record, chunks end at record ends only. A record still being written
+    (its quoted field open) waits, and status says so; once written it is read. Every
+    committed payload parses, with Python's csv module, into one row, and the rows are
+    exactly the file's (the header left out)."""
+    monkeypatch.setenv("ONCEFLOW_JVM_READER", "1" if reader == "jvm" else "0")
+    folder = tmp_path / "csv"
+    folder.mkdir()
+    source = LandingFolder(topic=f"csv_{reader}", path=str(folder), format="csv",
+                           csv_header=True, chunk_bytes=48)
+    pipeline = get_pipeline("tweets", source=source, topology=_payload_topology,
+                            batch_size=3)
+    register(conn, pipeline, create_source=True)
+    body = ('id,note\r\n1,plain\n\n2,"a quoted, comma"\r\n3,"multi\nline note"\n\r\n'
+            '4,"say ""hi"""\n5,"crlf\r\ninside, and\nmore lines\nthan a chunk holds"\n'
+            '6,x"y\n')
+    path = folder / "notes.csv"
+    path.write_bytes(body.encode() + b'7,"still being')
+    settle = time.time() - 120
+    os.utime(path, (settle, settle))
+
+    assert run_batches(spark, dsn, pipeline).records == 6
+    ranges = [PartitionRange(0, 0, 6)]
+    read = source.read(spark, dsn, ranges)
+    assert ("onceflow JSON lines" in read._jdf.queryExecution().toString()) == \
+        (reader == "jvm")  # the reader the test means
+    payloads = [r.payload for r in read.orderBy("offset").collect()]
+    assert payloads == [p for _, _, p in source.payloads(conn, ranges)]
+    assert payloads[2] == '3,"multi\nline note"' and payloads[4].startswith('5,"crlf\r\n')
+    chunks = table(conn, "SELECT byte_start, byte_end, records FROM landing_chunks "
+                         "ORDER BY byte_start")
+    data = path.read_bytes()
+    assert len(chunks) > 2 and chunks[-1][1] == len(body.encode())
+    for start, end, records in chunks:  # each chunk: whole records, as the csv module says
+        assert len(_csv_rows(data[start:end])) == records
+    status = " ".join(_status(conn, pipeline).split())
+    assert f"landed file {path}: its last 14 bytes hold no whole record yet" in status
+
+    with path.open("ab") as f:
+        f.write(b'\nwritten"\n\n8,last\n')
+    os.utime(path, (settle + 10, settle + 10))
+    run_batches(spark, dsn, pipeline, run_prefix="after")
+    rows = _csv_rows(path.read_bytes())[1:]
+    assert len(rows) == 8 and rows[2] == ("3", "multi\nline note")
+    committed = _committed_urls(conn)
+    assert Counter({_csv_rows(k.encode())[0]: n for k, n in committed.items()}) == \
+        Counter(rows)
+    assert all(len(_csv_rows(k.encode())) == 1 for k in committed)
+    assert table(conn, "SELECT value FROM domain_counts") == [(8,)]
+    assert table(conn, "SELECT count(*) FROM rejected_records") == [(0,)]
+
+
+_FIELDS = st.one_of(
+    st.sampled_from(["", "1", "abc", "x y", 'q"uote', "é"]),
+    st.text(st.sampled_from('ab,\n"\r '), max_size=6).map(
+        lambda t: '"' + t.replace('"', '""') + '"'))
+_RECORDS = st.one_of(st.sampled_from(["", "\r"]),
+                     st.lists(_FIELDS, min_size=1, max_size=4).map(",".join))
+
+
+@settings(max_examples=300, deadline=None)
+@given(records=st.lists(_RECORDS, max_size=12), crlf=st.lists(st.booleans(), max_size=12),
+       last=st.one_of(st.just(""), _RECORDS), header=st.booleans(), tail=st.booleans(),
+       chunk_bytes=st.sampled_from([1, 7, 30, 4096]), cut=st.integers(0, 200))
+def test_the_index_cuts_csv_into_whole_records(tmp_path_factory, records, crlf, last, header,
+                                               tail, chunk_bytes, cut):
+    """CSV is cut into chunks at record ends only, each counting the records Python's csv
+    module finds in its bytes (an empty line is none), each with the CRC-32 of its bytes;
+    the readers' records are those; a file indexed when only part of it was written, then
+    on from where that stopped, holds the same records."""
+    import zlib
+
+    from onceflow.sources.landing import _csv_array, _csv_records, _filesystem, _scan_csv
+
+    ends = ["\r\n" if i < len(crlf) and crlf[i] and r != "\r" else "\n"
+            for i, r in enumerate(records)]
+    data = ("".join(r + e for r, e in zip(records, ends, strict=True)) + last).encode()
+    path = tmp_path_factory.mktemp("csv") / "f.csv"
+    path.write_bytes(data)
+    filesystem = _filesystem(str(path))[0]
+    scan = _scan_csv(filesystem, str(path), 0, len(data), chunk_bytes, header=header,
+                     tail=tail)
+    got = []
+    for _, start, end, count, _, crc in scan.chunks:
+        piece = data[start:end]
+        assert crc == zlib.crc32(piece) and count == len(_csv_rows(piece)) > 0
+        assert _csv_array(piece).to_pylist() == [r.decode() for r in _csv_records(piece)]
+        got += [_csv_rows(r)[0] for r in _csv_records(piece)]
+    assert scan.records == len(got)
+    want = _csv_rows(data[:scan.indexed_to])
+    assert got == (want[1:] if header else want)
+    early = _scan_csv(filesystem, str(path), 0, min(cut, len(data)), chunk_bytes,
+                      header=header)
+    later = _scan_csv(filesystem, str(path), early.indexed_to, len(data), chunk_bytes,
+                      header=header and early.indexed_to == 0, tail=tail)
+    assert early.records + later.records == scan.records

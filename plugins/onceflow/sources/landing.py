@@ -1,9 +1,11 @@
 """A landing folder: files dropped into a directory are the source, in arrival order.
 
-JSON-lines or CSV files (a record per line, the payload is the line) and Parquet files (a
-record per row, the payload is the row as JSON) in a folder: a local path, or any URI
-pyarrow's file systems read (``s3://``, ``hdfs://``, ``file://``). docs/landing-folder.md
-is the producer's side of it (how to land a file, appends, rewrites, repair).
+JSON-lines files (a record per line, the payload is the line), CSV files (a record per RFC
+4180 record: a quoted field may hold newlines; an empty line is no record; the payload is
+the record's text) and Parquet files (a record per row, the payload is the row as JSON) in
+a folder: a local path, or any URI pyarrow's file systems read (``s3://``, ``hdfs://``,
+``file://``). docs/landing-folder.md is the producer's side of it (how to land a file,
+appends, rewrites, repair).
 
 **The manifest.** Each begin looks at the folder first: a new file is indexed in arrival order
 (modification time, then name) into ``landing_files`` (path, size, modification time, how far
@@ -58,6 +60,7 @@ import json
 import logging
 import os
 import posixpath
+import re
 import zlib
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -220,6 +223,156 @@ def _scan_text(filesystem, path: str, start: int, size: int, chunk_bytes: int, *
             carry = len(block) - last - 1
             clean.carry(block[last + 1:])
             crc = zlib.crc32(view[last + 1:])
+
+
+# CSV (RFC 4180): a field that starts with a quote runs to its closing quote, newlines and
+# commas included ("" within it is a quote); a quote anywhere else is a character. A record
+# ends at a newline outside a quoted field. Possessive quantifiers: no backtracking.
+_CSV_FIELD = rb'(?:"(?:[^"]|"")*+"[^,]*+|[^,"][^,]*+)?'
+_CSV_CLOSED = re.compile(_CSV_FIELD + rb"(?:," + _CSV_FIELD + rb")*+")
+_CSV_QUOTED_REST = re.compile(rb'(?:[^"]|"")*+"[^,]*+')
+_EMPTY_LINES = re.compile(rb"(?m)^\r?\n")
+
+
+def _csv_open_after(line: bytes, inside: bool) -> bool:
+    """Whether a quoted field is open at the end of ``line`` (bytes without a newline), which
+    starts inside a quoted field (``inside``) or at a record's start."""
+    if inside:
+        rest = _CSV_QUOTED_REST.match(line)
+        if rest is None:
+            return True
+        if rest.end() == len(line):
+            return False
+        line = line[rest.end() + 1:]  # past the comma: a field starts
+    return b'"' in line and _CSV_CLOSED.fullmatch(line) is None
+
+
+def _csv_records(data: bytes) -> list[bytes]:
+    """A chunk's CSV records (the chunk starts at a record's start): cut at the newlines
+    outside quoted fields, each without one trailing CR; an empty one (an empty line) is no
+    record; no record after a last newline (a last record without one is one)."""
+    out: list[bytes] = []
+    parts: list[bytes] = []
+    inside = False
+    lines = data.split(b"\n")
+    last = lines.pop()
+    for line in lines:
+        parts.append(line)
+        inside = _csv_open_after(line, inside) if inside or b'"' in line else False
+        if not inside:
+            record = parts[0] if len(parts) == 1 else b"\n".join(parts)
+            parts = []
+            if record.endswith(b"\r"):
+                record = record[:-1]
+            if record:
+                out.append(record)
+    if parts or last:
+        record = b"\n".join([*parts, last])
+        if record.endswith(b"\r"):
+            record = record[:-1]
+        if record:
+            out.append(record)
+    return out
+
+
+def _csv_array(data: bytes):
+    """``_csv_records(data)`` as an Arrow string array, bytes that are not UTF-8 replaced
+    (U+FFFD); without a quote the records are the non-empty lines, cut in C++."""
+    # imported here: pyarrow is heavy: it loads only where files are read or written
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if b'"' not in data:
+        lines = _line_array(data)
+        return lines.filter(pc.not_equal(pc.binary_length(lines), 0))
+    return pa.array([r.decode("utf-8", errors="replace") for r in _csv_records(data)],
+                    pa.string())
+
+
+def _csv_clean(data, multi: bool, limit: int) -> int | None:
+    """A CSV chunk's ``clean_to`` (see _scan_text): None when a record of it spans lines."""
+    if multi or b"\0" in data or not _lines_within(data, 0, len(data), limit):
+        return None
+    if not data.isascii():
+        try:
+            str(data, "utf-8")
+        except UnicodeDecodeError:
+            return None
+    return limit
+
+
+def _scan_csv(filesystem, path: str, start: int, size: int, chunk_bytes: int, *,
+              header: bool, limit: int = MAX_RECORD_BYTES, tail: bool = False) -> _Scan:
+    """``_scan_text`` for CSV (RFC 4180): chunks are cut at record ends (never inside a
+    quoted field) and count the records ``_csv_records`` cuts (empty lines are none); a
+    chunk that holds empty lines only is not one (its bytes are indexed as nothing).
+    ``header``: the first record that is not empty is the header. The bytes after the last
+    record's end wait, and so does a quoted field left open for longer than twice
+    ``chunk_bytes`` or ``limit`` (the file is indexed to before it; status names it)."""
+    chunks: list[tuple[int, int, int, int, int | None, int]] = []
+    records = 0
+    at = start  # the file's byte at buf[0]: the chunk being cut starts there
+    buf = bytearray()
+    line = rec = 0  # in buf: the next line to walk; the open record's start
+    count, multi, inside, skip = 0, False, False, header
+    most = 2 * max(chunk_bytes, limit)
+    left = size - start
+
+    def cut() -> None:
+        nonlocal records, at, line, rec, count, multi, buf
+        if count:
+            piece = memoryview(buf)[:rec]
+            chunks.append((records, at, at + rec, count,
+                           _csv_clean(bytes(piece), multi, limit), zlib.crc32(piece)))
+            piece.release()
+            records += count
+            at += rec
+            del buf[:rec]
+            line, rec, count, multi = line - rec, 0, 0, False
+
+    with filesystem.open_input_file(path) as f:
+        f.seek(start)
+        while True:
+            block = f.read(min(chunk_bytes, left)) if left > 0 else b""
+            left -= len(block)
+            if not block:
+                if tail and not skip and buf[rec:] not in (b"", b"\r"):
+                    multi |= b"\n" in buf[rec:]
+                    count, rec = count + 1, len(buf)
+                cut()
+                # (empty lines before a header not yet whole wait with it: it is found again)
+                return _Scan(records, chunks, at if skip else at + rec)
+            buf += block
+            while True:
+                if not inside and not skip:  # whole lines without a quote: each a record
+                    quote = buf.find(b'"', line)
+                    end = buf.rfind(b"\n", line, quote if quote >= 0 else len(buf))
+                    if end >= line:
+                        count += buf.count(b"\n", line, end + 1) - \
+                            len(_EMPTY_LINES.findall(buf, line, end + 1))
+                        line = rec = end + 1
+                        continue
+                end = buf.find(b"\n", line)
+                if end < 0:
+                    break
+                inside = _csv_open_after(bytes(buf[line:end]), inside)
+                multi_line = line != rec
+                line = end + 1
+                if inside:
+                    continue
+                if buf[rec:end] not in (b"", b"\r"):
+                    if skip:  # the header: not a record
+                        at += line
+                        del buf[:line]
+                        line = rec = 0
+                        skip = False
+                        continue
+                    count += 1
+                    multi |= multi_line
+                rec = line
+            cut()
+            if len(buf) - rec > most:  # a record that does not end: the rest waits
+                return _Scan(records, chunks, at if skip else at + rec)
 
 
 def _crc_of(f, start: int, end: int) -> tuple[int, int]:
@@ -587,9 +740,10 @@ class LandingFolder(Source):
     def _scan(self, filesystem, path: str, start: int, size: int, mtime: float) -> _Scan:
         tail = self.unterminated_s is not None and \
             datetime.now(UTC).timestamp() - mtime >= self.unterminated_s
-        return _scan_text(filesystem, path, start, size, self.chunk_bytes,
-                          header=self.csv_header and start == 0, limit=self.max_record_bytes,
-                          tail=tail)
+        scan = _scan_csv if self.format == "csv" else _scan_text
+        return scan(filesystem, path, start, size, self.chunk_bytes,
+                    header=self.csv_header and start == 0, limit=self.max_record_bytes,
+                    tail=tail)
 
     def _look(self, filesystem, path: str, size: int, mtime: float, known: _Known | None
               ) -> tuple[str, _Scan | str, str | None]:
@@ -854,7 +1008,8 @@ class LandingFolder(Source):
 
         if jvm_reader(spark) and "://" not in self.path:
             # the JVM reads the chunks (onceflow.sources.jvm): the same rows, one task per chunk
-            return jvm_lines(spark, chunks, wanted, self.records, self.max_record_bytes)
+            return jvm_lines(spark, chunks, wanted, self.records, self.max_record_bytes,
+                             csv=self.format == "csv")
         # One Spark task per chunk (task i reads chunks[i], which travel with the reader): a
         # DataFrame of the chunks would be cut by the default parallelism into a few uneven
         # tasks, the last of which holds the batch back while cores idle.
@@ -957,8 +1112,10 @@ class LandingFolder(Source):
             elif skipped is not None:
                 out.append((f"landed file {path} is skipped: {skipped}", "-"))
             elif now - mtime >= max(60.0, self.settle_s):
-                out.append((f"landed file {path}: its last {waiting} bytes have no newline "
-                            f"yet (unmodified for {now - mtime:.0f}s): they are not read",
+                what = ("hold no whole record yet (no newline outside a quoted field)"
+                        if self.format == "csv" else "have no newline yet")
+                out.append((f"landed file {path}: its last {waiting} bytes {what} "
+                            f"(unmodified for {now - mtime:.0f}s): they are not read",
                             "if the file is complete, append a newline to it (or set "
                             "source.unterminated_s)"))
         return out
@@ -978,6 +1135,8 @@ def _reads_as(arrow_type, declared: str) -> bool:
 
     if declared.startswith(("array", "map", "struct")):
         return True
+    if t.is_dictionary(arrow_type):  # (pandas' categoricals): read as their values
+        arrow_type = arrow_type.value_type
     ints = {"tinyint": 8, "smallint": 16, "int": 32, "bigint": 64}
     if declared in ints:
         width = ints[declared]
@@ -1018,12 +1177,13 @@ def _spark_path(root: str, path: str) -> str:
 
 
 def jvm_lines(spark, chunks: list[_Chunk], wanted: list[tuple[int, int, int]],
-              records: JsonRecords | None, max_bytes: int):
+              records: JsonRecords | None, max_bytes: int, *, csv: bool = False):
     """The JVM reader (onceflow.spark.JsonLinesSource) over local ``chunks``: the records in
-    ``wanted`` ((partition, start, end)), decoded by ``records`` (None: payloads)."""
+    ``wanted`` ((partition, start, end)), decoded by ``records`` (None: payloads); ``csv``:
+    cut as CSV records (_csv_records), not lines."""
     spec = {"chunks": [_jvm_chunk(c) for c in chunks], "wanted": [list(w) for w in wanted],
             "columns": list(map(list, records.columns)) if records else None,
-            "max_record_bytes": max_bytes}
+            "max_record_bytes": max_bytes, "csv": csv}
     return spark.read.format(JVM_READER).option("spec", json.dumps(spec)).load()
 
 
@@ -1072,6 +1232,8 @@ def _read_chunk(filesystem, fmt: str, chunk: _Chunk):
             table = pq.ParquetFile(f).read_row_group(chunk.start)  # start: the row group
         return pa.array([json.dumps(row, default=str, ensure_ascii=False)
                          for row in table.to_pylist()], pa.string())
+    if fmt == "csv":
+        return _csv_array(_chunk_bytes(filesystem, chunk))
     return _line_array(_chunk_bytes(filesystem, chunk))
 
 

@@ -17,8 +17,9 @@ import org.apache.spark.sql.connector.read.PartitionReader;
 import org.apache.spark.unsafe.types.UTF8String;
 
 /**
- * The lines of one chunk, as onceflow.sources.landing cuts them: at LF, each without one
- * trailing CR, a last line without LF included; the line at index i has offset first + i, and
+ * The lines of one chunk, as onceflow.sources.landing cuts them: at LF (CSV: at an LF
+ * outside a quoted field, empty records skipped), each without one trailing CR, a last line
+ * without LF included; the line at index i has offset first + i, and
  * only the wanted offsets become rows.
  */
 final class ChunkReader implements PartitionReader<InternalRow> {
@@ -130,17 +131,53 @@ final class ChunkReader implements PartitionReader<InternalRow> {
     }
   }
 
+  /** Where the record from {@code start} ends: at the first LF outside a quoted field (CSV,
+   * RFC 4180: a field that starts with a quote runs to its closing quote, {@code ""} within
+   * it is a quote), or the chunk's end. onceflow.sources.landing._csv_records cuts the same. */
+  private int csvEnd(int start) {
+    boolean inside = false;
+    boolean fieldStart = true;
+    int end = start;
+    while (end < data.length) {
+      byte b = data[end];
+      if (inside) {
+        if (b == '"') {
+          if (end + 1 < data.length && data[end + 1] == '"') {
+            end++;
+          } else {
+            inside = false;
+          }
+        }
+        fieldStart = false;
+      } else if (b == '\n') {
+        break;
+      } else {
+        inside = b == '"' && fieldStart;
+        fieldStart = b == ',';
+      }
+      end++;
+    }
+    return end;
+  }
+
   @Override
   public boolean next() {
     while (pos < data.length) {
       int start = pos;
       int end = start;
-      while (end < data.length && data[end] != '\n') {
-        end++;
+      if (chunk.csv) {
+        end = csvEnd(start);
+      } else {
+        while (end < data.length && data[end] != '\n') {
+          end++;
+        }
       }
       pos = end + 1;  // past the LF (or past the end: a last line without one)
       if (end > start && data[end - 1] == '\r') {
         end--;
+      }
+      if (chunk.csv && end == start) {
+        continue;  // an empty line is no CSV record
       }
       long at = offset++;
       if (chunk.wants(at)) {

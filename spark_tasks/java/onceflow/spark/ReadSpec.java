@@ -29,6 +29,7 @@ final class ReadSpec {
     JsonNode root = root(json, "onceflow-jsonl");
     ReadSpec spec = new ReadSpec(columns(root), maxRecordBytes(root));
     List<long[]> wanted = wanted(root);
+    boolean csv = root.has("csv") && root.get("csv").asBoolean();
     for (JsonNode c : root.get("chunks")) {
       // [path, crc, size, mtime, first, byte_start, byte_end, partition, records]
       int partition = c.get(7).asInt();
@@ -36,7 +37,7 @@ final class ReadSpec {
       spec.chunks.add(new Chunk(c.get(0).asText(), c.get(1).isNull() ? -1 : c.get(1).asLong(),
           c.get(2).isNull() ? -1 : c.get(2).asLong(), c.get(3).isNull() ? 0 : c.get(3).asDouble(),
           c.get(4).asLong(), c.get(5).asLong(), c.get(6).asLong(), partition, c.get(8).asLong(),
-          mine));
+          mine, csv));
     }
     return spec;
   }
@@ -149,9 +150,12 @@ final class ReadSpec {
     final long records;
     /** [start, end) offset ranges of this chunk's partition to keep. */
     final long[][] wanted;
+    /** CSV records (RFC 4180), not lines. */
+    final boolean csv;
 
     Chunk(String path, long crc, long size, double mtime, long first, long byteStart,
-          long byteEnd, int partition, long records, long[][] wanted) {
+          long byteEnd, int partition, long records, long[][] wanted, boolean csv) {
+      this.csv = csv;
       this.path = path;
       this.crc = crc;
       this.size = size;
