@@ -154,8 +154,8 @@ class _CommitListener:
             self.conn = None
 
 
-def _dag_runs(dag_id: str) -> keepup.Runs | None:
-    """The DAG's runs, from Airflow (the Task SDK's count, answered by the triggerer); None
+def _dag_runs(dag_id: str) -> keepup.Runs:
+    """The DAG's runs, from Airflow (the Task SDK's count, answered by the triggerer). Raises
     where no triggerer answers (a trigger run by hand)."""
     from airflow.sdk.execution_time.task_runner import RuntimeTaskInstance
 
