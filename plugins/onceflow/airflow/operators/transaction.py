@@ -299,7 +299,7 @@ class _Begins(_PipelineTask):
                                           groups=setting["groups"])
                 # the declaration, checked before a txid is planned (the DAG's parse does
                 # not import the topology): a bad one fails the run naming it, no retry
-                pipeline.build_topology()
+                build_checked(pipeline)
                 txid = setting["txid"]
                 # a run the source watcher started plans no transaction of no records
                 skip_empty = started_by_watcher(context)
@@ -405,11 +405,25 @@ class BeginBatchOperator(_Begins, BaseOperator):
         return self._begin(context)
 
 
+# Held while the Spark client is imported in spark_client_loading's thread and while a
+# topology is built: two threads importing pyspark at once can see a partly initialised
+# pyspark.sql (ImportError "cannot import name ... partially initialized module").
+SPARK_IMPORTS = threading.Lock()
+
+
+def build_checked(pipeline) -> None:
+    """Build ``pipeline``'s topology (its declaration checked), never beside the thread that
+    imports the Spark client."""
+    with SPARK_IMPORTS:
+        pipeline.build_topology()
+
+
 def _import_spark_layer() -> None:
     try:
-        for module in ("onceflow.spark.session", "onceflow.spark.localspark",
-                       "onceflow.spark.processing"):
-            importlib.import_module(module)
+        with SPARK_IMPORTS:
+            for module in ("onceflow.spark.session", "onceflow.spark.localspark",
+                           "onceflow.spark.processing"):
+                importlib.import_module(module)
     except Exception:  # noqa: S110 (imported again where used, which then says what is wrong)
         pass
 
@@ -548,7 +562,7 @@ class ProcessBatchOperator(_Processes, SparkSubmitOperator):
             return
         with airflow_outcomes():  # a declaration error fails here, once, not in the driver
             check_pyspark_pair()
-            pipeline.build_topology()
+            build_checked(pipeline)
 
         ref = reference_of(pipeline)
         refs = [*self.pipeline_refs, *([ref] if ref and ref not in self.pipeline_refs else [])]
