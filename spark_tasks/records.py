@@ -2,9 +2,9 @@
 shape ``run_topology`` takes (partition, offset, the source's record columns, ``replays``,
 ``replayed``; ``_problem`` too when the source decodes its records).
 
-A replayed item comes back from the backflow as its payload (the line as it was read); a
-decoding source's replays are decoded here by the same JsonRecords as its reads, so a replay
-sees exactly the columns the first try saw.
+A replayed item comes back from the backflow as its payload (the line as it was read); the
+source makes its columns (Source.replay_columns: a decoding source's replays are decoded by the
+same JsonRecords as its reads), so a replay sees exactly the columns the first try saw.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from pyspark.sql import functions as F
 from onceflow.core.planner import PartitionRange
 from onceflow.core.source import Source
 from onceflow.core.topology import columns
-from onceflow.sources.json_records import PROBLEM
 
 
 def spout_columns(source: Source) -> list[str]:
@@ -40,15 +39,9 @@ def replayed_records(spark: SparkSession, source: Source,
         "partition": pa.array([r[0] for r in rows], pa.int32()),
         "offset": pa.array([r[1] for r in rows], pa.int64()),
     }
-    payloads = [r[2] for r in rows]
     tail = {"replays": pa.array([r[3] for r in rows], pa.int32()),
             "replayed": pa.array([True] * len(rows), pa.bool_())}
-    if source.records is None:
-        body = {"payload": pa.array(payloads, pa.string())}
-    else:
-        body, problems = source.records.decode([p.encode("utf-8") for p in payloads],
-                                               source.max_record_bytes)
-        body[PROBLEM] = problems
+    body = source.replay_columns(rows) if rows else {}
     table = pa.table({**keys, **body, **tail})
     ddl = f"{source.read_ddl}, replays int, replayed boolean"
     return spark.createDataFrame(table, ddl) if rows else spark.createDataFrame([], ddl)

@@ -2,7 +2,7 @@
 
 What a pipeline author needs, in one place::
 
-    from onceflow import FileSegments, Pipeline, PostgresLog, StatefulBolt, StateSpec, Topology
+    from onceflow import FileSegments, KafkaSource, Pipeline, PostgresLog, StateSpec, Topology
 
 The folders are the architecture: ``core`` (the transaction protocol: pipeline declaration
 and registry, transaction log, begin, staging, commit, offsets, backflow, the opaque rule),
@@ -17,12 +17,13 @@ from onceflow.core.errors import ConfigError
 from onceflow.core.pipeline import Pipeline, StateSpec
 from onceflow.core.tables import Count, Last, Max, Min, Sum
 from onceflow.core.topology import ANCHORS, SPOUT, StatefulBolt, Topology
+from onceflow.sources.kafka import KafkaSource
 from onceflow.sources.landing import LandingFolder
 from onceflow.sources.pglog import PostgresLog
 from onceflow.sources.segments import FileSegments
 from onceflow.sources.table import TableSource
 
 __version__ = "0.2.0"
-__all__ = ["ANCHORS", "SPOUT", "ConfigError", "Count", "FileSegments", "LandingFolder", "Last",
-           "Max", "Min", "Pipeline", "PostgresLog", "StateSpec", "StatefulBolt", "Sum",
-           "TableSource", "Topology", "__version__"]
+__all__ = ["ANCHORS", "SPOUT", "ConfigError", "Count", "FileSegments", "KafkaSource",
+           "LandingFolder", "Last", "Max", "Min", "Pipeline", "PostgresLog", "StateSpec",
+           "StatefulBolt", "Sum", "TableSource", "Topology", "__version__"]

@@ -42,7 +42,7 @@ Adding a source is one new module implementing this class; no engine module chan
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, ClassVar
@@ -147,6 +147,22 @@ class Source(ABC):
         for the backflow. Few: this default reads them one offset at a time."""
         ranges = [PartitionRange(p, o, o + 1) for p, o in sorted(set(positions))]
         return {(p, o): payload for p, o, payload in self.payloads(cur.connection, ranges)}
+
+    def replay_columns(self, rows: Sequence[tuple[int, int, str, int]]) -> dict:
+        """The record columns (Arrow arrays by name, as ``read`` gives them besides
+        partition and offset) of replayed backflow items ``(partition, offset, payload,
+        replays)``: the payload, or its decoded columns and ``_problem``. A source whose
+        records carry more than their payload adds those columns."""
+        # imported here: pyarrow loads only where records are read
+        import pyarrow as pa
+
+        payloads = [r[2] for r in rows]
+        if self.records is None:
+            return {"payload": pa.array(payloads, pa.string())}
+        body, problems = self.records.decode([p.encode("utf-8") for p in payloads],
+                                             self.max_record_bytes)
+        body[PROBLEM] = problems
+        return body
 
     def whole_units(self, cur, points: Iterable[tuple[int, int]]
                     ) -> dict[int, tuple[int, int]]:
