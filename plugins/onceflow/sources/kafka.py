@@ -338,14 +338,16 @@ class KafkaSource(JsonSchemaSource):
             _reader(self.config(), self.conn_id, self.topic, self.records,
                     self.max_record_bytes, self.timeout_s), self.read_ddl)
 
-    def _records(self, ranges: Iterable[PartitionRange]) -> Iterator[tuple]:
+    def _records(self, ranges: Iterable[PartitionRange], *, missing_ok: bool = False
+                 ) -> Iterator[tuple]:
         config = self.config()
         reader = consumer(config, self.timeout_s)
         try:
             for r in ranges:
                 if r.size > 0:
                     yield from read_range(reader, config, self.conn_id, self.topic,
-                                          r.partition, r.start, r.end, self.timeout_s)
+                                          r.partition, r.start, r.end, self.timeout_s,
+                                          missing_ok=missing_ok)
         finally:
             reader.close()
 
@@ -368,7 +370,7 @@ class KafkaSource(JsonSchemaSource):
         wanted = sorted({(r[0], r[1]) for r in rows})
         found = {}
         for p, o, _value, key, ts, headers in self._records(
-                [PartitionRange(p, o, o + 1) for p, o in wanted]):
+                [PartitionRange(p, o, o + 1) for p, o in wanted], missing_ok=True):
             found[(p, o)] = (key, ts, headers)
         if len(found) < len(wanted):
             log.warning("kafka topic %r: %d replayed record(s) are no longer on the broker: "
@@ -395,13 +397,44 @@ def _meta_arrays(meta: Sequence[tuple], pa) -> dict[str, Any]:
 
 
 def read_range(reader, config: Mapping[str, Any], conn_id: str, topic: str, partition: int,
-               start: int, end: int, timeout_s: float) -> Iterator[tuple]:
+               start: int, end: int, timeout_s: float, *, missing_ok: bool = False
+               ) -> Iterator[tuple]:
     """The records of ``[start, end)`` of one partition as (partition, offset, value, key,
     timestamp ms, headers), read by ``reader`` assigned and positioned at ``start`` until
     its position reaches ``end``. Offsets without a record are skipped; a range that cannot
-    be read whole fails, naming why."""
-    from confluent_kafka import KafkaError, TopicPartition
+    be read whole fails, naming why (``missing_ok``: gives nothing instead)."""
+    from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
+    # The broker's log start and high watermark first: a range it no longer holds whole is
+    # named now (some brokers answer a fetch past their end with silence, not an error).
+    try:
+        low, high = reader.get_watermark_offsets(TopicPartition(topic, partition),
+                                                 timeout=timeout_s, cached=False)
+    except KafkaException as error:
+        code = error.args[0].code()
+        if code not in (KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_PARTITION,
+                        KafkaError._UNKNOWN_TOPIC):
+            raise _unreachable(config, conn_id, f"a list-offsets request for partition "
+                               f"{partition}", error.args[0], timeout_s) from None
+        if missing_ok:
+            return
+        raise KafkaDataLost(
+            f"Kafka topic {topic!r} partition {partition} is gone from the broker "
+            f"({error.args[0].str()}) with the planned range [{start}, {end}): the broker lost "
+            "the topic (a restart without its storage?). Nothing of this batch is "
+            "committed") from None
+    if missing_ok and (start < low or end > high):
+        return
+    if end > high:
+        raise KafkaDataLost(
+            f"Kafka topic {topic!r} partition {partition} ends at offset {high}, below the "
+            f"planned end {end} of [{start}, {end}): the broker lost records of a planned "
+            "batch (a restart without its storage?). Nothing of this batch is committed")
+    if start < low:
+        raise SourceShortfall(
+            f"SourceShortfall: Kafka topic {topic!r} partition {partition} offsets [{start}, "
+            f"{end}): the log starts at {low}: retention deleted records of a planned batch; "
+            "the next attempt re-plans from the log start and records the gap")
     reader.assign([TopicPartition(topic, partition, start)])
     position, quiet_since = start, time.monotonic()
     try:
