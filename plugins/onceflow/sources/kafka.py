@@ -8,10 +8,10 @@ are not planned). The plan is stored before processing, and a replay reads the s
 Kafka keeps a record's offset and bytes for as long as retention keeps the record.
 
 Reading needs no Kafka connector jar: the ranges are cut into chunks of at most
-``read_chunk`` offsets, each chunk read in a Spark task (``mapInArrow``) by a consumer
-assigned to its partition, positioned at ``start``, reading until its position reaches
-``end``. Offsets that hold no record (compaction, transaction markers, aborted records) are
-normal: a chunk is done by position, not by a record count.
+``read_chunk`` offsets, spread over as many Spark tasks (``mapInArrow``), each chunk read by
+a consumer assigned to its partition, positioned at ``start``, reading until its position
+reaches ``end``. Offsets that hold no record (compaction, transaction markers, aborted
+records) are normal: a chunk is done by position, not by a record count.
 
 What the PartitionManager's traps become here, each said loudly:
 
@@ -332,7 +332,7 @@ class KafkaSource(JsonSchemaSource):
         pieces = chunk_ranges([r for r in ranges if r.size > 0], self.read_chunk)
         rows = [(i, p, s, e) for i, (p, s, e) in enumerate(pieces)]
         chunks = spark.createDataFrame(rows, CHUNK_SCHEMA)
-        if len(rows) > 1:  # one Spark task per chunk
+        if len(rows) > 1:  # the chunks spread over as many Spark tasks (by hash)
             chunks = chunks.repartition(len(rows), "chunk")
         return chunks.mapInArrow(
             _reader(self.config(), self.conn_id, self.topic, self.records,
