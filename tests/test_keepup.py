@@ -166,11 +166,11 @@ def test_with_the_dags_runs_the_watcher_keeps_a_place_waiting_behind_max_pending
     clock = Clock()
     watch = Watch(pipeline, clock=clock, max_runs=6)
     assert watch.decide(_sight(10_000), Runs(0, 0)) == "backlog"
-    clock.now += 2
+    clock.now += 0.5
     # Airflow has not made the run yet: a second event would fold into the first's run
     assert watch.decide(_sight(10_000), Runs(0, 0)) is None
-    for made in range(1, 6):  # each event's run made, one more asked for
-        clock.now += 2
+    for made in range(1, 6):  # each event's run made, one more asked for at once
+        clock.now += 0.5
         assert watch.decide(_sight(10_000), Runs(made, made)) == "backlog", made
     clock.now += 2
     # six runs: three in flight, three waiting in their begin for a place

@@ -32,8 +32,9 @@ The watcher keeps them there while records wait: it counts the DAG's active runs
 from the triggerer) and asks for one more while fewer than ``max_runs`` are active and the
 records that no run will read start a batch. Airflow makes one run of the events that wait
 for the scheduler, and none while the DAG has ``max_active_runs`` active, so the watcher has
-one event outstanding at a time, settled when the DAG's runs grew. It also looks at once
-when a transaction of the pipeline commits.
+one event outstanding at a time, settled when the DAG's runs grew, and asks for the next
+as soon as it is (no spacing). It also looks at once when a transaction of the pipeline
+commits.
 
 Without the run count (a trigger run outside a triggerer), an event is *outstanding* until a
 begin ran after it (``pipelines.begins`` grew), or for four times the usual wait from an
@@ -245,7 +246,9 @@ class Watch:
         event the caller fires. ``runs``: the DAG's runs now (None: not known)."""
         self._settle(seen, runs)
         now = self.clock()
-        if self.last_fired is not None and now - self.last_fired < self.spacing_s:
+        # (with the run count an event is outstanding until its run was made: no spacing)
+        if runs is None and self.last_fired is not None \
+                and now - self.last_fired < self.spacing_s:
             return None
         why = self._why(seen) if runs is None else self._why_with_runs(seen, runs)
         if why is not None:

@@ -48,6 +48,7 @@ from onceflow.core.registry import get_pipeline
 CLASSPATH = "onceflow.airflow.triggers.SourceWatchTrigger"
 PRUNE_EVERY_S = 300.0  # sightings every pipeline committed past are forgotten this often
 QUIET_S = 300.0  # a look that keeps failing for the same reason is logged again after this
+OUTSTANDING_LOOK_S = 0.5  # between looks while an event's run is still to be made
 
 log = logging.getLogger(__name__)
 
@@ -256,10 +257,14 @@ class SourceWatchTrigger(BaseEventTrigger):
                     await asyncio.to_thread(looker.record, seen, runs, self.max_runs, why)
                     if why is not None:
                         yield TriggerEvent(payload)
+                # an event whose run Airflow has not made yet: look again soon, so that the
+                # next one is asked for as soon as it is made
+                pause = min(self.watch_interval, OUTSTANDING_LOOK_S) \
+                    if runs is not None and watch.outstanding else self.watch_interval
                 if listener is None:
-                    await asyncio.sleep(self.watch_interval)
+                    await asyncio.sleep(pause)
                 else:
-                    await listener.pause(self.watch_interval)
+                    await listener.pause(pause)
         finally:
             if listener is not None:
                 listener.close()
