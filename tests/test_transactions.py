@@ -23,7 +23,8 @@ def ranges_of(batch):
 
 def test_a_new_attempt_fences_the_old_one(spark, conn, dsn):
     payloads = tweets_events(400)
-    pipeline = tweets_pipeline(conn, payloads=payloads, batch_size=200)
+    # a lease longer than the test: the old attempt, silent here, is fenced, not abandoned
+    pipeline = tweets_pipeline(conn, payloads=payloads, batch_size=200, attempt_lease_s=3600)
     old = begin(conn, pipeline, "run-1")
     process_batch(spark, dsn, pipeline, old.attempt)
     new = begin(conn, pipeline, "run-2", txid=1)  # a manual backfill of txid 1

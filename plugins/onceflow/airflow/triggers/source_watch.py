@@ -49,6 +49,8 @@ CLASSPATH = "onceflow.airflow.triggers.SourceWatchTrigger"
 PRUNE_EVERY_S = 300.0  # sightings every pipeline committed past are forgotten this often
 QUIET_S = 300.0  # a look that keeps failing for the same reason is logged again after this
 OUTSTANDING_LOOK_S = 0.5  # between looks while an event's run is still to be made
+RUNS_TIMEOUT_S = 5.0  # the longest a look waits for Airflow's count of the DAG's runs
+RUNS_RETRY_S = 60.0  # how long a watcher Airflow did not answer counts begins instead
 
 log = logging.getLogger(__name__)
 
@@ -188,6 +190,7 @@ class SourceWatchTrigger(BaseEventTrigger):
         self.dag_id = dag_id or f"onceflow_{pipeline}"
         self.max_runs = int(max_runs) if max_runs else \
             (1 + keepup.WAITING_RUNS) * self.max_pending
+        self._ask_runs_after = 0.0
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         # Names and settings only: the DSN is looked up where the trigger runs.
@@ -205,19 +208,24 @@ class SourceWatchTrigger(BaseEventTrigger):
                             watch_interval=self.watch_interval)
 
     async def _runs(self) -> keepup.Runs | None:
+        # A count that does not come back in time would stop the looks (and status would say
+        # the watcher is not running): the watcher then counts begins instead, as where
+        # Airflow gives no count, and asks Airflow again only after a while.
+        if time.monotonic() < self._ask_runs_after:
+            return None
         try:
-            return await asyncio.to_thread(_dag_runs, self.dag_id)
+            return await asyncio.wait_for(asyncio.to_thread(_dag_runs, self.dag_id),
+                                          timeout=max(self.watch_interval, RUNS_TIMEOUT_S))
         except Exception as error:  # noqa: BLE001 (then the begins tell, see keepup)
-            if not self._no_runs_said:
-                self.log.warning("pipeline %s: Airflow does not tell the runs of DAG %s "
-                                 "(%s: %s); counting begins instead", self.pipeline,
-                                 self.dag_id, type(error).__name__, error)
-                self._no_runs_said = True
+            self.log.warning("pipeline %s: Airflow does not tell the runs of DAG %s "
+                             "(%s: %s); counting begins instead for %.0fs", self.pipeline,
+                             self.dag_id, type(error).__name__, error, RUNS_RETRY_S)
+            self._ask_runs_after = time.monotonic() + RUNS_RETRY_S
             return None
 
     async def run(self):
         pipeline, looker, listener, said = None, None, None, (None, 0.0)
-        self._no_runs_said = False
+        self._ask_runs_after = 0.0
         try:
             while True:
                 runs = None
