@@ -284,7 +284,7 @@ def run_airflow(dsn: str, server: str, spark_url: str, folder: Path, pipelines: 
         procs.append(subprocess.Popen([*airflow, component], env=env, stdout=out,
                                       stderr=subprocess.STDOUT, start_new_session=True))
     dag_ids = [f"onceflow_{pipeline}" for pipeline in pipelines]
-    trigger = None
+    trigger, finished, kept = None, False, False
     try:
         deadline = time.monotonic() + 300
         while len(_query(meta, "SELECT 1 FROM dag WHERE dag_id = ANY(%s) AND NOT is_paused",
@@ -335,6 +335,7 @@ def run_airflow(dsn: str, server: str, spark_url: str, folder: Path, pipelines: 
             seconds = time.monotonic() - started
             machine = machine_cpu_s() - machine
             if done.get("failed"):
+                kept = True
                 print(f"{done['failed']} Airflow run(s) of {dag_id} failed: task logs under "
                       f"{home}/logs", file=sys.stderr)
             cpu = {c: v - cpu_before[c] for c, v in component_cpu(cpu_pids).items()}
@@ -352,6 +353,7 @@ def run_airflow(dsn: str, server: str, spark_url: str, folder: Path, pipelines: 
                 "task_s": {t: statistics.median(v) for t, v in sorted(per_task.items())},
                 "begin_s": begin_split(dsn, pipeline), "cpu_s": cpu, "cpu_total_s": machine,
                 "load": Path("/proc/loadavg").read_text().split()[0]}
+        finished = True
         return results
     finally:
         if trigger is not None:
@@ -367,3 +369,5 @@ def run_airflow(dsn: str, server: str, spark_url: str, folder: Path, pipelines: 
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, 9)
                 proc.wait(timeout=30)
+        if finished and not kept:  # a failure keeps the Airflow home: it names the logs there
+            shutil.rmtree(home, ignore_errors=True)
