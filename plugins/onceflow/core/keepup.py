@@ -266,22 +266,7 @@ class Watch:
             return "adopt"
         if seen.open + waiting >= p.max_pending:
             return None
-        if seen.undecided and not waiting:
-            return "start"
-        # what the runs already asked for will not read (each reads up to a batch)
-        unread = seen.unread - waiting * p.batch_size
-        if unread >= p.batch_start_records:
-            return "backlog" if unread >= p.batch_size else "records"
-        waited = seen.oldest_wait_s
-        if waited is None and self.unread_since is not None:  # arrival unknown: since seen
-            waited = self.clock() - self.unread_since
-        if unread > 0 and waited is not None and waited >= p.max_delay_s:
-            return "delay"
-        if seen.replays and not waiting and seen.unread <= 0 and (
-                seen.replays >= p.batch_start_records
-                or (seen.replay_wait_s or 0.0) >= p.max_delay_s):
-            return "replays"
-        return None
+        return self._wanted(seen, waiting)
 
     def _why_with_runs(self, seen: Look | None, runs: Runs) -> str | None:
         """``_why`` when the DAG's runs are known: up to ``max_runs`` active, the runs that
@@ -296,17 +281,23 @@ class Watch:
         unplanned = max(0, runs.active - seen.open)  # runs still to plan (or to adopt)
         if seen.adopt and not unplanned:
             return "adopt"
-        if seen.undecided and not unplanned:
+        return self._wanted(seen, unplanned)
+
+    def _wanted(self, seen: Look, pending: int) -> str | None:
+        """Whether what ``seen`` shows wants a run, ``pending`` runs being on their way (each
+        reads up to a batch, so their records are not counted again)."""
+        p = self.pipeline
+        if seen.undecided and not pending:
             return "start"
-        unread = seen.unread - unplanned * p.batch_size
+        unread = seen.unread - pending * p.batch_size
         if unread >= p.batch_start_records:
             return "backlog" if unread >= p.batch_size else "records"
         waited = seen.oldest_wait_s
-        if waited is None and self.unread_since is not None:
+        if waited is None and self.unread_since is not None:  # arrival unknown: since seen
             waited = self.clock() - self.unread_since
         if unread > 0 and waited is not None and waited >= p.max_delay_s:
             return "delay"
-        if seen.replays and not unplanned and seen.unread <= 0 and (
+        if seen.replays and not pending and seen.unread <= 0 and (
                 seen.replays >= p.batch_start_records
                 or (seen.replay_wait_s or 0.0) >= p.max_delay_s):
             return "replays"
