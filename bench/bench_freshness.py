@@ -64,7 +64,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from benchkit import loadavg
+from benchkit import loadavg, warm_spark_connect
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -328,7 +328,6 @@ def run_onceflow(args, server: str, spec: dict) -> tuple[list[dict], dict | None
     import tempfile
 
     import freshness_pipelines
-    from airflow_run import _free_port
 
     from onceflow.core.db import connection
     from onceflow.core.registration import register
@@ -342,11 +341,8 @@ def run_onceflow(args, server: str, spec: dict) -> tuple[list[dict], dict | None
     with connection(dsn) as conn:  # `onceflow init`
         for rate in args.rates:
             register(conn, get_pipeline(freshness_pipelines.name(rate)), create_source=True)
-    port, spark_dir = _free_port(), args.folder / "spark-connect"
-    started = time.monotonic()
-    url = localspark.start(port, folder=spark_dir).url
-    print(f"Spark Connect server up and warmed up in "
-          f"{time.monotonic() - started + localspark.warm_up(url):.1f}s", flush=True)
+    spark_dir = args.folder / "spark-connect"
+    port, url = warm_spark_connect(spark_dir)
     airflow = Deployment(Path(tempfile.mkdtemp(prefix="airflow-", dir=args.folder)), meta, dsn,
                          port, spec)
     results, quiet = [], None

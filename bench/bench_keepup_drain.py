@@ -38,7 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchkit import loadavg
+from benchkit import loadavg, warm_spark_connect
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -49,7 +49,6 @@ RATE = 1000  # the name of the pipeline (fresh_<RATE>); the sizes are given, not
 
 def run(args, server: str, spec: dict) -> dict:
     import freshness_pipelines
-    from airflow_run import _free_port
     from bench_freshness import Deployment, expected_counts
 
     from onceflow.core.db import connection
@@ -67,11 +66,8 @@ def run(args, server: str, spec: dict) -> dict:
     pipeline = get_pipeline(name)
     with connection(dsn) as conn:  # `onceflow init`
         register(conn, pipeline, create_source=True)
-    port, spark_dir = _free_port(), args.folder / "spark-connect"
-    started = time.monotonic()
-    url = localspark.start(port, folder=spark_dir).url
-    print(f"Spark Connect server up and warmed up in "
-          f"{time.monotonic() - started + localspark.warm_up(url):.1f}s", flush=True)
+    spark_dir = args.folder / "spark-connect"
+    port, url = warm_spark_connect(spark_dir)
     airflow = Deployment(Path(tempfile.mkdtemp(prefix="airflow-", dir=args.folder)), meta, dsn,
                          port, spec)
     try:

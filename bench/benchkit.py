@@ -1,5 +1,5 @@
 """Pieces the bench scripts share: the load average, a migrated database of a script's own,
-a timer."""
+a timer, a warm Spark Connect server."""
 
 from __future__ import annotations
 
@@ -29,3 +29,18 @@ def timed(fn):
     started = time.perf_counter()
     result = fn()
     return time.perf_counter() - started, result
+
+
+def warm_spark_connect(folder: Path) -> tuple[int, str]:
+    """A local Spark Connect server on a free port, keeping its files in ``folder``, warmed up
+    before any clock starts (its start and warm-up printed apart). (port, url); stop it with
+    onceflow.spark.localspark.stop(port, folder=folder)."""
+    from airflow_run import _free_port
+
+    from onceflow.spark import localspark
+
+    port, started = _free_port(), time.monotonic()
+    url = localspark.start(port, folder=folder).url
+    print(f"Spark Connect server up and warmed up in "
+          f"{time.monotonic() - started + localspark.warm_up(url):.1f}s", flush=True)
+    return port, url
