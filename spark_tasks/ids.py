@@ -3,7 +3,7 @@
 A root id keeps the origin of its record readable without a join back to the source:
 ``replayed << 62 | partition << 40 | offset`` (offsets below 2^40, partitions below 2^22).
 Tuple ids are hashes of (root, bolt, stream, parent, position, attempt): xxhash64 in the JVM
-(onceflow.spark.runner), BLAKE2b in Python bolts (``blake64``); both keep the XOR property.
+(onceflow.spark.runner, .frame), BLAKE2b in Python bolts (``blake64``); both keep the XOR property.
 """
 
 from __future__ import annotations

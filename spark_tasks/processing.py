@@ -32,8 +32,9 @@ from onceflow.core.topology import StateContext
 from onceflow.core.txlog import TransactionAttempt, TxState
 from onceflow.kvstate import DELETED, open_checked_provider
 from onceflow.sources.landing import REPAIR_HINT
+from onceflow.spark.collected import DELTA, REJECT
 from onceflow.spark.records import batch_records, replayed_records
-from onceflow.spark.runner import DELTA, REJECT, run_topology
+from onceflow.spark.runner import run_topology
 from onceflow.spark.session import ship_code
 
 log = logging.getLogger(__name__)

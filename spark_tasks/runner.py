@@ -1,20 +1,8 @@
-"""Running a topology over a batch in Spark in one pass over the data: the frame.
+"""Running a topology over a batch in Spark in one pass over the data.
 
-The topology is compiled into a linear chain over one wide DataFrame, the **frame**. A row is
-a tuple of some stream (``_kind`` "tuple", ``_stream`` its name, the stream's columns set),
-or a note for the end: a failure ("fail": the record's tree cannot complete) or a state
-change of a stateful bolt ("state"). The frame's columns are fixed before anything runs: the
-anchoring columns, the notes' columns, and the union of every stream's declared columns (a
-name has one type in the whole topology).
+The topology is compiled into a linear chain over one wide DataFrame, the **frame**
+(onceflow.spark.frame: its rows, the bolts, the tees). What the frame becomes:
 
-- A per-record Python bolt is a ``mapInArrow`` over the whole frame: the rows of its input
-  stream are handed to the bolt one by one and replaced by its outputs (and a failure note
-  when it raises or runs out of time); every other row passes through untouched. No row is
-  read twice, nothing is cached.
-- A DataFrame bolt gets its input stream as a DataFrame. When that stream is the only thing in
-  the frame (the usual first bolt, on the spout), the frame simply becomes the bolt's output;
-  otherwise the frame is cached there (a split point) and the rest joins the output again.
-- A stream with several consumers is teed: each tuple becomes one copy per consumer.
 - At the end one projection turns every row into an output: a delta of a count sink (state,
   key, delta), a rejected record, or a note; one aggregation by (state, key) sums the deltas.
   With the acker the verdict is all or nothing, settled by passes: the first computes every
@@ -33,6 +21,9 @@ states the rule it implements.
 Stateful bolts read and write key-value state, so they run on records that completed
 everywhere else: there the verdict is one aggregation by record (cached), the stateful bolts
 run on the inputs of complete records, and a record that fails there is dropped as a whole.
+
+Beside it: the key checks (onceflow.spark.keys), the typed states' encoding
+(onceflow.spark.typed_states), and the collected outputs (onceflow.spark.collected).
 """
 
 from __future__ import annotations
@@ -40,212 +31,32 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 
 import pyarrow as pa
 import pyarrow.compute as pc
-from pyspark import StorageLevel
 from pyspark.sql import DataFrame, Observation
 from pyspark.sql import functions as F
 
-from onceflow.core.tables import ORDER, SPARK_JSON, Shape, spark_type
-from onceflow.core.topology import (
-    ANCHORS,
-    SPOUT,
-    Bolt,
-    StateContext,
-    Topology,
-    TopologyError,
-    column_types,
-    columns,
-)
+from onceflow.core.tables import Shape
+from onceflow.core.topology import SPOUT, StateContext, Topology, column_types, columns
 from onceflow.sources.json_records import PROBLEM
+from onceflow.spark.collected import (
+    CHANGE,
+    DELTA,
+    FAILED,
+    REJECT,
+    Collected,
+    rows_like,
+    split,
+)
+from onceflow.spark.frame import FAIL, STATE, TUPLE, Chain, frame_select
 from onceflow.spark.ids import MAX_OFFSET, MAX_PARTITION, OFFSET_BITS, origin, root_id
-from onceflow.spark.record_bolts import RECORD_META, pass_through_runner, record_runner
-
-TUPLE, FAIL, STATE = "tuple", "fail", "state"
-# Notes' and state changes' columns, besides the anchors (_root, _tid, _replays).
-META = {"_kind": "string", "_stream": "string", "_root": "bigint", "_tid": "bigint",
-        "_replays": "int", "_error": "string", "_skey": "string", "_sval": "string",
-        "_seq": "bigint"}
-# What a topology's run yields, one row per output; ``kind``: 0 delta, 1 rejected record,
-# 2 failed record (for the backflow), 3 state change of a stateful bolt.
-DELTA, REJECT, FAILED, CHANGE = 0, 1, 2, 3
-OUTPUT = ("kind int, state_name string, key string, delta long, partition int, offset long, "
-          "replayed boolean, error string, bolt string, namespace string, value string, "
-          "root long")
-
+from onceflow.spark.keys import bad_key, bad_text
+from onceflow.spark.record_bolts import RECORD_META, record_runner
+from onceflow.spark.typed_states import decode_typed, typed_row
 
 # The acker's verdict: at most this many passes over a batch (see TopologyRun._settle).
 MAX_PASSES = 4
-# Typed tuples travel as JSON through the verdict (timestamps keep their microseconds).
-JSON_OPTIONS = SPARK_JSON
-
-
-def pa_array(values: list):
-    return pa.array(values, pa.string())
-
-
-def _rank(order_by: str | None, cols: Mapping[str, str]):
-    """What orders a typed state's Last measures, as a bigint: the ``order_by`` column
-    (a number, a date's day, a timestamp's microsecond), else the record's root id."""
-    if order_by is None:
-        return F.col("_root")
-    kind = cols[order_by]
-    column = F.col(order_by)
-    if kind == "date":
-        return F.unix_date(column).cast("bigint")
-    if kind.startswith("timestamp"):
-        return F.unix_micros(column.cast("timestamp"))
-    return column.cast("bigint")
-
-
-def frame_columns(topology: Topology) -> dict[str, str]:
-    """Every column of the frame and its Spark type (META, then the streams' columns: one
-    type per name, Topology.typed_columns)."""
-    return {**META, **topology.typed_columns()}
-
-
-def _typed(names: Mapping[str, str], present: dict) -> list:
-    """A select list in frame order: what ``present`` gives, typed nulls for the rest."""
-    return [(present[n] if n in present else F.lit(None)).cast(t).alias(n)
-            for n, t in names.items()]
-
-
-@dataclass
-class _Chain:
-    topology: Topology
-    attempt: int
-    acker: bool
-    timeout_ms: int
-    state: StateContext | None
-    cols: dict[str, str] = field(default_factory=dict)
-    cached: list[DataFrame] = field(default_factory=list)
-    frame: DataFrame | None = None
-    live: set[str] = field(default_factory=set)  # streams with tuple rows in the frame
-    notes: bool = False  # the frame holds notes (failures) besides tuples
-
-    def __post_init__(self) -> None:
-        self.cols = frame_columns(self.topology)
-        # consumers of each stream, in declaration order (bolts, then sinks)
-        self.consumers: dict[str, list[str]] = {}
-        for bolt in self.topology.bolts:
-            self.consumers.setdefault(bolt.input, []).append(bolt.name)
-        for i, sink in enumerate(self.topology.sinks):
-            self.consumers.setdefault(sink.stream, []).append(f"$sink{i}")
-
-    def cache(self, df: DataFrame) -> DataFrame:
-        df = df.persist(StorageLevel.MEMORY_AND_DISK)
-        self.cached.append(df)
-        return df
-
-    # -- the stream a consumer reads ---------------------------------------------------------
-    def name_for(self, stream: str, consumer: str) -> str:
-        """A teed stream's copy for ``consumer`` (the stream itself when it has one)."""
-        return stream if len(self.consumers.get(stream, [])) <= 1 else f"{stream}@{consumer}"
-
-    def tee(self, produced: list[str]) -> None:
-        """Each tuple of a stream with several consumers becomes one copy per consumer,
-        whose id hashes in the consumer (Storm's one tuple per subscriber)."""
-        teed = {s: self.consumers[s] for s in produced if len(self.consumers.get(s, [])) > 1}
-        if not teed:
-            return
-        copies = F.lit(None)
-        for stream, consumers in teed.items():
-            copies = F.when((F.col("_kind") == TUPLE) & (F.col("_stream") == stream),
-                            F.array(*[F.lit(c) for c in consumers])).otherwise(copies)
-        frame = self.frame.withColumn("_copy", F.explode_outer(copies))
-        self.frame = frame.withColumn("_stream", F.when(
-            F.col("_copy").isNotNull(), F.concat("_stream", F.lit("@"), "_copy"))
-            .otherwise(F.col("_stream"))).withColumn("_tid", F.when(
-                F.col("_copy").isNotNull(), F.xxhash64("_tid", "_copy"))
-            .otherwise(F.col("_tid"))).drop("_copy")
-        for stream, consumers in teed.items():
-            self.live.discard(stream)
-            self.live |= {f"{stream}@{c}" for c in consumers}
-
-    # -- bolts -----------------------------------------------------------------------------
-    def dataframe_bolt(self, bolt: Bolt) -> None:
-        stream = self.name_for(bolt.input, bolt.name)
-        view_cols = [*ANCHORS, *columns(self.topology.streams()[bolt.input])]
-        alone = self.live == {stream} and not self.notes
-        frame = self.frame if alone else self.cache(self.frame)
-        mine = frame.where((F.col("_kind") == TUPLE) & (F.col("_stream") == stream))
-        result = bolt.fn(mine.select(*view_cols))
-        outputs = self._bolt_outputs(bolt, result)
-        if not alone:
-            rest = frame.where((F.col("_kind") != TUPLE) | (F.col("_stream") != stream))
-            outputs = rest.unionByName(outputs)
-        self.frame = outputs
-        self.live = (self.live - {stream}) | set(bolt.outputs)
-        self.notes = self.notes or self.acker
-        self.tee(list(bolt.outputs))
-
-    def _bolt_outputs(self, bolt: Bolt, result) -> DataFrame:
-        """A DataFrame bolt's result in frame form: tuples with their new ids, and a failure
-        note for every row whose ``_fail`` is set."""
-        if isinstance(result, Mapping):
-            if set(result) != set(bolt.outputs):
-                raise TopologyError(f"bolt {bolt.name!r} must return a DataFrame per declared "
-                                    f"stream {sorted(bolt.outputs)}; it returned "
-                                    f"{sorted(result)}")
-            parts = [df.withColumn("_stream", F.lit(s)) for s, df in result.items()]
-            result = parts[0]
-            for part in parts[1:]:
-                result = result.unionByName(part, allowMissingColumns=True)
-        if not isinstance(result, DataFrame):
-            raise TopologyError(f"bolt {bolt.name!r} returned {type(result).__name__}: return "
-                                "a DataFrame (with a _stream column when it has several "
-                                "output streams) or a dict of DataFrames by stream")
-        have = set(result.columns)  # one schema look-up per bolt
-        if "_stream" not in have:
-            if len(bolt.outputs) > 1:
-                raise TopologyError(
-                    f"bolt {bolt.name!r} returned one DataFrame without a _stream column but "
-                    f"declares streams {sorted(bolt.outputs)}: add _stream, or return a dict "
-                    "of DataFrames by stream")
-            result = result.withColumn("_stream", F.lit(next(iter(bolt.outputs))))
-        data = {c for ddl in bolt.outputs.values() for c in columns(ddl)}
-        missing = [c for c in (*ANCHORS, *sorted(data)) if c not in have]
-        if missing:
-            raise TopologyError(
-                f"bolt {bolt.name!r}: output lacks column(s) {missing}; carry the anchoring "
-                f"columns {list(ANCHORS)} of each input row and the declared columns")
-        pos = F.col("_pos") if "_pos" in have else F.lit(0)
-        fail = F.col("_fail").cast("string") if "_fail" in have else F.lit(None).cast("string")
-        # A row for a stream the bolt does not declare would reach no consumer and vanish
-        # with its record counted complete: it fails its input tuple instead, named.
-        declared = sorted(bolt.outputs)
-        emitted = F.col("_stream").cast("string")
-        fail = F.coalesce(fail, F.when(
-            emitted.isNull() | ~emitted.isin(*declared),
-            F.concat(F.lit("emitted _stream="),
-                     F.coalesce(F.concat(F.lit("'"), emitted, F.lit("'")), F.lit("null")),
-                     F.lit(f", which is not one of its declared outputs {declared}: emit "
-                           "one of those, or declare the stream in outputs"))))
-        tid = F.xxhash64("_root", F.lit(bolt.name), "_stream", "_tid", pos,
-                         *[F.col(c) for c in sorted(data)], F.lit(self.attempt))
-        present = {c: F.col(c) for c in data}
-        present.update(
-            _kind=F.when(fail.isNull(), F.lit(TUPLE)).otherwise(F.lit(FAIL)),
-            _stream=F.when(fail.isNull(), F.col("_stream")),
-            _root=F.col("_root"), _tid=F.when(fail.isNull(), tid), _replays=F.col("_replays"),
-            _error=F.when(fail.isNotNull(), F.concat(F.lit(f"bolt {bolt.name}: "), fail)))
-        out = result.select(*_typed(self.cols, present))
-        if not self.acker:  # no failure routing: a failed tuple is simply not emitted
-            out = out.where(F.col("_kind") == TUPLE)
-        return out
-
-    def record_bolt(self, bolt: Bolt) -> None:
-        stream = self.name_for(bolt.input, bolt.name)
-        runner = pass_through_runner(bolt, stream, self.attempt, self.timeout_ms,
-                                     columns(self.topology.streams()[bolt.input]),
-                                     self.cols, self.acker)
-        self.frame = self.frame.mapInArrow(runner, ", ".join(
-            f"`{n}` {t}" for n, t in self.cols.items()))
-        self.live = (self.live - {stream}) | set(bolt.outputs)
-        self.notes = self.notes or self.acker
-        self.tee(list(bolt.outputs))
 
 
 def run_topology(topology: Topology, source: DataFrame, *, attempt: int, acker: bool = True,
@@ -265,7 +76,7 @@ def run_topology(topology: Topology, source: DataFrame, *, attempt: int, acker: 
     """
     shapes = dict(shapes or {})
     topology.validate(shapes)
-    chain = _Chain(topology, attempt, acker, tuple_timeout_ms, state)
+    chain = Chain(topology, attempt, acker, tuple_timeout_ms, state)
     root = root_id("partition", "offset", "replayed")
     record = [c for c in columns(topology.spout_columns) if c not in ("partition", "offset")]
     if "payload" in record:
@@ -298,7 +109,7 @@ def run_topology(topology: Topology, source: DataFrame, *, attempt: int, acker: 
                                                   "batch could be (Source.may_refuse): "
                                                   "report this to onceflow"))
         kept = spout.where(F.assert_true(F.col("_problem").isNull(), unexpected).isNull())
-    chain.frame = kept.select(*_typed(chain.cols, {
+    chain.frame = kept.select(*frame_select(chain.cols, {
         "_kind": F.lit(TUPLE), "_stream": F.lit(SPOUT), "_root": F.col("_root"),
         "_tid": F.col("_tid"), "_replays": F.col("_replays"), "partition": F.col("partition"),
         "offset": F.col("offset"), **{c: F.col(c) for c in record}}))
@@ -317,53 +128,11 @@ def run_topology(topology: Topology, source: DataFrame, *, attempt: int, acker: 
     return TopologyRun(chain, refused, observed, max_key_bytes, by_root, shapes)
 
 
-@dataclass
-class Collected:
-    """A run's outputs, collected: ``table`` (the OUTPUT rows, Arrow), and as Python values
-    deltas {(state, key): delta} (or {(state, key, root)} by root), rejected {(partition,
-    offset): error}, failed {(partition, offset, replayed): error}, state changes {bolt:
-    [(namespace, key, JSON value or None)]}. The deltas by (state, key) and the rejects are
-    made from the table when first asked for: staging reads the table, and a state of a
-    million keys would otherwise cost a million Python tuples per batch."""
-
-    table: object
-    _rejected: dict | None  # made from the table when first asked for (rejected)
-    failed: dict
-    changes: dict
-    seconds: float = 0.0
-    tables: dict = field(default_factory=dict)  # typed state -> Arrow rows (typed_rows)
-    _deltas: dict | None = None  # made when first asked for; set by split when by root
-
-    @property
-    def rejected(self) -> dict:
-        if self._rejected is None:  # a record rejected for two reasons: the least, as ever
-            table = self.table
-            rows = table.filter(pc.equal(table.column("kind"), REJECT))
-            self._rejected = {}
-            for position, error in zip(zip(rows.column("partition").to_pylist(),
-                                           rows.column("offset").to_pylist(), strict=True),
-                                       rows.column("error").to_pylist(), strict=True):
-                if position not in self._rejected or error < self._rejected[position]:
-                    self._rejected[position] = error
-        return self._rejected
-
-    @property
-    def deltas(self) -> dict:
-        if self._deltas is not None:
-            return self._deltas
-        table = self.table
-        deltas = table.filter(pc.equal(table.column("kind"), DELTA))
-        keys = zip(deltas.column("state_name").to_pylist(), deltas.column("key").to_pylist(),
-                   strict=True)
-        self._deltas = dict(zip(keys, deltas.column("delta").to_pylist(), strict=True))
-        return self._deltas
-
-
 class TopologyRun:
     """A planned run: ``output`` (one DataFrame, the OUTPUT columns, without the records
     the spout refused) and ``collect()``."""
 
-    def __init__(self, chain: _Chain, refused: DataFrame, observed: Observation | None,
+    def __init__(self, chain: Chain, refused: DataFrame, observed: Observation | None,
                  max_key_bytes: int, by_root: bool,
                  shapes: Mapping[str, Shape] | None = None):
         self.chain, self.refused, self.observed = chain, refused, observed
@@ -387,55 +156,6 @@ class TopologyRun:
             self._output = self._plan()
         return self._output
 
-    def _bad_text(self, key, what: str):
-        """Why a text key PostgreSQL cannot store or index fails its record (else null)."""
-        limit = self.max_key_bytes
-        return (F.when(key.isNull(), F.lit(f"{what} is null"))
-                .when(key.contains("\u0000"),
-                      F.lit(f"{what} holds a NUL character, which PostgreSQL text cannot "
-                            "store"))
-                .when(F.octet_length(key) > limit,
-                      F.concat(F.lit(f"{what} of "), F.octet_length(key).cast("string"),
-                               F.lit(f" bytes is over max_key_bytes={limit} (a PostgreSQL "
-                                     "index entry must fit in a third of a page)"))))
-
-    def _bad_key(self, shape: Shape | None = None):
-        """Why a tuple's key, or a typed tuple's values, cannot be stored (else null): a
-        record that would break staging, or one whose value its declared type cannot hold
-        (1780.25 in a numeric(5,2)), fails alone instead of failing its batch for ever,
-        named with its table, column, value and type. The first reason in the declaration's
-        order is the record's."""
-        if shape is None:
-            return self._bad_text(F.col("key").cast("string"), "state key")
-        keys = {c for c, _ in shape.key}
-        checked: set[str] = set()
-        reasons = []
-        for column, pg_type, whats in shape.typed_inputs():
-            value = F.col(column)
-            if column in keys and column not in checked:
-                reasons.append(self._bad_text(value.cast("string"), f"key column {column}")
-                               if pg_type == "text" else
-                               F.when(value.isNull(), F.lit(f"key column {column} is null")))
-            elif pg_type == "text":
-                reasons.append(F.when(value.cast("string").contains("\u0000"), F.lit(
-                    f"column {column} holds a NUL character, which PostgreSQL text cannot "
-                    "store")))
-            checked.add(column)
-            if pg_type != "text":  # the value fits the declared type (numeric(p,s): digits)
-                reasons.append(F.when(
-                    value.isNotNull() & value.try_cast(spark_type(pg_type)).isNull(),
-                    F.concat(F.lit(f"{' and '.join(whats)}: value "), value.cast("string"),
-                             F.lit(f" does not fit {pg_type}"))))
-        return F.coalesce(*reasons) if reasons else F.lit(None).cast("string")
-
-    def _typed_row(self, shape: Shape):
-        """A typed state's tuple as one JSON text (its inputs and its order), which passes
-        the verdict like a count state's key; _typed_states decodes it."""
-        fields = [F.col(c) for c in shape.inputs()]
-        if shape.ordered:
-            fields.append(_rank(shape.order_by, self.chain.cols).alias(ORDER))
-        return F.to_json(F.struct(*fields), JSON_OPTIONS)
-
     def _rows(self, frame: DataFrame, sinks: list[tuple[str, object]], pending: dict
               ) -> DataFrame:
         """Every row of ``frame`` as an output row: a delta of a count sink (a key PostgreSQL
@@ -458,11 +178,12 @@ class TopologyRun:
             if sink.state:
                 shape = self.shapes.get(sink.state)
                 where = f"table {shape.name}: " if shape else f"sink {sink.state}: "
-                bad = F.when(mine, F.concat(F.lit(where), self._bad_key(shape))).otherwise(bad)
+                why = bad_key(self.max_key_bytes, shape)
+                bad = F.when(mine, F.concat(F.lit(where), why)).otherwise(bad)
                 state = F.when(mine, F.lit(sink.state)).otherwise(state)
                 counted = counted | mine
                 if shape is not None:
-                    key = F.when(mine, self._typed_row(shape)).otherwise(key)
+                    key = F.when(mine, typed_row(shape, chain.cols)).otherwise(key)
                     typed_tuple = typed_tuple | mine
             else:
                 rejected = rejected | mine
@@ -550,7 +271,7 @@ class TopologyRun:
             F.lit(None).cast("string").alias("bolt"),
             F.lit(None).cast("string").alias("namespace"),
             F.lit(None).cast("string").alias("value"), "root",
-            F.when(counted, self._bad_text(F.col("key"), "state key")).alias("_bad"))
+            F.when(counted, bad_text(F.col("key"), "state key", self.max_key_bytes)).alias("_bad"))
 
     def _first_pass(self) -> pa.Table:
         """The outputs as if nothing failed: the lean plan's, unless it found a key that
@@ -655,7 +376,7 @@ class TopologyRun:
             "replayed": pa.array([bool((r >> 62) & 1) for r in roots], pa.bool_()),
             "error": pa.array([failed[r] for r in roots], pa.string()),
             "root": pa.array(roots, pa.int64())}
-        return pa.concat_tables([table, _rows_like(table.schema, columns)])
+        return pa.concat_tables([table, rows_like(table.schema, columns)])
 
     def _explode(self, per_root: DataFrame, also_failed=None) -> DataFrame:
         """One output row per delta of a complete record, per rejected record, per failed
@@ -706,7 +427,7 @@ class TopologyRun:
             ran = ran.withColumn("_stream", F.when(
                 F.col("_kind") == STATE, F.concat(F.lit(f"{bolt.name}|"), F.col("_stream")))
                 .otherwise(F.col("_stream")))
-            ran = ran.select(*_typed(chain.cols, {c: F.col(c) for c in ran.columns}))
+            ran = ran.select(*frame_select(chain.cols, {c: F.col(c) for c in ran.columns}))
             outputs = ran if outputs is None else outputs.unionByName(ran)
         sinks = [(s.stream, s) for s in chain.topology.sinks
                  if any(s.stream in b.outputs for b in stateful.values())]
@@ -750,7 +471,9 @@ class TopologyRun:
         appended = F.lit(False)
         typed: list[str] = []  # the typed states' columns (no schema round trip to find them)
         if self.shapes:
-            rows, aggs, appended, typed = self._decode_typed(rows, aggs)
+            decoded = decode_typed(self.shapes, self.chain.cols, rows, aggs)
+            rows, aggs, appended, typed = (decoded.rows, decoded.aggs, decoded.appended,
+                                           decoded.columns)
         # Rows of other kinds (a tuple no sink reads) are one group here, dropped from the
         # collected table (collect): a filter on the kind would be pushed below the
         # aggregation and evaluate the kind (the key checks) twice per row.
@@ -767,69 +490,6 @@ class TopologyRun:
             F.lit(None).cast("string").alias("value"), "root", *typed)
         return out
 
-    def _decode_typed(self, rows: DataFrame, aggs: list):
-        """Each typed state's JSON tuples decoded into its columns, ``key`` replaced by its
-        key columns' JSON (what the aggregation groups by), and the aggregations of its
-        measures (see onceflow.core.tables: sum, count, min, max, last), and the names of
-        the columns these aggregations give."""
-        cols = self.chain.cols
-        decoded, key = [], F.col("key")
-        appended = F.lit(False)
-        for i, (name, shape) in enumerate(self.shapes.items()):
-            mine = (F.col("kind") == DELTA) & (F.col("state_name") == name)
-            schema = ", ".join(f"`{c}` {cols[c]}" for c in shape.inputs())
-            if shape.ordered:
-                schema += f", `{ORDER}` bigint"
-            decoded.append(F.when(mine, F.from_json("key", schema, JSON_OPTIONS)).alias(f"_j{i}"))
-            if shape.append:
-                appended = appended | (F.col("state_name") == name)
-        rows = rows.select("*", *decoded)  # parsed once per row, then read by column
-        keyed = []
-        names: list[str] = []
-        for i, (name, shape) in enumerate(self.shapes.items()):
-            j = F.col(f"_j{i}")
-
-            def col(column: str, pg_type: str, j=j):
-                return j[column].cast(spark_type(pg_type))
-
-            def out(column: str, i=i) -> str:
-                return f"_t{i}_{column}"
-
-            if shape.append:
-                keyed += [col(c, t).alias(out(c)) for c, t in shape.columns]
-                aggs += [F.first(out(c)).alias(out(c)) for c, _ in shape.columns]
-                names += [out(c) for c, _ in shape.columns]
-                continue
-            keyed += [col(c, t).alias(out(c)) for c, t in shape.key]
-            aggs += [F.first(out(c)).alias(out(c)) for c, _ in shape.key]
-            names += [out(c) for c, _ in shape.key]
-            key = F.when(F.col("state_name") == name, F.to_json(F.struct(
-                *[j[c] for c, _ in shape.key]), JSON_OPTIONS)).otherwise(key)
-            for measure_name, measure in shape.measures:
-                if measure.column:
-                    keyed.append(col(measure.column, measure.type).alias(out(measure_name)))
-                stored = spark_type(measure.staged_type())
-                value = F.col(out(measure_name))
-                if measure.agg == "sum":
-                    agg = F.sum(value * F.col("delta")).cast(stored)
-                elif measure.agg == "count":
-                    agg = F.sum(F.col("delta") if measure.column is None
-                                else F.when(value.isNotNull(), F.col("delta")).otherwise(0))
-                    agg = agg.cast("bigint")
-                elif measure.agg in ("min", "max"):
-                    agg = getattr(F, measure.agg)(value)
-                else:
-                    agg = F.max_by(value, F.col(out(ORDER)))
-                aggs.append(agg.alias(out(measure_name)))
-                names.append(out(measure_name))
-            if shape.ordered:
-                keyed.append(j[ORDER].alias(out(ORDER)))
-                aggs.append(F.max(out(ORDER)).alias(out(ORDER)))
-                names.append(out(ORDER))
-        rows = rows.select("kind", "state_name", key.alias("key"), "root", "error", "delta",
-                           *keyed)
-        return rows, aggs, appended, names
-
     def collect(self) -> Collected:
         """Run it (one Spark job; with the acker, one more per pass after a failure, see
         _settle; one more when the spout refused records) and split the outputs."""
@@ -842,7 +502,7 @@ class TopologyRun:
             if self.observed is not None and self.observed.get.get("refused"):
                 # read again for them: few, named
                 refused = self.refused.toArrow()
-                table = pa.concat_tables([table, _rows_like(table.schema, {
+                table = pa.concat_tables([table, rows_like(table.schema, {
                     c: refused.column(c) for c in refused.column_names})])
         finally:
             self.unpersist()
@@ -852,54 +512,3 @@ class TopologyRun:
         for df in self.chain.cached:
             df.unpersist()
         self.chain.cached.clear()
-
-
-def _rows_like(schema, columns: Mapping[str, object]):
-    """Output rows made in Python (Arrow arrays by column) with ``schema``: the other
-    columns null."""
-    n = len(next(iter(columns.values())))
-    return pa.table({f.name: columns[f.name].cast(f.type) if f.name in columns
-                     else pa.nulls(n, f.type) for f in schema}, schema=schema)
-
-
-def typed_rows(table, shapes: Mapping[str, Shape], by_root: bool = False) -> dict:
-    """Each typed state's rows in an OUTPUT table: Arrow tables with the state's staging
-    columns (and ``root``, by_root)."""
-
-    out = {}
-    for i, (name, shape) in enumerate(shapes.items()):
-        rows = table.filter(pc.and_(pc.equal(table.column("kind"), DELTA),
-                                    pc.equal(table.column("state_name"), name)))
-        names = [c for c, _ in shape.staged()]
-        picked = rows.select([f"_t{i}_{c}" for c in names] + (["root"] if by_root else []))
-        out[name] = picked.rename_columns(names + (["root"] if by_root else []))
-    return out
-
-
-def split(table, by_root: bool = False, seconds: float = 0.0,
-          shapes: Mapping[str, Shape] | None = None) -> Collected:
-    """An OUTPUT table as Python values (see Collected)."""
-
-    out = Collected(table, None, {}, {}, seconds)
-    if shapes:
-        out.tables = typed_rows(table, shapes, by_root)
-        table = table.filter(pc.invert(pc.fill_null(pc.is_in(
-            table.column("state_name"), pa_array(list(shapes))), False)))
-        out.table = table
-    # rejects: made from the table when asked for (a batch may have thousands; staging reads
-    # the table)
-    small = table.filter(pc.is_in(table.column("kind"), pa.array(
-        (DELTA, FAILED, CHANGE) if by_root else (FAILED, CHANGE), pa.int32())))
-    if by_root:
-        out._deltas = {}
-    for row in small.to_pylist():
-        kind = row["kind"]
-        if kind == DELTA:
-            k = (row["state_name"], row["key"], row["root"])
-            out._deltas[k] = out._deltas.get(k, 0) + row["delta"]
-        elif kind == FAILED:
-            out.failed[(row["partition"], row["offset"], row["replayed"])] = row["error"]
-        elif kind == CHANGE:
-            out.changes.setdefault(row["bolt"], []).append(
-                (row["namespace"], row["key"], row["value"]))
-    return out

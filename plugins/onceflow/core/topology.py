@@ -2,8 +2,8 @@
 
 This module is the declaration API only (no pyspark import): a pipeline module can declare
 its topology without loading Spark, and the begin and commit tasks stay light. The Spark side
-is onceflow.spark.runner (wiring, the acker's messages, sinks) and onceflow.spark.record_bolts (the
-per-record Python bolts' runtime).
+is onceflow.spark.frame (wiring), onceflow.spark.runner (the acker's messages, sinks) and
+onceflow.spark.record_bolts (the per-record Python bolts' runtime).
 
 A topology reads one spout stream, ``records`` (the batch's source records: partition, offset,
 payload; or, from a source that decodes its records, partition, offset, the declared columns
@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 SPOUT = "records"
 SPOUT_COLUMNS = "partition int, offset long, payload string"
 ANCHORS = ("_root", "_tid", "_replays")
-# Columns of the runner's frame besides the streams' (onceflow.spark.runner.META): no stream's.
+# Columns of the runner's frame besides the streams' (onceflow.spark.frame.META): no stream's.
 RESERVED = ("_kind", "_stream", "_root", "_tid", "_replays", "_error", "_skey", "_sval", "_seq")
 # Spark types that order a typed state's Last measures (order_by)
 ORDERABLE = ("bigint", "int", "smallint", "tinyint", "date", "timestamp", "timestamp_ntz")
