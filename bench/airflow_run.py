@@ -235,6 +235,30 @@ def _write_timeline(path: Path, meta: str, dsn: str, dag_id: str, pipeline: str,
     print(f"timeline written to {path}", flush=True)
 
 
+def overhead(meta: str, dsn: str, dag_id: str, pipeline: str, triggered: float,
+             first: int) -> dict:
+    """A transaction's overhead through Airflow, from the transactions' and Airflow's own
+    timestamps: the first trigger (``triggered``, epoch seconds) to the first txid
+    planned, and per run of the first wave (the ``first`` lowest txids: those that plan
+    without waiting for a place under max_pending) its task's start to its txid planned,
+    and what the begin itself recorded of that (lock wait, index, plan)."""
+    tasks = dict(_query(meta, """SELECT run_id, min(extract(epoch FROM start_date))
+                                 FROM task_instance WHERE dag_id = %s GROUP BY run_id""",
+                        (dag_id,)))
+    plans = _query(dsn, """SELECT a.run_id, extract(epoch FROM a.started_at), a.begin_lock_s,
+                                  a.begin_index_s, a.begin_plan_s
+                           FROM transaction_attempts a
+                           WHERE a.pipeline = %s ORDER BY a.txid, a.attempt""", (pipeline,))
+    if not plans:
+        return {}
+    waves = [(float(at) - float(tasks[run]), lock, index, plan)
+             for run, at, lock, index, plan in plans[:first] if tasks.get(run) is not None]
+    return {"trigger_to_first_plan_s": float(plans[0][1]) - triggered,
+            "start_to_plan_s": [round(w[0], 3) for w in waves],
+            "begin_lock_s": [w[1] for w in waves], "begin_index_s": [w[2] for w in waves],
+            "begin_plan_s": [w[3] for w in waves]}
+
+
 def run_airflow(dsn: str, server: str, spark_url: str, folder: Path, pipelines: list[str],
                 batch_size: int, runs: int, timeline: Path | None = None) -> dict[str, dict]:
     """``runs`` transactions of each of ``pipelines`` (one after the other, on one Airflow),
@@ -250,7 +274,9 @@ def run_airflow(dsn: str, server: str, spark_url: str, folder: Path, pipelines: 
     with connection(dsn) as conn:  # what `onceflow init` does on a user's machine
         for pipeline in pipelines:
             register(conn, get_pipeline(pipeline), create_source=True)
-    meta = recreate_database(server, "onceflow_bench_airflow_meta", migrate=False)
+    from benchkit import DB
+
+    meta = recreate_database(server, f"{DB}_airflow_meta", migrate=False)
     home = Path(tempfile.mkdtemp(prefix="onceflow-bench-airflow-"))
     dags = home / "dags"  # the project's DAG file and the warm-up DAG
     dags.mkdir()
@@ -325,15 +351,24 @@ def run_airflow(dsn: str, server: str, spark_url: str, folder: Path, pipelines: 
         print("CPU seconds per second, idle: " + ", ".join(
             f"{c} {(cpu_before[c] - idle_before[c]) / IDLE_S:.2f}" for c in cpu_before),
             flush=True)
+        from benchkit import ProcCpu, postmaster_pid
+        from psycopg2.extensions import parse_dsn
+
+        postmaster = postmaster_pid(server)
+        databases = tuple(parse_dsn(d)["dbname"] for d in (dsn, meta))
         results = {}
         for pipeline, dag_id in zip(pipelines, dag_ids, strict=True):
             cpu_before = component_cpu(cpu_pids)
             machine = machine_cpu_s()
-            started = time.monotonic()
+            procs = ProcCpu({**cpu_pids, "trigger (CLI)": trigger.proc.pid},
+                            postmaster=postmaster, databases=databases,
+                            descendants={"scheduler": TASK_RUNS})
+            started, triggered = time.monotonic(), time.time()
             trigger(dag_id, [f"bench_{i:03d}" for i in range(runs)], {"batch_size": batch_size})
             done = _wait_for_runs(meta, dag_id, runs, time.monotonic() + 3600, logs)
             seconds = time.monotonic() - started
             machine = machine_cpu_s() - machine
+            proc_cpu = procs.stop()
             if done.get("failed"):
                 kept = True
                 print(f"{done['failed']} Airflow run(s) of {dag_id} failed: task logs under "
@@ -352,6 +387,9 @@ def run_airflow(dsn: str, server: str, spark_url: str, folder: Path, pipelines: 
                 "seconds": seconds, "runs": dict(done),
                 "task_s": {t: statistics.median(v) for t, v in sorted(per_task.items())},
                 "begin_s": begin_split(dsn, pipeline), "cpu_s": cpu, "cpu_total_s": machine,
+                "proc_cpu": proc_cpu,
+                "overhead": overhead(meta, dsn, dag_id, pipeline, triggered,
+                                     get_pipeline(pipeline).max_pending),
                 "load": Path("/proc/loadavg").read_text().split()[0]}
         finished = True
         return results

@@ -3,11 +3,19 @@ a timer, a warm Spark Connect server."""
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 from pathlib import Path
 
+import psycopg2
+
 from onceflow.core import db
 from onceflow.dev.localpg import recreate_database
+
+# The bench databases' names begin with this (ONCEFLOW_BENCH_DB): runs of two checkouts on
+# one shared server keep apart by giving different ones.
+DB = os.environ.get("ONCEFLOW_BENCH_DB", "onceflow_bench")
 
 
 def loadavg() -> str:
@@ -44,3 +52,190 @@ def warm_spark_connect(folder: Path) -> tuple[int, str]:
     print(f"Spark Connect server up and warmed up in "
           f"{time.monotonic() - started + localspark.warm_up(url):.1f}s", flush=True)
     return port, url
+
+
+# --- CPU seconds by process, from /proc -----------------------------------------------------
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _stat(pid: int | str) -> tuple[int, float, float] | None:
+    """(ppid, own CPU seconds, waited-for children's CPU seconds) of a process, from
+    /proc/PID/stat; None when it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rfind(")") + 2:].split()  # the name may hold spaces and parentheses
+    return (int(fields[1]), (int(fields[11]) + int(fields[12])) / _TICK,
+            (int(fields[13]) + int(fields[14])) / _TICK)
+
+
+def _title(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(
+            "utf-8", "replace").strip()
+    except OSError:
+        return ""
+
+
+def postmaster_pid(dsn: str) -> int | None:
+    """The PostgreSQL server's postmaster, when it runs on this machine (the parent of the
+    backend that answers ``dsn``)."""
+    conn = psycopg2.connect(dsn, dbname="postgres")  # the server's; the DSN's may not exist
+    try:
+        with conn.cursor() as cur:
+            cur.execute("SELECT pg_backend_pid()")
+            backend = cur.fetchone()[0]
+    finally:
+        conn.close()
+    found = _stat(backend)
+    return found[0] if found else None
+
+
+class ProcCpu:
+    """The CPU seconds a system's processes used while it ran, from /proc, by process kind.
+
+    A system is given as the roots of the process trees it started (``roots``: a name per
+    pid; every descendant counts under it, a JVM as "Spark JVM" and a Python process under
+    a JVM as "Spark Python workers", or as ``descendants`` names for a root's name) and the
+    PostgreSQL databases it uses (``databases``:
+    the postmaster's children whose title names one, "PostgreSQL backends"). A thread
+    samples /proc every ``interval`` seconds; a process counts its own CPU and what its
+    ended children used once it waited for them, so a child that ends under a live member
+    is not counted twice. The figures are lower bounds: a backend that started and ended
+    between two samples, or a process's last ``interval`` before it ended unwaited for,
+    is missed. The sampler's own thread is left out of this process's CPU."""
+
+    def __init__(self, roots: dict[str, int], *, postmaster: int | None = None,
+                 databases: tuple[str, ...] = (), descendants: dict[str, str] | None = None,
+                 interval: float = 0.2):
+        self.roots = dict(roots)
+        self.descendants = dict(descendants or {})
+        self.postmaster, self.databases = postmaster, tuple(databases)
+        self.interval = interval
+        self.first: dict[int, float] = {}  # pid -> its CPU when first seen (0 if born after)
+        self.last: dict[int, tuple[int, float, float]] = {}  # pid -> latest (ppid, own, kids)
+        self.label: dict[int, str] = {}
+        self.titles: dict[int, str] = {}
+        self.marks: list[tuple[str, dict[str, float]]] = []
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._self_cpu = 0.0  # the sampler thread's CPU, left out of this process's
+        self._tid: int | None = None
+        self._started = time.time()
+        self._sample(initial=True)
+        self._thread = threading.Thread(target=self._run, name="onceflow-proc-cpu",
+                                        daemon=True)
+        self._thread.start()
+
+    def _members(self) -> dict[int, str]:
+        """Every live process of the system now, with its kind."""
+        children: dict[int, list[int]] = {}
+        titles = []
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            got = _stat(entry.name)
+            if got is None:
+                continue
+            pid = int(entry.name)
+            children.setdefault(got[0], []).append(pid)
+            if self.postmaster and got[0] == self.postmaster and self.databases:
+                titles.append(pid)
+        found = {}
+        for name, root in self.roots.items():
+            stack = [(root, name)]
+            while stack:
+                pid, kind = stack.pop()
+                if pid in found:
+                    continue
+                if pid not in self.titles:
+                    self.titles[pid] = _title(pid)
+                if "java" in self.titles[pid].split(" ", 1)[0]:
+                    kind = "Spark JVM"
+                elif kind in ("Spark JVM", "Spark Python workers"):
+                    kind = "Spark Python workers"
+                found[pid] = kind
+                below = self.descendants.get(kind, kind)
+                stack.extend((child, below) for child in children.get(pid, ()))
+        for pid in titles:  # "postgres: 15/main: USER DATABASE HOST(PORT) STATE"
+            if pid not in self.titles:
+                self.titles[pid] = _title(pid)
+            words = self.titles[pid].split()
+            if len(words) < 4 or not any(db in words[1:4] for db in self.databases):
+                continue
+            found[pid] = "PostgreSQL backends"
+        return found
+
+    def _sample(self, initial: bool = False) -> None:
+        members = self._members()
+        with self._lock:
+            for pid, kind in members.items():
+                got = _stat(pid)
+                if got is None:
+                    continue
+                if pid not in self.first:
+                    born_before = initial or _started_before(pid, self._started)
+                    self.first[pid] = got[1] + got[2] if born_before else 0.0
+                    self.label[pid] = kind
+                self.last[pid] = got
+            own = Path(f"/proc/self/task/{self._tid}/stat")
+            if self._tid is not None:
+                try:
+                    text = own.read_text()
+                    fields = text[text.rfind(")") + 2:].split()
+                    self._self_cpu = (int(fields[11]) + int(fields[12])) / _TICK
+                except OSError:
+                    pass
+
+    def _run(self) -> None:
+        self._tid = threading.get_native_id()
+        while not self._stop.wait(self.interval):
+            self._sample()
+
+    def seconds(self) -> dict[str, float]:
+        """CPU seconds so far by kind (the trees' names and the kinds above)."""
+        with self._lock:
+            alive = {pid for pid in self.last if Path(f"/proc/{pid}").exists()}
+            out: dict[str, float] = {}
+            for pid, (ppid, own, kids) in self.last.items():
+                if pid not in alive and ppid in alive and ppid in self.last:
+                    continue  # its parent waited for it: counted in the parent's figure
+                used = own + kids - self.first[pid]
+                if pid == os.getpid():
+                    used -= self._self_cpu
+                out[self.label[pid]] = out.get(self.label[pid], 0.0) + max(0.0, used)
+        return out
+
+    def mark(self, step: str) -> None:
+        """Note the CPU so far at the end of ``step`` (see steps())."""
+        self._sample()
+        self.marks.append((step, self.seconds()))
+
+    def steps(self) -> list[tuple[str, dict[str, float]]]:
+        """Per marked step, the CPU seconds by kind it used (since the previous mark)."""
+        out, before = [], {}
+        for step, now in self.marks:
+            out.append((step, {k: v - before.get(k, 0.0) for k, v in now.items()}))
+            before = now
+        return out
+
+    def stop(self) -> dict[str, float]:
+        """Stop sampling; the CPU seconds by kind over the whole time."""
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+        return self.seconds()
+
+
+def _started_before(pid: int, wall: float) -> bool:
+    """Whether a process started before the time ``wall`` (its start time in /proc)."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+        boot = next(float(line.split()[1]) for line in
+                    Path("/proc/stat").read_text().splitlines() if line.startswith("btime"))
+    except (OSError, StopIteration):
+        return True
+    started = int(text[text.rfind(")") + 2:].split()[19]) / _TICK + boot
+    return started < wall - 0.5

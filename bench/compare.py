@@ -83,7 +83,7 @@ from onceflow.dev import use_examples  # noqa: E402
 use_examples()  # the checkout's examples (code, pipelines), as `bash run.sh demo` has them
 
 import peers  # noqa: E402
-from benchkit import loadavg  # noqa: E402
+from benchkit import DB, ProcCpu, loadavg, postmaster_pid  # noqa: E402
 
 from onceflow.dev.localpg import recreate_database  # noqa: E402
 
@@ -307,6 +307,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="library paths: batches processed at once, committed in order "
                              "(default: the pipeline's max_pending, the runs in flight of "
                              "the Airflow path; 1: one after the other)")
+    parser.add_argument("--steps", default=None, choices=SOURCE_NAMES,
+                        help="also split onceflow's CPU by process and step on this source "
+                             "(one batch at a time on the Spark Connect server, acker on "
+                             "and off)")
     parser.add_argument("--sources", default="all",
                         help="comma-separated sources the connect and airflow systems read, "
                              f"each once: {', '.join(SOURCE_NAMES)}; or all (the default)")
@@ -361,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
                                  rows_folder(args.folder, reader)))
     if "streaming-json" in systems and set(sources) & set(JSON_SOURCES):
         ss_forms.append((("json", SS_JSON_NAME), "json", args.folder / "landing"))
-    if ss_forms or json_lines and {"raw", "library"} & set(systems):
+    if ss_forms or "raw" in systems or json_lines and "library" in systems:
         started = time.perf_counter()
         spark = peers.local_session("onceflow-bench")
         spark.range(1).count()  # the JVM and session are up before any clock starts
@@ -369,31 +373,49 @@ def main(argv: list[str] | None = None) -> int:
         print(f"Structured Streaming's JVM and session start: {jvm_s:.1f}s (timed apart)",
               flush=True)
 
-    def raw() -> dict:
-        dsn = recreate_database(server, "onceflow_bench_raw")
-        r = peers.raw_spark(spark, files, dsn, "raw_")
-        return {**r, "ok": peers.check(dsn, "raw_", truth["urls"], truth["domains"]),
+    postmaster = postmaster_pid(server)
+    driver = {"driver (the bench process)": os.getpid()}
+
+    def raw(reader: str, paths: list[Path]) -> dict:
+        name = f"{DB}_raw_{reader}"
+        dsn = recreate_database(server, name)
+        procs = ProcCpu(driver, postmaster=postmaster, databases=(name,))
+        r = peers.raw_spark(spark, paths, dsn, "raw_", reader=reader,
+                            schema=EVENT_DDL)
+        return {**r, "proc_cpu": procs.stop(),
+                "ok": peers.check(dsn, "raw_", truth["urls"], truth["domains"]),
                 "load": loadavg().split()[0]}
 
     def streaming(reader: str, folder: Path) -> dict:
-        dsn = recreate_database(server, f"onceflow_bench_ss_{reader}")
+        name = f"{DB}_ss_{reader}"
+        dsn = recreate_database(server, name)
         checkpoint = args.folder / f"checkpoint-{reader}"
         shutil.rmtree(checkpoint, ignore_errors=True)
+        procs = ProcCpu(driver, postmaster=postmaster, databases=(name,))
         r = peers.structured_streaming(spark, folder, dsn, "ss_", checkpoint,
                                        files_per_trigger=max(1, len(files) // args.batches),
                                        reader=reader, schema=EVENT_DDL)
-        return {**r, "ok": peers.check(dsn, "ss_", truth["urls"], truth["domains"]),
+        return {**r, "proc_cpu": procs.stop(),
+                "ok": peers.check(dsn, "ss_", truth["urls"], truth["domains"]),
                 "load": loadavg().split()[0]}
 
     def library() -> dict:
-        dsn = recreate_database(server, "onceflow_bench_lib")
+        dsn = recreate_database(server, f"{DB}_lib")
+        procs = ProcCpu(driver, postmaster=postmaster, databases=(f"{DB}_lib",))
         r = onceflow_loop(spark, dsn, w, args.batches, args.in_flight)
-        return {**r, "ok": counts_ok(dsn, *state_tables(w), truth)}
+        return {**r, "proc_cpu": procs.stop(), "ok": counts_ok(dsn, *state_tables(w), truth)}
 
     local = [(key, lambda reader=reader, folder=folder: streaming(reader, folder))
              for key, reader, folder in ss_forms]
-    if json_lines and "raw" in systems:
-        local.insert(0, (("landing-json", "raw Spark batch"), raw))
+    if "raw" in systems:  # the practical limit, per form of the events on disk
+        for source, reader, paths in (
+                ("landing-json", "text", files),
+                ("landing-csv", "csv", sorted(rows_folder(args.folder, "csv").glob("*.csv"))),
+                ("landing-parquet", "parquet",
+                 sorted(rows_folder(args.folder, "parquet").glob("*.parquet")))):
+            if source in sources:
+                local.insert(0, ((source, RAW_NAME),
+                                 lambda reader=reader, paths=paths: raw(reader, paths)))
     if json_lines and "library" in systems:
         local.append((("landing-json", "onceflow library (local session)"), library))
     rounds(results, local, args.rounds, CpuClock)
@@ -403,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.pop("SPARK_CONNECT_MODE_ENABLED", None)
     url, ours = args.spark_connect, False
     if not url and ({"connect", "airflow", "airflow-phases"} & set(systems)
-                    or args.acker_events):
+                    or args.acker_events or args.steps):
         from onceflow.spark import localspark
 
         ours = not localspark.status(folder=args.folder / "spark-connect").running
@@ -411,37 +433,43 @@ def main(argv: list[str] | None = None) -> int:
         # a long-lived server, as a user's is: warmed up before any clock starts (what
         # `onceflow spark start` does in the background)
         print(f"Spark Connect server warmed up in {localspark.warm_up(url):.1f}s", flush=True)
-    warm_ok = True
+    warm_ok, split = True, None
     try:
         if args.server_warm_up and {"connect", "airflow", "airflow-phases"} & set(systems):
             warm_ok = warm_server(url, server, w, args, truth)
         if "connect" in systems:
+            from airflow_run import _spark_server_pid
+
             from onceflow.spark.session import connect_session
 
-            name = "onceflow library (Spark Connect)"
+            name = LIBRARY_NAME
+            server_pid = _spark_server_pid(url)
             with connect_session(url, "onceflow-bench") as remote:
                 remote.range(1).count()
 
                 def connect(source: str) -> dict:
                     pipeline = get_pipeline(SOURCES[source].name, batch_size=batch)
-                    dsn = recreate_database(server, "onceflow_bench_connect")
+                    dsn = recreate_database(server, f"{DB}_connect")
                     filled = fill(dsn, [source], files, args.folder)
                     cpu = CpuClock()  # the filling is not the system's
+                    procs = ProcCpu({**driver, "Spark Connect server": server_pid},
+                                    postmaster=postmaster,
+                                    databases=(f"{DB}_connect",))
                     r = onceflow_loop(remote, dsn, pipeline, args.batches, args.in_flight)
                     if source in HELD:
                         r["filled_s"] = filled
-                    return {**r, "cpu_total_s": cpu.seconds(),
+                    return {**r, "cpu_total_s": cpu.seconds(), "proc_cpu": procs.stop(),
                             "ok": counts_ok(dsn, *state_tables(pipeline), truth)}
 
                 rounds(results, [((source, name), lambda source=source: connect(source))
                                  for source in sources], args.rounds, CpuClock)
             if json_lines:
                 results["landing-json", name]["fixed_s"] = fixed_cost(
-                    url, recreate_database(server, "onceflow_bench_fixed"), get_pipeline(
+                    url, recreate_database(server, f"{DB}_fixed"), get_pipeline(
                         "bench_w", batch_size=1))
         wanted = []  # (results key, pipeline)
         if "airflow" in systems:
-            wanted += [((source, "onceflow through Airflow, one task"), SOURCES[source])
+            wanted += [((source, AIRFLOW_NAME), SOURCES[source])
                        for source in sources]
         if "airflow-phases" in systems and json_lines:
             wanted.append((("landing-json", "onceflow through Airflow, 3 tasks"),
@@ -449,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
         if wanted:
             from airflow_run import run_airflow
 
-            dsn = recreate_database(server, "onceflow_bench_airflow")
+            dsn = recreate_database(server, f"{DB}_airflow")
             filled = fill(dsn, [s for s in sources if s in HELD], files, args.folder)
             print(f"Airflow's sources filled in {filled:.1f}s", flush=True)
             ran = run_airflow(dsn, server, url, args.folder, [p.name for _, p in wanted],
@@ -458,6 +486,8 @@ def main(argv: list[str] | None = None) -> int:
                 r = ran[pipeline.name]
                 r["ok"] = counts_ok(dsn, *state_tables(pipeline), truth)
                 results[key] = r
+        if args.steps:
+            split = step_split(url, server, files, args.steps, batch, args)
         acker = {}
         if args.acker_events:
             acker = acker_cost(server, url, args)
@@ -465,12 +495,17 @@ def main(argv: list[str] | None = None) -> int:
         if ours:  # the server this run started goes with it, whatever happened
             localspark.stop(folder=args.folder / "spark-connect")
     report(results, acker, jvm_s, sources, args)
+    if split:
+        print_steps(split, args.steps, args.events)
     if not warm_ok:
         print("a warm-up round of the Spark Connect server gave a wrong result (above)")
     return 0 if warm_ok and all(r.get("ok") for r in results.values()) else 1
 
 
 SS_NAME = "Structured Streaming"
+RAW_NAME = "raw Spark batch"
+LIBRARY_NAME = "onceflow library (Spark Connect)"
+AIRFLOW_NAME = "onceflow through Airflow, one task"
 SS_JSON_NAME = "Structured Streaming, JSON source"
 
 
@@ -488,7 +523,7 @@ def warm_server(url: str, server: str, pipeline, args, truth: dict) -> bool:
     ok = True
     with connect_session(url, "onceflow-bench-warm-up") as remote:
         for n in range(args.server_warm_up):
-            dsn = recreate_database(server, "onceflow_bench_warm_up")
+            dsn = recreate_database(server, f"{DB}_warm_up")
             r = onceflow_loop(remote, dsn, pipeline, args.batches, args.in_flight)
             right = counts_ok(dsn, "w_url_counts", "w_domain_counts", truth)
             ok = ok and right
@@ -528,7 +563,7 @@ def acker_cost(server: str, url: str, args) -> dict:
         for acker in (False, True) * args.acker_rounds:
             pipeline = get_pipeline("bench_w_idna", batch_size=args.acker_events // share,
                                     acker=acker)
-            dsn = recreate_database(server, "onceflow_bench_acker")
+            dsn = recreate_database(server, f"{DB}_acker")
             r = onceflow_loop(remote, dsn, pipeline, share)
             out.setdefault(acker, []).append(r["seconds"])
     return {"events": args.acker_events, "off_s": min(out[False]), "on_s": min(out[True])}
@@ -578,6 +613,10 @@ def report(results: dict, acker: dict, jvm_s: float | None, sources: list[str],
     print()
     for (source, name), r in results.items():
         name = f"{name} [{source}]"
+        if r.get("proc_cpu"):
+            print(f"  {name}: CPU s by process (/proc): " + ", ".join(
+                f"{k} {v:.1f}" for k, v in sorted(r["proc_cpu"].items(),
+                                                  key=lambda kv: -kv[1])))
         if "process_s" in r:
             print(f"  {name}: {r['in_flight']} in flight; per batch: process "
                   f"{r['process_s']:.2f}s, commit "
@@ -591,15 +630,145 @@ def report(results: dict, acker: dict, jvm_s: float | None, sources: list[str],
         if r.get("begin_s"):
             print(f"  {name}: begin medians: " + ", ".join(
                 f"{k.replace('_', ' ')} {v:.3f}s" for k, v in r["begin_s"].items()))
+        if r.get("overhead"):
+            o = r["overhead"]
+            print(f"  {name}: overhead: trigger to first txid planned "
+                  f"{o['trigger_to_first_plan_s']:.2f}s; first wave, task start to txid "
+                  f"planned {', '.join(f'{v:.2f}' for v in o['start_to_plan_s'])}s (in the "
+                  "begin: lock wait " + ", ".join(f"{v or 0:.2f}" for v in o["begin_lock_s"])
+                  + "; index " + ", ".join(f"{v or 0:.2f}" for v in o["begin_index_s"])
+                  + "; plan " + ", ".join(f"{v or 0:.2f}" for v in o["begin_plan_s"]) + ")")
         if "cpu_s" in r:  # task runs: the scheduler's descendants (LocalExecutor workers)
             parts = ", ".join(f"{k} {v:.1f}" for k, v in r["cpu_s"].items())
             print(f"  {name}: CPU seconds during the runs (process trees, lower bounds): "
                   f"{parts}")
+    summary(results, sources, args.events)
     if acker:
         cost = acker["on_s"] / acker["off_s"] - 1
         print(f"acker (tweets topology, Python bolt, {acker['events']} events): off "
               f"{acker['off_s']:.1f}s, on {acker['on_s']:.1f}s: costs {cost:.1%}")
     print(f"load average after: {loadavg()}")
+
+
+def step_split(url: str, server: str, files: list[Path], source: str, batch: int,
+               args) -> dict:
+    """Where onceflow's CPU goes, by process and step: ``source``'s pipeline on the Spark
+    Connect server, one batch at a time (so that steps do not overlap), acker on and off,
+    the CPU of every process by kind (benchkit.ProcCpu) noted at each step's end: begin;
+    processing up to the staging (reading, the topology's Spark job, the Arrow collect,
+    the CSV for COPY: Spark Connect calls from the driver); the staging COPY; the commit's
+    statement groups (its on_step names). Per acker setting: {step: {kind: CPU s}}, its
+    wall seconds, and whether the counts were exact."""
+    from airflow_run import _spark_server_pid
+    from workload import SOURCES
+
+    from onceflow.core.begin import begin
+    from onceflow.core.commit import commit
+    from onceflow.core.db import connection
+    from onceflow.core.registration import register
+    from onceflow.core.registry import get_pipeline
+    from onceflow.core.staging import stage_group
+    from onceflow.kvstate import open_state_provider
+    from onceflow.spark.processing import process_batch
+    from onceflow.spark.session import connect_session
+
+    roots = {"driver (the bench process)": os.getpid(),
+             "Spark Connect server": _spark_server_pid(url)}
+    postmaster, out = postmaster_pid(server), {}
+    with connect_session(url, "onceflow-bench-steps") as remote:
+        remote.range(1).count()
+        for acker in (True, False):
+            pipeline = get_pipeline(SOURCES[source].name, batch_size=batch, acker=acker)
+            dsn = recreate_database(server, f"{DB}_steps")
+            fill(dsn, [source] if source in HELD else [], files, args.folder)
+            with connection(dsn) as conn:
+                register(conn, pipeline, create_source=True)
+            procs = ProcCpu(roots, postmaster=postmaster, databases=(f"{DB}_steps",))
+
+            def stage(*a, procs=procs, **kw):
+                procs.mark("process: read, topology, collect, CSV (Spark Connect calls)")
+                staged = stage_group(*a, **kw)
+                procs.mark("process: staging COPY")
+                return staged
+
+            started = time.perf_counter()
+            with connection(dsn, application_name="onceflow-bench-steps") as conn:
+                for n in range(args.batches):
+                    planned = begin(conn, pipeline, f"steps-{n}")
+                    procs.mark("begin")
+                    for group in range(planned.groups):
+                        process_batch(remote, dsn, pipeline, planned.attempt, group, stage=stage)
+                    procs.mark("process: the rest (lease, fence)")
+                    commit(conn, pipeline, planned.attempt, open_state=open_state_provider,
+                           on_step=lambda name, procs=procs: procs.mark(f"commit: {name}"))
+                    procs.mark("commit: after the last statement group")
+            seconds = time.perf_counter() - started
+            procs.stop()
+            steps: dict[str, dict[str, float]] = {}
+            for step, kinds in procs.steps():
+                into = steps.setdefault(step, {})
+                for kind, v in kinds.items():
+                    into[kind] = into.get(kind, 0.0) + v
+            out[acker] = {"steps": steps, "seconds": seconds,
+                          "ok": counts_ok(dsn, *state_tables(pipeline), json.loads(
+                              (args.folder / "data.json").read_text())["truth"])}
+    return out
+
+
+def print_steps(split: dict, source: str, events: int) -> None:
+    """The step split as a table: CPU s per 1M events by step and process kind."""
+    per_m = 1e6 / events
+    kinds = sorted({k for r in split.values() for kinds in r["steps"].values() for k in kinds})
+    print(f"\nwhere onceflow's CPU goes, {source}, one batch at a time on the Spark Connect "
+          "server: CPU s per 1M events by step and process (/proc)")
+    for acker, r in split.items():
+        print(f"acker {'on' if acker else 'off'}: wall {r['seconds']:.1f}s, "
+              f"{'OK' if r['ok'] else 'WRONG'}")
+        print("| step | " + " | ".join(kinds) + " | all |")
+        print("| --- |" + " --- |" * (len(kinds) + 1))
+        totals = dict.fromkeys(kinds, 0.0)
+        for step, by in r["steps"].items():
+            for k in kinds:
+                totals[k] += by.get(k, 0.0)
+            print(f"| {step} | " + " | ".join(f"{by.get(k, 0.0) * per_m:.2f}" for k in kinds)
+                  + f" | {sum(by.values()) * per_m:.2f} |")
+        print("| all | " + " | ".join(f"{totals[k] * per_m:.2f}" for k in kinds)
+              + f" | {sum(totals.values()) * per_m:.2f} |")
+
+
+def summary(results: dict, sources: list[str], events: int) -> None:
+    """The opening table of bench/RESULTS.md: per source, CPU seconds per million events
+    (from /proc, the processes each system started) and wall seconds of Structured
+    Streaming, onceflow's library path and onceflow through Airflow, and the raw limit."""
+    per_m = 1e6 / events
+
+    def cell(r: dict | None, what: str) -> str:
+        if not r:
+            return "-"
+        if what == "wall":
+            return f"{r['seconds']:.1f}" + ("" if r.get("ok") else " WRONG")
+        cpu = r.get("proc_cpu")
+        return f"{sum(cpu.values()) * per_m:.1f}" if cpu else "-"
+
+    print("\nCPU s per 1M events (/proc, every process the system started) and wall s")
+    print("| source | SS CPU/M | library CPU/M | Airflow CPU/M | SS wall | library wall | "
+          "Airflow wall | raw limit wall (CPU/M) | load |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for source in sources:
+        form = source if source in ("landing-csv", "landing-parquet") else "landing-json"
+        ss = next((r for (where, name), r in results.items()
+                   if name.startswith(SS_NAME) and name != SS_JSON_NAME
+                   and where == ("json" if form == "landing-json" else source)), None)
+        lib = results.get((source, LIBRARY_NAME))
+        air = results.get((source, AIRFLOW_NAME))
+        raw = results.get((form, RAW_NAME))
+        if not (ss or lib or air):
+            continue
+        raw_text = f"{raw['seconds']:.1f} ({cell(raw, 'cpu')})" if raw else "-"
+        load = "/".join(r["load"] for r in (ss, lib, air) if r and r.get("load"))
+        print(f"| {source} | {cell(ss, 'cpu')} | {cell(lib, 'cpu')} | {cell(air, 'cpu')} | "
+              f"{cell(ss, 'wall')} | {cell(lib, 'wall')} | {cell(air, 'wall')} | {raw_text} | "
+              f"{load} |")
 
 
 if __name__ == "__main__":

@@ -226,12 +226,23 @@ def _totals(parts: dict[str, pa.Table]) -> tuple[int, int]:
 
 # --- peer 1: one Spark batch job ------------------------------------------------------------
 
-def raw_spark(spark: SparkSession, files: list[Path], dsn: str, prefix: str) -> dict:
+def raw_spark(spark: SparkSession, files: list[Path], dsn: str, prefix: str,
+              reader: str = "text", schema: str | None = None) -> dict:
     """Count all ``files`` in one Spark job and write ``{prefix}url_counts`` and
-    ``{prefix}domain_counts`` (dropped and created again) with COPY, in one transaction."""
+    ``{prefix}domain_counts`` (dropped and created again) with COPY, in one transaction.
+    ``reader``: JSON lines as text parsed with from_json, or CSV (a header line) or Parquet
+    files of rows of ``schema``, read by Spark's own readers."""
     t0 = time.perf_counter()
-    lines = spark.read.text([str(f) for f in files], lineSep=_LINE_SEP)
-    parts = _split(lines_to_counts(lines).toArrow())
+    paths = [str(f) for f in files]
+    if reader == "text":
+        counts = lines_to_counts(spark.read.text(paths, lineSep=_LINE_SEP))
+    elif reader == "csv":
+        counts = rows_to_counts(spark.read.schema(schema).option("header", True).csv(paths))
+    elif reader == "parquet":
+        counts = rows_to_counts(spark.read.schema(schema).parquet(*paths))
+    else:
+        raise ValueError(f"reader={reader!r}: give text, csv or parquet")
+    parts = _split(counts.toArrow())
     t1 = time.perf_counter()
     conn = psycopg2.connect(dsn)
     try:

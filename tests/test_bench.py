@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import psycopg2
@@ -24,23 +25,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _bench_databases(server_dsn: str) -> set[str]:
+def _bench_databases(server_dsn: str, prefix: str) -> set[str]:
     conn = psycopg2.connect(db.with_database(server_dsn, "postgres"))
     try:
         with conn.cursor() as cur:
-            cur.execute("SELECT datname FROM pg_database WHERE datname LIKE 'onceflow\\_bench\\_%'")
+            cur.execute("SELECT datname FROM pg_database WHERE starts_with(datname, %s)",
+                        (prefix,))
             return {name for (name,) in cur.fetchall()}
     finally:
         conn.close()
 
 
 def _bench(script: str, args: list[str], tmp_path: Path, dsn: str) -> str:
-    """Run a benchmark; the databases it made on the server are dropped afterwards."""
+    """Run a benchmark; the databases it made on the server are dropped afterwards (named
+    apart from any other run's on the server: ONCEFLOW_BENCH_DB)."""
     server = db.with_database(dsn, "postgres")
-    before = _bench_databases(server)
+    prefix = f"onceflow_bench_t{uuid.uuid4().hex[:8]}"
+    before = _bench_databases(server, prefix)
     env = {**os.environ, "ONCEFLOW_HOME": str(tmp_path),
            "ONCEFLOW_SPARK_CONNECT_PORT": str(_free_port()),
-           "ONCEFLOW_PG_DSN": dsn}
+           "ONCEFLOW_PG_DSN": dsn, "ONCEFLOW_BENCH_DB": prefix}
     try:
         done = subprocess.run([sys.executable, str(ROOT / "bench" / script), *args],
                               cwd=tmp_path, env=env, capture_output=True, text=True,
@@ -49,7 +53,7 @@ def _bench(script: str, args: list[str], tmp_path: Path, dsn: str) -> str:
         admin = psycopg2.connect(server)
         admin.autocommit = True
         with admin.cursor() as cur:
-            for name in sorted(_bench_databases(server) - before):
+            for name in sorted(_bench_databases(server, prefix) - before):
                 cur.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
                     sql.Identifier(name)))
         admin.close()
