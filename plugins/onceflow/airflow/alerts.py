@@ -49,10 +49,9 @@ from typing import Any
 from airflow.sdk import DAG, BaseNotifier, BaseOperator
 
 from onceflow.airflow.compat import AirflowFailException
-from onceflow.airflow.hooks import OnceflowHook
 from onceflow.airflow.operators import airflow_outcomes, load_pipeline, run_note
 from onceflow.core import offsets, txlog
-from onceflow.core.connections import DEFAULT_CONN_ID
+from onceflow.core.connections import DEFAULT_CONN_ID, resolve_dsn
 from onceflow.core.db import connection, transaction
 from onceflow.core.errors import ConfigError
 from onceflow.core.pipeline import Pipeline, resolve
@@ -279,7 +278,7 @@ class CommitLagCheckOperator(BaseOperator):
             if limit is None:
                 raise ConfigError(f"pipeline {pipeline.name!r} declares no commit_lag_alert: "
                                   "set it (e.g. timedelta(minutes=30)) or pass alert=")
-            with connection(OnceflowHook(self.postgres_conn_id).dsn(),
+            with connection(resolve_dsn(self.postgres_conn_id),
                             application_name="onceflow-commit-lag") as conn, \
                     transaction(conn) as cur:
                 lag = measure(cur, pipeline)

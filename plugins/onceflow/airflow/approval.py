@@ -39,11 +39,10 @@ from airflow.sdk import DAG, BaseOperator, Param
 
 from onceflow.airflow.alerts import pipeline_with_refs
 from onceflow.airflow.compat import AirflowFailException, AirflowSkipException
-from onceflow.airflow.hooks import OnceflowHook
 from onceflow.airflow.operators import airflow_outcomes, load_pipeline, run_note
 from onceflow.core import txlog
 from onceflow.core.backflow import replay_dead_letters
-from onceflow.core.connections import DEFAULT_CONN_ID
+from onceflow.core.connections import DEFAULT_CONN_ID, resolve_dsn
 from onceflow.core.db import connection, transaction
 from onceflow.core.pipeline import Pipeline
 
@@ -204,7 +203,7 @@ class DeadLetterPreviewOperator(_DeadLetterTask, BaseOperator):
         positions, error_contains, last_error, choice = parse_choice(dict(context["params"]))
         with airflow_outcomes():
             pipeline = self._load()
-            with connection(OnceflowHook(self.postgres_conn_id).dsn(),
+            with connection(resolve_dsn(self.postgres_conn_id),
                             application_name="onceflow-replay") as conn, \
                     transaction(conn) as cur:
                 cur.execute(_CHOSEN, {
@@ -277,7 +276,7 @@ class ReplayApprovedDeadLettersOperator(_DeadLetterTask, BaseOperator):
             _note(context, pipeline.name, f"not replayed: {refused}")
             raise AirflowFailException(refused)
         with airflow_outcomes():
-            with connection(OnceflowHook(self.postgres_conn_id).dsn(),
+            with connection(resolve_dsn(self.postgres_conn_id),
                             application_name="onceflow-replay") as conn, \
                     transaction(conn) as cur:
                 cur.execute("SET LOCAL lock_timeout = '60s'")  # a commit holds it briefly

@@ -1,8 +1,8 @@
 """PostgreSQL DSNs from Airflow Connections or the environment, never from code.
 
 One resolution everywhere (Airflow tasks, the triggerer, the Spark driver, the CLI):
-Airflow's own connection lookup through the postgres provider's hook (the metadata
-database, secrets backends, ``AIRFLOW_CONN_<ID>`` variables); for the coordinator's
+Airflow's own connection lookup, the one the postgres provider's hook inherits (the
+metadata database, secrets backends, ``AIRFLOW_CONN_<ID>`` variables); for the coordinator's
 connection only (``onceflow_pg``), ``ONCEFLOW_PG_DSN`` where Airflow has no such connection.
 In Airflow, onceflow.airflow.hooks.OnceflowHook is the coordinator's hook.
 """
@@ -48,10 +48,11 @@ def env_name(conn_id: str) -> str:
 
 def airflow_connection(conn_id: str):
     """The Airflow connection ``conn_id``, found the way Airflow finds it."""
-    # imported here: Airflow loads (with its configuration) only when a connection is named
-    from airflow.providers.postgres.hooks.postgres import PostgresHook
+    # imported here: Airflow loads (with its configuration) only when a connection is named;
+    # the Task SDK's hook, not the postgres provider's, which a task would import for it
+    from airflow.sdk import BaseHook
 
-    return PostgresHook.get_connection(conn_id)
+    return BaseHook.get_connection(conn_id)
 
 
 def _missing(conn_id: str, setting: str, error: Exception | None) -> ConfigError:

@@ -38,12 +38,11 @@ from airflow.sdk import BaseHook, BaseOperator
 
 from onceflow.airflow.assets import emit, no_events
 from onceflow.airflow.compat import AirflowFailException, AirflowSkipException
-from onceflow.airflow.hooks import OnceflowHook
 from onceflow.airflow.triggers import CommitTurnTrigger, TurnListener, look_for_turn
 from onceflow.core import freshness, settings, txlog
 from onceflow.core.begin import begin, mark_failed
 from onceflow.core.commit import commit
-from onceflow.core.connections import DEFAULT_CONN_ID
+from onceflow.core.connections import DEFAULT_CONN_ID, resolve_dsn
 from onceflow.core.db import connection, transaction
 from onceflow.core.errors import (
     BlockedByEarlierTxid,
@@ -168,7 +167,7 @@ def mark_transaction_failed(context) -> None:
     what = f"{type(cause).__name__}: {cause}" if isinstance(cause, OnceflowError) \
         else repr(error)
     reason = f"{task.task_id} failed in run {context['run_id']}: {what}"
-    dsn = OnceflowHook(getattr(task, "postgres_conn_id", DEFAULT_CONN_ID)).dsn()
+    dsn = resolve_dsn(getattr(task, "postgres_conn_id", DEFAULT_CONN_ID))
     with connection(dsn) as conn:
         mark_failed(conn, batch["pipeline"], attempt_of(batch), reason,
                     permanent=is_permanent(error))
@@ -186,7 +185,7 @@ def lease_for_retry(context) -> None:
     pipeline = load_pipeline(batch["pipeline"], getattr(task, "pipeline_refs", ()))
     delay = getattr(task, "retry_delay", None)
     wait = int(delay.total_seconds()) if isinstance(delay, timedelta) else 0
-    report(OnceflowHook(getattr(task, "postgres_conn_id", DEFAULT_CONN_ID)).dsn(), pipeline.name,
+    report(resolve_dsn(getattr(task, "postgres_conn_id", DEFAULT_CONN_ID)), pipeline.name,
            attempt_of(batch), max(pipeline.handoff_lease_s, wait + pipeline.lease_s))
 
 
@@ -243,7 +242,7 @@ class _PipelineTask:
         return load_pipeline(self.pipeline, self.pipeline_refs, **settings)
 
     def _dsn(self) -> str:
-        return OnceflowHook(self.postgres_conn_id).dsn()
+        return resolve_dsn(self.postgres_conn_id)
 
     @contextmanager
     def _holding(self, pipeline, dsn: str, ta, *, handoff: bool):

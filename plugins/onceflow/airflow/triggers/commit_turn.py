@@ -14,7 +14,6 @@ from typing import Any
 from airflow.triggers.base import BaseTrigger, TriggerEvent
 from psycopg2 import sql
 
-from onceflow.airflow.hooks import OnceflowHook
 from onceflow.core import txlog
 from onceflow.core.db import connect, transaction
 from onceflow.core.lease import this_process
@@ -90,6 +89,10 @@ class CommitTurnTrigger(BaseTrigger):
         )
 
     async def run(self):
+        # imported here, in the triggerer: a task that only defers to this trigger does not
+        # import the postgres provider's hook
+        from onceflow.airflow.hooks import OnceflowHook
+
         dsn = await OnceflowHook.adsn(self.postgres_conn_id)
         listener = await asyncio.to_thread(TurnListener, dsn)
         try:

@@ -36,7 +36,6 @@ from typing import Any
 from airflow.triggers.base import BaseEventTrigger, TriggerEvent
 from psycopg2 import sql
 
-from onceflow.airflow.hooks import OnceflowHook
 from onceflow.core import keepup, txlog
 from onceflow.core.connections import DEFAULT_CONN_ID
 from onceflow.core.db import connect
@@ -231,6 +230,10 @@ class SourceWatchTrigger(BaseEventTrigger):
                 runs = None
                 try:
                     if looker is None:
+                        # imported here, in the triggerer: a DAG file's parse does not
+                        # import the postgres provider's hook
+                        from onceflow.airflow.hooks import OnceflowHook
+
                         dsn = await OnceflowHook.adsn(self.postgres_conn_id)
                         pipeline = await asyncio.to_thread(self._load)
                         looker, watch = _Looker(dsn, pipeline), keepup.Watch(pipeline)
