@@ -86,6 +86,24 @@ def test_the_peer_comparison_runs_every_system_and_checks_it(tmp_path, dsn, monk
     assert {check for _, _, check in rows.values()} == {"OK"}, out
     # every system's CPU seconds, measured
     assert all(float(cpu) > 0 for cpu, _, _ in rows.values()), out
+    # and from /proc, by the processes each system started: Structured Streaming's JVM in
+    # the bench's process tree, onceflow's Spark Connect server, PostgreSQL's backends of
+    # each system's database, Airflow's task processes
+    by_process = {line.split(" [")[0].strip(): line.split("(/proc): ")[1]
+                  for line in out.splitlines() if "CPU s by process (/proc): " in line}
+    assert "Spark JVM" in by_process[ss], out
+    for name in (ss, *ours):
+        assert "PostgreSQL backends" in by_process[name], out
+    assert "task runs" in by_process["onceflow through Airflow, one task"], out
+    # the opening table of bench/RESULTS.md: per source, CPU per million events of SS and
+    # onceflow (library and Airflow), wall for both, the raw limit
+    table = [line for line in out.splitlines() if line.startswith("| landing-json |")]
+    assert len(table) == 1, out
+    cells = [c.strip() for c in table[0].strip("|").split("|")]
+    assert all(float(c) > 0 for c in cells[1:7]), table
+    assert float(cells[7].split()[0]) > 0, table
+    # the Airflow path's overhead, from the transactions' and Airflow's own timestamps
+    assert "overhead: trigger to first txid planned " in out, out
     # Structured Streaming's JVM start, apart, and the ratios with and without it
     jvm = [line for line in out.splitlines()
            if line.startswith("Structured Streaming's JVM and session start: ")]
