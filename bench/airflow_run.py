@@ -295,6 +295,10 @@ def run_airflow(dsn: str, server: str, spark_url: str, folder: Path, pipelines: 
         "AIRFLOW__CORE__DAGS_FOLDER": str(dags),
         "AIRFLOW__SCHEDULER__TASK_QUEUED_TIMEOUT": "600",
         "ONCEFLOW_RETRY_DELAY_SECONDS": "5",
+        # on a loaded machine the API server answers a task's calls slowly: the default
+        # timeout (5 s) fails tasks before they run
+        "AIRFLOW__WORKERS__EXECUTION_API_TIMEOUT": os.environ.get(
+            "AIRFLOW__WORKERS__EXECUTION_API_TIMEOUT", "60"),
     }
     from onceflow.airflow import airflow_cli
 
