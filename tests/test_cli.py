@@ -362,6 +362,76 @@ def test_ui_uses_the_port_it_prints_and_free_log_server_ports():
             s.close()
 
 
+@pytest.mark.timeout(240)
+def test_ui_only_one_component_answers_on_the_url_it_prints(airflow_db, tmp_path):
+    """`onceflow ui --port P --only api-server` (one component alone, as to restart it): it
+    prints http://127.0.0.1:P, that URL answers (Airflow's health, the UI page), it keeps
+    the ports it chose in its Airflow home for the next --only, and stopping its process
+    group (by the PID the test started) leaves nothing listening or running."""
+    import os
+    import signal
+    import socket
+    import time
+    import urllib.request
+    from pathlib import Path
+
+    from onceflow.dev.localenv import free_port
+
+    port = free_port()
+    kept = Path(airflow_db) / "onceflow-ui-ports.json"
+    kept.unlink(missing_ok=True)  # as a first --only: ports chosen, not read
+    log = tmp_path / "ui.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "onceflow.cli", "ui", "--port", str(port), "--only",
+             "api-server"], stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env={**os.environ, "AIRFLOW__API__WORKERS": "1"}, start_new_session=True)
+    try:
+        deadline, health = time.monotonic() + 180, None
+        while health is None:
+            assert proc.poll() is None, log.read_text(errors="replace")[-3000:]
+            assert time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
+            printed = re.search(r"Airflow UI: (http://\S+)", log.read_text(errors="replace"))
+            if printed:
+                try:
+                    with urllib.request.urlopen(f"{printed[1]}/api/v2/monitor/health",
+                                                timeout=3) as answer:
+                        health = json.load(answer)
+                except OSError:
+                    pass
+            time.sleep(0.5)
+        assert printed[1] == f"http://127.0.0.1:{port}"
+        assert health["metadatabase"]["status"] == "healthy", health
+        with urllib.request.urlopen(printed[1], timeout=10) as page:
+            assert page.status == 200 and b"<html" in page.read().lower()
+        ports = json.loads(kept.read_text())
+        assert ports["AIRFLOW__API__PORT"] == str(port)
+        assert ports["AIRFLOW__CORE__EXECUTION_API_SERVER_URL"] == \
+            f"http://127.0.0.1:{port}/execution/"
+        assert f"the scheduler's on port {ports['AIRFLOW__LOGGING__WORKER_LOG_SERVER_PORT']}" \
+            in log.read_text()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+        kept.unlink(missing_ok=True)
+    # the group's other processes (the API server's workers) are gone too, and the port is
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break
+        assert time.monotonic() < deadline, "a process of the UI's group is still running"
+        time.sleep(0.2)
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=3).close()
+
+
 def test_status_exits_1_when_stalled_and_says_a_jvm_error_in_one_line(spark, dsn, conn,
                                                                       capsys):
     """In flight only: exit 0. A txid failed with a real Spark error (its JVM stack trace,
