@@ -84,14 +84,26 @@ def api():
     return _api["client"]
 
 
+def signed_in(user: str) -> dict[str, str]:
+    """Headers of a request that ``user`` (an admin) makes: a token the API app's own auth
+    manager signed for them. The all-admins middleware adds its token after this one, and the
+    API reads the first."""
+    from airflow.api_fastapi.app import get_auth_manager
+    from airflow.api_fastapi.auth.managers.simple.user import SimpleAuthManagerUser
+
+    api()  # the app made: its auth manager is initialised
+    token = get_auth_manager().generate_jwt(SimpleAuthManagerUser(username=user, role="admin"))
+    return {"Authorization": f"Bearer {token}"}
+
+
 class Answer(threading.Thread):
     """Waits until the run's approval task asks, reads what it shows, optionally does
     ``meanwhile(shown)``, then answers ``option`` through the HITL REST API. Should anything
     go wrong, the task is failed instead, so that dag.test() ends."""
 
-    def __init__(self, option: str, meanwhile=None):
+    def __init__(self, option: str, meanwhile=None, as_user: str | None = None):
         super().__init__(daemon=True)
-        self.option, self.meanwhile = option, meanwhile
+        self.option, self.meanwhile, self.as_user = option, meanwhile, as_user
         self.shown: dict = {}
         self.status: int | None = None
         self.error: BaseException | None = None
@@ -124,7 +136,8 @@ class Answer(threading.Thread):
             if self.meanwhile:
                 self.meanwhile(self.shown)
             answer = api().patch(url, json={"chosen_options": [self.option],
-                                            "params_input": {}})
+                                            "params_input": {}},
+                                 headers=signed_in(self.as_user) if self.as_user else None)
             self.status = answer.status_code
             assert answer.status_code == 200, answer.text
         except BaseException as error:
@@ -349,14 +362,9 @@ def test_the_preview_chooses_the_dead_letters_of_one_whole_last_error(pipeline, 
 
 
 # -- approvers: someone other than the one who asked ----------------------------------------------
-def approved_by_others():
-    """The approval pipeline with approvers (a reference names it:
-    test_approval:approved_by_others): Airflow's all-admins user, Anonymous, and carol."""
-    return dataclasses.replace(approved(), approvers=("Anonymous", "carol"))
-
-
 def approved_by_bob():
-    """The same with approvers bob and carol only (test_approval:approved_by_bob)."""
+    """The approval pipeline with approvers bob and carol (a reference names it:
+    test_approval:approved_by_bob)."""
     return dataclasses.replace(approved(), approvers=("bob", "carol"))
 
 
@@ -393,12 +401,19 @@ def _one_dead_letter(conn) -> None:
     conn.commit()
 
 
+def asker_and_carol():
+    """Approvers dag_test (the user dag.test() asks as) and carol
+    (test_approval:asker_and_carol)."""
+    return dataclasses.replace(approved(), approvers=("dag_test", "carol"))
+
+
 @pytest.mark.timeout(500)
 def test_with_approvers_only_another_of_them_approves(monkeypatch, conn, airflow_db):
-    """approvers=("bob", "carol"): Anonymous's Approve replays nothing and fails the replay,
-    saying who may approve; approvers=("Anonymous", "carol") and a run asked for by
-    dag.test()'s user: Anonymous's Approve replays. The request says who may approve and
-    who asked."""
+    """Each answer through Airflow's HITL REST API, as the user named: with approvers bob and
+    carol, Anonymous's Approve replays nothing and fails the replay, saying who may approve;
+    with approvers dag_test and carol and a run asked for by dag_test (dag.test()'s user),
+    dag_test's own Approve is refused the same way, saying someone else must approve, and
+    carol's Approve of the next request replays."""
     from onceflow.airflow.approval import replay_dead_letters_dag
 
     base = datetime.now(UTC).replace(microsecond=0)
@@ -411,11 +426,56 @@ def test_with_approvers_only_another_of_them_approves(monkeypatch, conn, airflow
         assert tasks == {"preview": "success", "approve": "success", "replay": "failed"}
         assert "Only `bob`, `carol` may approve, not `dag_test`, who asked" in \
             answer.shown["body"]
+        assert _responder(run.run_id) == "Anonymous"
         assert table(conn, "SELECT count(*) FROM dead_letters") == [(1,)]
-    with outside_pipeline(monkeypatch, "test_approval:approved_by_others", conn) as pipeline:
-        assert pipeline.approvers == ("Anonymous", "carol")
-        answer = Answer("Approve")
-        run, tasks = run_with_answer(replay_dead_letters_dag("page_views"), choose(all=True),
-                                     answer, base + timedelta(seconds=1))
+    with outside_pipeline(monkeypatch, "test_approval:asker_and_carol", conn) as pipeline:
+        assert pipeline.approvers == ("dag_test", "carol")
+        dag = replay_dead_letters_dag("page_views")
+        own = Answer("Approve", as_user="dag_test")
+        run, tasks = run_with_answer(dag, choose(all=True), own, base + timedelta(seconds=1))
+        assert tasks == {"preview": "success", "approve": "success", "replay": "failed"}
+        assert run.triggering_user_name == "dag_test"
+        assert own.status == 200  # Airflow took the answer; onceflow did not count it
+        assert _responder(run.run_id) == "dag_test"  # the approval really was the asker's
+        assert table(conn, "SELECT count(*) FROM dead_letters") == [(1,)]
+        assert table(conn, "SELECT count(*) FROM backflow_items") == [(0,)]
+        assert any("asked for this replay and approved it: someone else must approve "
+                   "('carol')" in text for text in _replay_notes(run.run_id)), \
+            _replay_notes(run.run_id)
+
+        carols = Answer("Approve", as_user="carol")
+        run, tasks = run_with_answer(dag, choose(all=True), carols, base + timedelta(seconds=2))
         assert tasks == {"preview": "success", "approve": "success", "replay": "success"}
+        assert _responder(run.run_id) == "carol"
         assert table(conn, "SELECT count(*) FROM dead_letters") == [(0,)]
+        assert table(conn, "SELECT partition, \"offset\" FROM backflow_items") == [(0, 3)]
+
+
+def _responder(run_id: str) -> str | None:
+    """Who answered the run's approval, as Airflow recorded it."""
+    from airflow.models.hitl import HITLDetail
+    from airflow.models.taskinstance import TaskInstance
+    from airflow.utils.session import create_session
+    from sqlalchemy import select
+
+    with create_session() as session:
+        detail = session.scalar(select(HITLDetail).join(
+            TaskInstance, TaskInstance.id == HITLDetail.ti_id).where(
+            TaskInstance.dag_id == DAG_ID, TaskInstance.run_id == run_id,
+            TaskInstance.task_id == "approve"))
+        return (detail.responded_by or {}).get("name") if detail is not None else None
+
+
+def _replay_notes(run_id: str) -> list[str]:
+    """What the run's replay task said for the run's note (onceflow.airflow.ui.notes)."""
+    from airflow.models.xcom import XComModel
+    from airflow.utils.session import create_session
+    from sqlalchemy import select
+
+    from onceflow.airflow.ui.notes import NOTE_KEY
+
+    with create_session() as session:
+        rows = session.scalars(select(XComModel).where(
+            XComModel.dag_id == DAG_ID, XComModel.run_id == run_id,
+            XComModel.task_id == "replay", XComModel.key == NOTE_KEY)).all()
+        return [str(XComModel.deserialize_value(row).get("text")) for row in rows]
