@@ -140,6 +140,7 @@ def commit(conn, pipeline: Pipeline, ta: TransactionAttempt, *, on_step: Step = 
         with transaction(conn) as cur:
             staging.delete_committed(cur, pipeline.name, ta.txid)
         on_step("staging")
+        pipeline.source.after_commit(conn, pipeline.name)  # e.g. a Kafka group's offsets
     return result
 
 

@@ -25,6 +25,8 @@ spout, Spark's ``Source``). The planner, the partition offsets, the commit and v
   unless the source knows better), optional;
 - ``retain(cur, below)``: delete what lies below per-partition offsets (retention), optional;
   ``append(conn, payloads)``: add records, for logs onceflow itself keeps, optional.
+- ``after_commit(conn, pipeline)``: told after each commit (e.g. to write the committed
+  offsets to a Kafka consumer group), optional.
 
 For keeping up (onceflow.core.keepup, docs/keep-up.md), all with defaults:
 
@@ -209,6 +211,13 @@ class Source(ABC):
     def append(self, conn, payloads: Iterable[str]) -> int:
         raise ConfigError(f"a {self.kind} source (topic {self.topic!r}) is not written by "
                           "onceflow: add records where the source lives")
+
+    def after_commit(self, conn, pipeline: str) -> None:
+        """Called after each commit of ``pipeline`` (a commit found already done included),
+        outside its transaction, on ``conn``: a source that mirrors what is committed into a
+        system of its own (a Kafka consumer group's offsets) does it here, from what
+        PostgreSQL holds then, so a crash before it is made good by the next one. This
+        default: nothing."""
 
     def describe(self) -> str:
         return f"{self.kind} source {self.topic!r}"

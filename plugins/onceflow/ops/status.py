@@ -60,6 +60,7 @@ class PipelineStatus:
     dead_letters: dict[str, Any] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)  # damaged bookkeeping: onceflow repair
     source: list[dict[str, str]] = field(default_factory=list)  # what the source holds up
+    source_heading: str = "the source needs something"  # what its notices are, in its words
     # arrival to commit over the last transactions, and the lag now (onceflow.core.freshness)
     freshness: dict[str, Any] = field(default_factory=dict)
     # a keep-up pipeline's source watcher (onceflow.core.keepup.watcher_state); {}: none
@@ -236,6 +237,7 @@ def pipeline_status(cur, source, pipeline: str, limit: int = 20, dead_letters: i
     notices = getattr(source, "notices", None)  # (a landing folder's changed files)
     if notices is not None:
         status.source = [{"what": what, "fix": fix} for what, fix in notices(cur, pipeline)]
+        status.source_heading = getattr(source, "notices_heading", status.source_heading)
     status.stalled = stalls(status)
     return status
 
@@ -352,7 +354,7 @@ def render(status: PipelineStatus) -> list[str]:
             if s.fix != "-":
                 out += _wrapped(f"    -> {s.fix}", "       ")
     if status.source:
-        out.append("source files that need something:")
+        out.append(f"{status.source_heading}:")
         for notice in status.source:  # wrapped, not cut: the path and command matter
             out += textwrap.wrap(notice["what"], WIDTH, initial_indent="  ",
                                  subsequent_indent="    ", break_on_hyphens=False)

@@ -153,13 +153,17 @@ class KafkaSource(JsonSchemaSource):
     simple types, decoded as the chunks are read. Besides the value (``payload``, or the
     decoded columns) each record carries ``kafka_key`` (UTF-8 text), ``kafka_timestamp`` and
     ``kafka_headers`` (a JSON array of ``[key, value]`` pairs in order; a Python bolt's
-    columns are of simple types).
+    columns are of simple types). ``commit_to_kafka``: after each commit, the offsets
+    PostgreSQL committed are written to the consumer group ``group_id`` (default
+    ``onceflow-<pipeline>``), so Kafka's lag tools see the pipeline (see ``after_commit``).
     """
 
     kind: ClassVar[str] = "kafka"
     conn_id: str = DEFAULT_CONN_ID
     read_chunk: int = 200_000
     timeout_s: float = 30.0
+    commit_to_kafka: bool = False
+    group_id: str | None = None
 
     def validate(self) -> None:
         super().validate()
@@ -174,6 +178,14 @@ class KafkaSource(JsonSchemaSource):
         if not isinstance(self.timeout_s, int | float) or self.timeout_s <= 0:
             raise ConfigError(f"source.timeout_s={self.timeout_s!r} is invalid: give seconds "
                               "> 0")
+        if not isinstance(self.commit_to_kafka, bool):
+            raise ConfigError(f"source.commit_to_kafka={self.commit_to_kafka!r} is invalid: "
+                              "give True or False")
+        if self.group_id is not None and (not isinstance(self.group_id, str)
+                                          or not self.group_id.strip()):
+            raise ConfigError(f"source.group_id={self.group_id!r} is invalid: name the Kafka "
+                              "consumer group the committed offsets are written to, or "
+                              "leave it out (onceflow-<pipeline>)")
         if self.records is not None:
             clash = [name for name, _ in self.records.columns if name in META_COLUMNS]
             if clash:
@@ -243,12 +255,21 @@ class KafkaSource(JsonSchemaSource):
         return {} if not partitions else self._watermarks(admin, config, partitions)
 
     def positions_until(self, cur, enough) -> dict[int, Position]:
-        """Positions, refused when the broker holds less than what was committed."""
+        """Positions, refused when the broker holds less than what was committed, or has no
+        such topic (a batch planned from nothing would be an empty txid after another)."""
         positions = self.positions(cur)
         lost = self.lost(cur, positions)
         if lost:
             raise KafkaDataLost(" ".join(lost))
+        if not positions:
+            raise self._no_topic(self.config())
         return positions
+
+    def _no_topic(self, config: Mapping[str, Any]) -> ConfigError:
+        return ConfigError(
+            f"source.topic={self.topic!r}: the Kafka broker {_servers(config)} (connection "
+            f"{self.conn_id!r}) has no such topic. Check the name, or create the topic "
+            "(onceflow does not create topics in your cluster)")
 
     def lost(self, cur, positions: Mapping[int, Position]) -> list[str]:
         """What the broker lost: a sentence per pipeline and partition whose committed offset
@@ -276,6 +297,8 @@ class KafkaSource(JsonSchemaSource):
                            f"leader election). {fix}.")
         return out
 
+    notices_heading: ClassVar[str] = "the Kafka topic needs someone to act"  # (status)
+
     def notices(self, cur, pipeline: str) -> list[tuple[str, str]]:
         """For `onceflow status`: the broker's data loss, if any (what, fix)."""
         positions = self.positions(cur)
@@ -291,10 +314,7 @@ class KafkaSource(JsonSchemaSource):
         admin = self._admin(config)
         partitions = self._partitions(admin, config)
         if not partitions:
-            raise ConfigError(
-                f"source.topic={self.topic!r}: the Kafka broker {_servers(config)} (connection "
-                f"{self.conn_id!r}) has no such topic. Check the name, or create the topic "
-                "(onceflow does not create topics in your cluster)")
+            raise self._no_topic(config)
         with conn.cursor() as cur:
             from onceflow.core.offsets import committed_by_pipeline
 
@@ -324,6 +344,59 @@ class KafkaSource(JsonSchemaSource):
             reader.close()
         offset = found[0].offset
         return offset if offset >= 0 else position.head
+
+    # -- the consumer group (commit_to_kafka) ------------------------------------------------
+    def group_of(self, pipeline: str) -> str:
+        return self.group_id or f"onceflow-{pipeline}"
+
+    def after_commit(self, conn, pipeline: str) -> None:
+        """With ``commit_to_kafka``: write the offsets PostgreSQL has committed for
+        ``pipeline`` now to its consumer group, each with the txid that committed it as the
+        offset's metadata. They are read after the commit, so the group is never ahead of
+        PostgreSQL; writing them again is harmless, so a crash or a broker away before this
+        leaves the group behind until the next commit writes the newer offsets (logged, the
+        commit stands: PostgreSQL is the truth, the group a copy for Kafka's tools)."""
+        if not self.commit_to_kafka:
+            return
+        with conn.cursor() as cur:
+            cur.execute('SELECT partition, "offset", txid FROM partition_offsets '
+                        "WHERE pipeline = %s AND topic = %s ORDER BY partition",
+                        (pipeline, self.topic))
+            done = cur.fetchall()
+        conn.rollback()
+        if not done:
+            return
+        group = self.group_of(pipeline)
+        try:
+            self.write_group_offsets(group, done)
+        except OnceflowError as error:
+            log.warning("pipeline %s: the offsets committed in PostgreSQL were not written to "
+                        "Kafka consumer group %r (%s); the group shows more lag than there is "
+                        "until a later commit writes them", pipeline, group, error)
+
+    def write_group_offsets(self, group: str, done: Sequence[tuple[int, int, int]]) -> None:
+        """Commit ``(partition, offset, txid)`` to ``group`` (a consumer that is no member:
+        Kafka takes such commits for a group nobody consumes in)."""
+        from confluent_kafka import KafkaException, TopicPartition
+
+        config = self.config()
+        committer = consumer(config, self.timeout_s, group_id=group)
+        try:
+            wanted = [TopicPartition(self.topic, p, o, metadata=f"onceflow txid={t}")
+                      for p, o, t in done]
+            try:
+                answered = committer.commit(offsets=wanted, asynchronous=False)
+            except KafkaException as error:
+                raise _unreachable(config, self.conn_id, f"an offset commit for group "
+                                   f"{group!r}", error.args[0], self.timeout_s) from None
+            refused = [tp for tp in answered or [] if tp.error is not None]
+            if refused:  # e.g. a group whose members consume: give the pipeline its own
+                raise OnceflowError(
+                    f"Kafka broker {_servers(config)} refused the offsets of group {group!r} "
+                    f"(partition {refused[0].partition}: {refused[0].error}): set "
+                    "source.group_id to a group no consumer uses")
+        finally:
+            committer.close()
 
     # -- reading ---------------------------------------------------------------------------
     def read(self, spark, dsn: str, ranges: Iterable[PartitionRange]):

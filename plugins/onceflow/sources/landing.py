@@ -1088,6 +1088,8 @@ class LandingFolder(Source):
                        for r in ranges):
                     yield chunk.partition, offset, payload
 
+    notices_heading: ClassVar[str] = "source files that need something"  # (status)
+
     def notices(self, cur, pipeline: str) -> list[tuple[str, str]]:
         """(what, the command that fixes it) for each landed file that holds the pipeline up
         or waits: changed ones, skipped ones, and lines waiting a minute or more for their

@@ -42,3 +42,21 @@ EVENTS = Pipeline(
     batch_size=30,
     max_pending=3,
 )
+
+
+# Kept up by the source watcher (tests/test_kafka_keepup.py): a run once 60 records wait or
+# the oldest waited 2 s, the source looked at twice a second.
+KAFKA_KEEPUP = Pipeline(
+    name="kafka_keepup",
+    description="Page views per country and per page, from Kafka, kept up by the watcher.",
+    source=KafkaSource(topic="keepup_views", timeout_s=3),
+    topology="pageviews.topology:build",
+    states=(StateSpec("views_per_country"), StateSpec("views_per_page", kind="transactional")),
+    batch_size=150,
+    max_pending=1,
+    max_replays=0,  # a failed record is a dead letter at once: no replay runs
+    keep_up=True,
+    min_records=60,
+    max_delay=2.0,
+    watch_interval=0.5,
+)
