@@ -10,19 +10,16 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_kafka_source import (  # noqa: F401 (fixtures)
-    TOPIC,
-    broker,
-    cli,
-    register_views,
-    transactions,
-    views,
-)
+import test_kafka_source
+from test_kafka_source import TOPIC, cli, register_views, transactions
 
 from helpers import table
 from onceflow.core.begin import begin
 from onceflow.core.errors import ConfigError, Permanent
 from onceflow.sources.kafka import KafkaDataLost
+
+broker = test_kafka_source.broker  # the fixture
+views = test_kafka_source.views  # the fixture
 
 
 def test_begin_refuses_a_missing_topic_no_bootstrap_servers_and_fewer_partitions(

@@ -8,26 +8,21 @@ produced)."""
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 import signal
 
 import pytest
-from test_kafka_source import (  # noqa: F401 (fixtures)
-    TOPIC,
-    assert_exact,
-    broker,
-    committed_offsets,
-    ends,
-    register_views,
-    views,
-)
+import test_kafka_source
+from test_kafka_source import TOPIC, assert_exact, committed_offsets, ends, register_views
 from test_outside_pipeline import payloads
 
 from helpers import run_transaction
 from onceflow.core.begin import begin
 from onceflow.core.commit import commit
 from onceflow.kvstate import open_state_provider
+
+broker = test_kafka_source.broker  # the fixture
+views = test_kafka_source.views  # the fixture
 
 
 def group_offsets(broker, group: str, partitions: int = 3) -> dict[int, int]:
@@ -45,7 +40,7 @@ def group_offsets(broker, group: str, partitions: int = 3) -> dict[int, int]:
 
 
 def test_each_commit_writes_the_committed_offsets_to_the_group(views, broker, dsn, conn,
-                                                               spark, caplog):
+                                                               spark, capsys):
     """The group follows PostgreSQL commit by commit, never ahead of it: a crash after the
     PostgreSQL commit and before the offsets reach Kafka leaves the group behind until the
     commit's retry writes them; a broker that does not answer then does not undo the commit
@@ -93,13 +88,14 @@ def test_each_commit_writes_the_committed_offsets_to_the_group(views, broker, ds
     batch = begin(conn, pipeline, "r3")
     process_batch(spark, dsn, pipeline, batch.attempt, 0)
     try:
-        with caplog.at_level(logging.WARNING, logger="onceflow.sources.kafka"):
-            done = commit(conn, pipeline, batch.attempt, on_step=pause_after_commit,
-                          open_state=open_state_provider)
+        done = commit(conn, pipeline, batch.attempt, on_step=pause_after_commit,
+                      open_state=open_state_provider)
     finally:
         os.kill(broker.proc.pid, signal.SIGCONT)
     assert done.status == "committed"
-    assert "were not written to Kafka consumer group 'onceflow-kafka_views'" in caplog.text
+    said = capsys.readouterr().out  # (onceflow's log goes to standard output)
+    assert "the offsets committed in PostgreSQL were not written to Kafka consumer group " \
+           "'onceflow-kafka_views'" in said
     assert group_offsets(broker, group) == in_pg != committed_offsets(conn)
 
     for i in range(4, 10):  # the rest, then the failures' replays

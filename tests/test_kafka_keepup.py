@@ -17,12 +17,8 @@ import queue
 import threading
 import time
 
-from test_kafka_source import (  # noqa: F401 (fixtures)
-    assert_exact,
-    broker,
-    committed_offsets_of,
-    ends,
-)
+import test_kafka_source
+from test_kafka_source import assert_exact, committed_offsets_of, ends
 from test_outside_pipeline import payloads
 
 from helpers import outside_pipeline, table
@@ -32,6 +28,9 @@ from onceflow.kvstate import open_state_provider
 
 REF = "pageviews.kafka:KAFKA_KEEPUP"
 TOPIC = "keepup_views"
+
+
+broker = test_kafka_source.broker  # the fixture
 
 
 class Watcher:

@@ -5,7 +5,7 @@ examples/tweets/pyproject.toml). Plain declarations: importing this loads no Spa
 
 from __future__ import annotations
 
-from onceflow import FileSegments, Pipeline, PostgresLog, StateSpec
+from onceflow import FileSegments, KafkaSource, Pipeline, PostgresLog, StateSpec
 
 TWEETS = Pipeline(
     name="tweets",
@@ -41,3 +41,20 @@ TWEETS_FIRST_SEEN = Pipeline(
 )
 
 PIPELINES = (TWEETS, TWEETS_FILES, TWEETS_FIRST_SEEN)
+
+# The same pipeline on the Kafka topic tweets_kafka (the Airflow connection kafka_default;
+# a topic name of its own: the coordinator keys offsets by topic name), its committed
+# offsets also written to the consumer group onceflow-tweets_kafka for Kafka's lag tools.
+# Not in PIPELINES: registering it needs the broker, so `tweets-demo --source kafka` adds it
+# (ONCEFLOW_PIPELINES=tweets_example.pipelines:TWEETS_KAFKA).
+TWEETS_KAFKA = Pipeline(
+    name="tweets_kafka",
+    description="Exactly-once URL and domain counts from the Kafka topic tweets_kafka.",
+    source=KafkaSource(topic="tweets_kafka", commit_to_kafka=True),
+    topology="tweets_example.topology:topology",
+    recompute="tweets_example.data:recount",
+    states=(StateSpec("kafka_url_counts", source="url_counts"),
+            StateSpec("kafka_domain_counts", source="domain_counts")),
+)
+KAFKA_REF = "tweets_example.pipelines:TWEETS_KAFKA"
+KAFKA_PARTITIONS = 4
