@@ -218,6 +218,7 @@ class Source(ABC):
         system of its own (a Kafka consumer group's offsets) does it here, from what
         PostgreSQL holds then, so a crash before it is made good by the next one. This
         default: nothing."""
+        return
 
     def describe(self) -> str:
         return f"{self.kind} source {self.topic!r}"
