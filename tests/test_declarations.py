@@ -216,11 +216,13 @@ from airflow.dag_processing.dagbag import DagBag
 
 bag = DagBag(dag_folder=sys.argv[1])
 loaded = sorted(m for m in sys.modules if m == "pyspark" or m.startswith("pyspark."))
+postgres = sorted(m for m in sys.modules
+                  if m.startswith("airflow.providers.postgres.hooks") or m == "psycopg")
 from onceflow.core.registry import get_pipeline
 
 get_pipeline("page_views").build_topology()  # what begin and `onceflow pipelines` do
 print(json.dumps({"dags": sorted(bag.dags), "errors": {k: str(v) for k, v in
-                  bag.import_errors.items()}, "parse": loaded, "check": len(
+                  bag.import_errors.items()}, "parse": loaded, "postgres": postgres, "check": len(
                   [m for m in sys.modules if m.startswith("pyspark.")])}))
 """
 
@@ -230,8 +232,9 @@ def test_parsing_the_dag_file_loads_no_pyspark_module(airflow_db, tmp_path):
     """dags/onceflow_pipelines.py parsed as Airflow's DAG processor does, in a fresh
     interpreter, with a user's pipeline whose topology module imports pyspark.sql.functions
     at its top (tests/outside/pageviews) and the examples' registered: every DAG is there
-    and not one pyspark module was imported. The declaration check, run after the parse
-    in the same process, does import them (the count means something)."""
+    and not one pyspark module was imported, nor the postgres provider's hook. The
+    declaration check, run after the parse in the same process, does import pyspark (the
+    count means something)."""
     env = {**os.environ, "ONCEFLOW_PIPELINES": "pageviews.pipelines:PAGE_VIEWS",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(OUTSIDE),
                                                        os.environ.get("PYTHONPATH")]))}
@@ -244,6 +247,9 @@ def test_parsing_the_dag_file_loads_no_pyspark_module(airflow_db, tmp_path):
     assert not out["errors"], out["errors"]
     assert {"onceflow_page_views", "onceflow_tweets", "onceflow_orders"} <= set(out["dags"])
     assert out["parse"] == []
+    # nor the postgres provider's hook (and its psycopg 3): tasks look connections up
+    # through the Task SDK
+    assert out["postgres"] == []
     assert out["check"] > 50
 
 
