@@ -49,7 +49,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   "${pip[@]}" install -c constraints.txt setuptools pyspark
   # Examples installed into the environment by an older run.sh would register everywhere.
   "${pip[@]}" uninstall --yes onceflow-example-tweets onceflow-example-orders 2>/dev/null || true
-  "${pip[@]}" install --no-build-isolation -c constraints.txt -e ".[spark,redis,kafka]" --group test
+  "${pip[@]}" install --no-build-isolation -c constraints.txt -e ".[redis,kafka]" --group test
   examples=()
   for example in examples/*/pyproject.toml; do examples+=(-e "$(dirname "$example")"); done
   rm -rf "$venv/examples"

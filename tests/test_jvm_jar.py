@@ -65,6 +65,20 @@ def test_the_packaged_jar_records_its_spark_and_matches_its_sources():
     assert jvm.unusable("4.2.9") is None  # a patch release of the same minor: the same API
 
 
+def test_a_jar_serves_its_minor_through_the_newest_proved(tmp_path, packaged):
+    """The wheel's jar is compiled against the oldest supported Spark (4.0) and serves each
+    minor from there through NEWEST_MINOR (bench/matrix.py runs each); not an older Spark,
+    which may lack an API it was compiled against, nor a newer one nobody ran."""
+    packaged(rebuilt(tmp_path, **{"Onceflow-Spark-Version": "4.0.0"}))
+    newest = ".".join(map(str, jvm.NEWEST_MINOR))
+    for served in ("4.0.0", "4.0.5", "4.1.4", "4.2.0", f"{newest}.0"):
+        assert jvm.unusable(served) is None, served
+    for refused in ("3.5.6", f"4.{jvm.NEWEST_MINOR[1] + 1}.0", "5.0.0"):
+        problem = jvm.unusable(refused)
+        assert problem is not None and f"serves Spark 4.0 through {newest}; this Spark is " \
+            f"{refused}" in problem, refused
+
+
 def test_a_session_gets_the_jar_without_javac_and_nothing_is_compiled(tmp_path):
     """With no javac anywhere (a JRE-only machine), the conf still brings the jar, and no
     cache of compiled jars is written."""
@@ -83,21 +97,22 @@ def test_a_session_gets_the_jar_without_javac_and_nothing_is_compiled(tmp_path):
 
 def test_a_jar_of_another_spark_minor_is_not_used_and_says_why(spark, conn, dsn, tmp_path,
                                                                 packaged, caplog):
-    """A jar built for Spark 4.1 in front of the session's Spark 4.2: not given to a new
-    session, not used by the running one (its landing read is Python's, same rows), one
+    """A jar built for a Spark newer than the session's (4.3 in front of 4.2): not given to
+    a new session, not used by the running one (its landing read is Python's, same rows), one
     warning naming both versions and the fix; the CLI refuses with the same words."""
     from onceflow.sources.landing import LandingFolder
 
-    packaged(rebuilt(tmp_path, **{"Onceflow-Spark-Version": "4.1.3"}))
+    packaged(rebuilt(tmp_path, **{"Onceflow-Spark-Version": "4.3.0"}))
     with caplog.at_level(logging.WARNING, logger="onceflow.sources.jvm"):
         assert jvm.jvm_conf({"spark.ui.enabled": "false"}) == {"spark.ui.enabled": "false"}
         assert not jvm.jvm_reader(spark)
         assert not jvm.jvm_reader(spark)
     warnings = [r.getMessage() for r in caplog.records if r.name == "onceflow.sources.jvm"]
     assert len(warnings) == 1, warnings
-    assert f"built for Spark 4.1.3 and this Spark is {spark.version}" in warnings[0]
+    assert f"built for Spark 4.3.0 and serves Spark 4.3 through 4.3; this Spark is " \
+        f"{spark.version}" in warnings[0]
     assert "JSON lines are read by Python workers instead" in warnings[0]
-    assert "Fix: run a Spark of the jar's major.minor version, or build" in warnings[0]
+    assert "Fix: run a Spark the jar serves, or build" in warnings[0]
 
     folder = tmp_path / "lines"
     folder.mkdir()
@@ -118,7 +133,8 @@ def test_the_cli_refuses_a_jar_of_another_spark_naming_both(tmp_path, packaged, 
     assert main(["spark", "jar"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("onceflow spark: error: onceflow's JVM reader was built for Spark "
-                          f"3.5.1 and this Spark is {metadata.version('pyspark')}")
+                          f"3.5.1 and serves Spark 3.5 through 4.3; this Spark is "
+                          f"{metadata.version('pyspark')}")
     assert "docs/deployment.md" in err and len(err.strip().splitlines()) == 1
 
 

@@ -122,11 +122,12 @@ def test_begin_and_commit_do_not_load_pyspark():
     assert out.strip() == "[]"
 
 
-def test_the_jar_is_built_against_the_locked_pyspark():
+def test_the_jar_is_built_against_the_oldest_pyspark():
     """The build requirement (the pyspark an isolated build compiles the JVM reader against)
-    is the version constraints.txt locks, which the tests and run.sh run."""
+    is the oldest supported, the version constraints-oldest.txt locks: one jar for every
+    supported minor (onceflow.sources.jvm.NEWEST_MINOR is the range's ceiling)."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    locked = [line for line in (ROOT / "constraints.txt").read_text().splitlines()
+    locked = [line for line in (ROOT / "constraints-oldest.txt").read_text().splitlines()
               if line.startswith("pyspark==")]
     assert len(locked) == 1
     assert locked[0] in project["build-system"]["requires"]
@@ -152,13 +153,25 @@ def test_the_version_ranges_are_the_two_locks():
         assert floors == [oldest[name]], f"{line}: the floor is not the oldest lock's {name}"
         assert req.specifier.contains(newest[name]), f"{line}: the newest lock has {name} " \
             f"{newest[name]}"
+    # One distribution writes the pyspark/ folder: pyspark with its Spark Connect libraries,
+    # up to the newest minor the JVM reader is proved on; pyspark-client in no requirement,
+    # the Spark provider below 6.0 (6.x requires pyspark-client, which has no 4.3).
+    from onceflow.sources.jvm import NEWEST_MINOR
+
+    spark = [Requirement(line) for line in project["dependencies"]
+             if Requirement(line).name == "pyspark"]
+    assert len(spark) == 1 and spark[0].extras == {"connect"}
+    ceiling = f"{NEWEST_MINOR[0]}.{NEWEST_MINOR[1] + 1}"
+    assert [s.version for s in spark[0].specifier if s.operator == "<"] == [ceiling]
+    everything = [*project["dependencies"],
+                  *(r for extra in project["optional-dependencies"].values() for r in extra)]
+    assert not [line for line in everything
+                if canonicalize_name(Requirement(line).name) == "pyspark-client"]
+    provider = next(Requirement(line) for line in project["dependencies"]
+                    if line.startswith("apache-airflow-providers-apache-spark"))
+    assert not provider.specifier.contains("6.0.0") and provider.specifier.contains("5.6.0")
     for lock in (oldest, newest):
-        assert lock["pyspark"] == lock["pyspark-client"]
-    # the spark extra: both distributions of one folder at one version, the newest lock's
-    spark = {canonicalize_name(r.name): str(r.specifier) for r in map(
-        Requirement, project["optional-dependencies"]["spark"])}
-    assert spark == {"pyspark": f"=={newest['pyspark']}", "pyspark-client":
-                     f"=={newest['pyspark']}"}
+        assert "pyspark-client" not in lock
     # the suite's own pins are no part of the published metadata
     assert "test" not in project["optional-dependencies"]
     assert "pytest==9.1.1" in tomllib.loads((ROOT / "pyproject.toml").read_text())[

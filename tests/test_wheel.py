@@ -25,7 +25,6 @@ import sys
 import time
 import tomllib
 import zipfile
-from importlib import metadata
 from pathlib import Path
 
 import psutil
@@ -39,6 +38,9 @@ from onceflow.sources.jvm import sources_digest
 ROOT = Path(__file__).resolve().parents[1]
 OUTSIDE = ROOT / "tests" / "outside"
 REF = "pageviews.pipelines:PAGE_VIEWS"
+# the pyspark an isolated build compiles the JVM reader against (pyproject.toml)
+BUILT_AGAINST = next(r.split("==")[1] for r in tomllib.loads(
+    (ROOT / "pyproject.toml").read_text())["build-system"]["requires"] if r.startswith("pyspark"))
 
 
 def source_tree(dest: Path) -> Path:
@@ -55,12 +57,15 @@ def source_tree(dest: Path) -> Path:
     return dest
 
 
-def _wheel(source: Path, out: Path) -> Path:
-    """``pip wheel --no-deps`` of ``source`` with this environment's setuptools and pyspark
-    (what run.sh installs); an isolated build installs the same pinned pyspark first."""
-    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps",
-                           "--no-build-isolation", "--disable-pip-version-check", "-w",
-                           str(out), str(source)], capture_output=True, text=True, timeout=900)
+def _wheel(source: Path, out: Path, isolated: bool = False) -> Path:
+    """``pip wheel --no-deps`` of ``source`` with this environment's setuptools; ``isolated``:
+    as a user builds it (``pip wheel .``), its build requirements installed for the build
+    (onceflow's: the oldest supported pyspark, whose jars the JVM reader is compiled
+    against)."""
+    isolation = [] if isolated else ["--no-build-isolation"]
+    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", *isolation,
+                           "--disable-pip-version-check", "-w", str(out), str(source)],
+                          capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     name = tomllib.loads((source / "pyproject.toml").read_text())["project"]["name"]
     return next(out.glob(f"{name.replace('-', '_')}-*.whl"))
@@ -71,7 +76,7 @@ def wheels(tmp_path_factory):
     """onceflow's wheel, built from a clean copy of the checkout, and the outside package's."""
     tmp = tmp_path_factory.mktemp("wheels")
     started = time.monotonic()
-    onceflow = _wheel(source_tree(tmp / "onceflow"), tmp / "dist")
+    onceflow = _wheel(source_tree(tmp / "onceflow"), tmp / "dist", isolated=True)
     built_s = time.monotonic() - started
     outside = _wheel(shutil.copytree(OUTSIDE, tmp / "outside",
                                      ignore=shutil.ignore_patterns("__pycache__")), tmp / "dist")
@@ -95,7 +100,7 @@ def test_the_wheel_has_the_jar_and_none_of_the_checkouts_own(wheels):
             manifest = inner.read("META-INF/MANIFEST.MF").decode()
             classes = inner.namelist()
         entry_points = archive.read(next(n for n in names if n.endswith("entry_points.txt")))
-    assert f"Onceflow-Spark-Version: {metadata.version('pyspark')}" in manifest
+    assert f"Onceflow-Spark-Version: {BUILT_AGAINST}" in manifest
     assert f"Onceflow-Sources-Digest: {sources_digest()}" in manifest
     assert "onceflow/spark/JsonLinesSource.class" in classes
     assert not [n for n in names if n.startswith("onceflow/dev/") or n.endswith(".java")]
@@ -165,10 +170,35 @@ def test_run_sh_registers_the_examples_for_the_demo_only(tmp_path):
 # the suite run them) and the oldest (Airflow 3.1.0, pyspark 4.0.0 and the libraries of their
 # day).
 LOCKS = {"newest": "constraints.txt", "oldest": "constraints-oldest.txt"}
+# The version matrix (bench/matrix.py runs each cell, one at a time): every supported
+# pyspark minor and Airflow minor at least once, each cell a lock and what it changes in it
+# (the newest lock's libraries with another Airflow or pyspark; pip resolves what these
+# pins leave open, Airflow's own packages of that release).
+CELLS = {
+    "oldest": ("oldest", {}),  # Airflow 3.1.0, pyspark 4.0.0
+    "airflow3.2-pyspark4.1": ("newest", {"apache-airflow": "3.2.2", "pyspark": "4.1.4"}),
+    "newest": ("newest", {}),  # Airflow 3.3.2, pyspark 4.2.0
+    "pyspark4.3": ("newest", {"pyspark": "4.3.0"}),  # on Airflow 3.3.2
+}
+# Airflow's distributions of one release, which an Airflow of another release replaces
+AIRFLOW_OWN = ("apache-airflow", "apache-airflow-core", "apache-airflow-task-sdk")
 
 
-def _locked(lock: str) -> dict[str, str]:
-    pins = (line.split("==") for line in (ROOT / LOCKS[lock]).read_text().splitlines()
+def _lock_file(cell: str, tmp: Path) -> Path:
+    """The cell's lock: the file itself, or a copy with the cell's pins in place of its own."""
+    lock, changes = CELLS[cell]
+    if not changes:
+        return ROOT / LOCKS[lock]
+    dropped = {*changes, *(AIRFLOW_OWN if "apache-airflow" in changes else ())}
+    kept = [line for line in (ROOT / LOCKS[lock]).read_text().splitlines()
+            if line.split("==")[0].lower() not in dropped]
+    path = tmp / f"constraints-{cell}.txt"
+    path.write_text("\n".join([*kept, *(f"{name}=={v}" for name, v in changes.items())]) + "\n")
+    return path
+
+
+def _locked(path: Path) -> dict[str, str]:
+    pins = (line.split("==") for line in path.read_text().splitlines()
             if "==" in line and not line.startswith("#"))
     return {name.lower(): version for name, version in pins}
 
@@ -196,13 +226,14 @@ def _wait_until(what: str, check, timeout: float, proc: subprocess.Popen | None 
 
 @pytest.mark.fresh_venv
 @pytest.mark.timeout(3600)  # pip installs Airflow and pyspark, two Spark jobs run
-@pytest.mark.parametrize("lock", list(LOCKS))
-def test_a_fresh_virtualenv_runs_a_users_pipeline_through_airflow(lock, wheels, dsn, conn,
+@pytest.mark.parametrize("cell", list(CELLS))
+def test_a_fresh_virtualenv_runs_a_users_pipeline_through_airflow(cell, wheels, dsn, conn,
                                                                     tmp_path):
     """docs/install.md's steps: Airflow into a new virtualenv without system site-packages,
-    then the wheel (the spark extra, or pyspark and pyspark-client named at the lock's
-    version) and an outside package, from a lock file (the newest or the oldest versions
-    onceflow supports), changing no package Airflow installed; no checkout on any path.
+    then the wheel (with it pyspark, the only distribution of the pyspark/ folder) and an
+    outside package, from a lock file (the newest or the oldest versions onceflow supports,
+    or a cell of the version matrix), changing no package Airflow installed; no checkout on
+    any path.
     There: only the user's pipeline is
     registered, the checkout's commands say they are the checkout's. With an Airflow home of
     its own and the DAG file `onceflow dags` prints (docs/install.md), the
@@ -210,10 +241,10 @@ def test_a_fresh_virtualenv_runs_a_users_pipeline_through_airflow(lock, wheels, 
     killed in the middle of its commit: SIGKILL of the process running the commit task, while
     its PostgreSQL transaction has written one state table and waits for the other. Nothing of
     it shows; `onceflow release` frees the txid, the next DAG run adopts it and commits it
-    once, exact against a count of the payloads. The packaged jar reads JSON lines in a local
-    Spark of the version it was built for, and the Python reader takes over in another. A
+    once, exact against a count of the payloads. The packaged jar, compiled against the
+    oldest supported Spark, reads JSON lines in a local Spark of the cell's version. A
     second transaction commits on the Spark Connect path (`onceflow spark start`, `airflow
-    dags test`), exact as well."""
+    dags test`), exact as well, and the jar reads JSON lines on that server too."""
     from onceflow.dev.localenv import airflow_connection_json, spark_connection
 
     venv, elsewhere = tmp_path / "venv", tmp_path / "cwd"
@@ -222,13 +253,14 @@ def test_a_fresh_virtualenv_runs_a_users_pipeline_through_airflow(lock, wheels, 
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     python = venv / "bin" / "python"
     onceflow, outside = wheels
+    lock = _lock_file(cell, tmp_path)
     pins = _locked(lock)
 
     def pip(*args: str) -> None:
         # --no-compile: what runs is compiled as it is imported, not all of Airflow and pyspark
         done = subprocess.run(
             [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
-             "--no-compile", "-c", str(ROOT / LOCKS[lock]), *args],
+             "--no-compile", "-c", str(lock), *args],
             capture_output=True, text=True, timeout=1500, cwd=elsewhere)
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
@@ -240,18 +272,16 @@ def test_a_fresh_virtualenv_runs_a_users_pipeline_through_airflow(lock, wheels, 
 
     # docs/install.md: Airflow first, as Airflow's docs install it (its constraints file; here
     # the lock), then onceflow's wheel and the user's package with the same constraints: no
-    # package Airflow installed changes version. The spark extra pins pyspark and
-    # pyspark-client to one version; another tested version names both (the oldest).
+    # package Airflow installed changes version. pyspark comes with onceflow, at the lock's
+    # version; nothing brings pyspark-client.
     pip(f"apache-airflow=={pins['apache-airflow']}")
     airflow_alone = frozen()
-    spark = [f"{onceflow}[spark]"] if pins["pyspark"] == metadata.version("pyspark") else [
-        str(onceflow), f"pyspark=={pins['pyspark']}", f"pyspark-client=={pins['pyspark']}"]
-    pip(*spark, str(outside))
+    pip(str(onceflow), str(outside))
     with_onceflow = frozen()
     changed = {name: (version, with_onceflow.get(name))
                for name, version in airflow_alone.items() if with_onceflow.get(name) != version}
     assert not changed, changed
-    assert with_onceflow["pyspark"] == with_onceflow["pyspark-client"] == pins["pyspark"]
+    assert with_onceflow["pyspark"] == pins["pyspark"] and "pyspark-client" not in with_onceflow
     installed_s = time.monotonic() - started
 
     home = tmp_path / "af"
@@ -277,8 +307,8 @@ def test_a_fresh_virtualenv_runs_a_users_pipeline_through_airflow(lock, wheels, 
     assert where.returncode == 0, where.stderr
     assert str(ROOT) not in where.stdout and where.stdout.split()[-1].startswith(str(venv))
     airflow, task_sdk, pyspark = where.stdout.splitlines()[-2].split()
-    assert (airflow, task_sdk, pyspark) == (pins["apache-airflow"],
-                                             pins["apache-airflow-task-sdk"], pins["pyspark"])
+    assert (airflow, task_sdk, pyspark) == (pins["apache-airflow"], pins.get(
+        "apache-airflow-task-sdk", task_sdk), pins["pyspark"])
     assert "ModuleNotFoundError: No module named 'onceflow.dev'" in \
         run(str(python), "-c", "import onceflow.dev").stderr
     listed = run("onceflow", "pipelines")
@@ -287,15 +317,10 @@ def test_a_fresh_virtualenv_runs_a_users_pipeline_through_airflow(lock, wheels, 
     pg = run("onceflow", "pg")
     assert pg.returncode == 2 and "development command of onceflow's checkout" in pg.stderr
     assert "ONCEFLOW_PG_DSN" in pg.stderr and "Traceback" not in pg.stderr
-    # The jar is built against the newest pyspark: another Spark minor is told so, and its
-    # JSON lines are read by Python workers (the end of RUN_DAG).
-    built_for_this_spark = pyspark.split(".")[:2] == metadata.version("pyspark").split(".")[:2]
+    # The jar is built against the oldest pyspark and serves every supported minor.
     jar = run("onceflow", "spark", "jar")
-    if built_for_this_spark:
-        assert jar.returncode == 0 and jar.stdout.strip().startswith(str(venv)), jar.stderr
-    else:
-        assert jar.returncode == 2 and f"this Spark is {pyspark}, another minor version" in \
-            jar.stderr and "Traceback" not in jar.stderr, jar.stderr
+    assert jar.returncode == 0 and jar.stdout.strip().startswith(str(venv)), jar.stderr
+    assert f"built for Spark {BUILT_AGAINST}" in jar.stderr
 
     # the DAG file from the package (docs/install.md)
     dag_file = run("onceflow", "dags")
@@ -373,10 +398,9 @@ def test_a_fresh_virtualenv_runs_a_users_pipeline_through_airflow(lock, wheels, 
         table(conn, "SELECT count(*) FROM dead_letters")[0][0]
     assert parked == failing > 0
 
-    assert result["jvm_reader"] is result["read_in_the_jvm"] is built_for_this_spark
-    assert result["rows"] == ["a", "b"]
-    if not built_for_this_spark:
-        assert f"this Spark is {pyspark}, another minor version" in ran.stdout + ran.stderr
+    assert result["jvm_reader"] is result["read_in_the_jvm"] is True
+    assert result["rows"] == ["a", "b"] and result["spark"] == pyspark
+    assert "another minor version" not in ran.stdout + ran.stderr
 
     # The Spark Connect path (docs/install.md): onceflow's local server, the connection of
     # type spark_connect, a run with `airflow dags test`; this client's retry policy is built
@@ -393,6 +417,13 @@ def test_a_fresh_virtualenv_runs_a_users_pipeline_through_airflow(lock, wheels, 
         tested = run("airflow", "dags", "test", "onceflow_page_views")
         assert tested.returncode == 0, tested.stdout[-3000:] + tested.stderr[-3000:]
         assert "on sc://127.0.0.1:" in tested.stdout + tested.stderr  # processed on Connect
+        # the jar on the Connect server: JSON lines read in its JVM
+        read = run(str(python), str(script), "--connect", f"sc://127.0.0.1:{port}")
+        lines = [x for x in read.stdout.splitlines() if x.startswith("RESULT ")]
+        assert read.returncode == 0 and lines, read.stdout[-3000:] + read.stderr[-3000:]
+        on_connect = json.loads(lines[-1].removeprefix("RESULT "))
+        assert on_connect == {"jvm_reader": True, "read_in_the_jvm": True, "rows": ["a", "b"],
+                              "spark": pyspark}, on_connect
     finally:
         run("onceflow", "spark", "stop")
     assert table(conn, "SELECT txid, state FROM transactions ORDER BY txid") == [
@@ -404,7 +435,7 @@ def test_a_fresh_virtualenv_runs_a_users_pipeline_through_airflow(lock, wheels, 
     status = run("onceflow", "status", "--pipeline", "page_views", "--json")
     assert status.returncode in (0, 1) and "Traceback" not in status.stderr, status.stderr
     assert json.loads(status.stdout)["last_committed"] == 2
-    print(f"{lock} (Airflow {airflow}, pyspark {pyspark}): installed in {installed_s:.0f}s, "
+    print(f"{cell} (Airflow {airflow}, pyspark {pyspark}): installed in {installed_s:.0f}s, "
           f"killed in its commit at {killed_s:.0f}s, committed once at "
           f"{time.monotonic() - started:.0f}s")
 
@@ -420,12 +451,14 @@ try:
 except ImportError:  # Airflow 3.1
     from airflow.models.dagbag import DagBag
 
-bag = DagBag(dag_folder=os.path.join(os.environ["AIRFLOW_HOME"], "dags"))
-assert not bag.import_errors, bag.import_errors
-run = bag.get_dag("onceflow_page_views").test()
-if "--read-json-lines" not in sys.argv:
-    print("RESULT " + json.dumps({"state": str(run.state)}), flush=True)
-    sys.exit(0)
+connect = sys.argv[sys.argv.index("--connect") + 1] if "--connect" in sys.argv else None
+if connect is None:
+    bag = DagBag(dag_folder=os.path.join(os.environ["AIRFLOW_HOME"], "dags"))
+    assert not bag.import_errors, bag.import_errors
+    run = bag.get_dag("onceflow_page_views").test()
+    if "--read-json-lines" not in sys.argv:
+        print("RESULT " + json.dumps({"state": str(run.state)}), flush=True)
+        sys.exit(0)
 
 from onceflow.core import db
 from onceflow.core.planner import PartitionRange
@@ -433,23 +466,29 @@ from onceflow.sources.landing import LandingFolder
 from onceflow.sources.jvm import jvm_reader
 from onceflow.spark.session import get_spark
 
-folder = Path("lines")
+folder = Path("lines-connect" if connect else "lines")
 folder.mkdir()
 (folder / "a.jsonl").write_bytes(b'{"s": "a"}\\n{"s": "b"}\\n')
 os.utime(folder / "a.jsonl", (time.time() - 5, time.time() - 5))
-source = LandingFolder(topic="fresh_lines", path=str(folder.resolve()), settle_s=0.0,
-                       json_schema="s string")
+source = LandingFolder(topic="fresh_lines_connect" if connect else "fresh_lines",
+                       path=str(folder.resolve()), settle_s=0.0, json_schema="s string")
 dsn = os.environ["ONCEFLOW_PG_DSN"]
 with db.connection(dsn) as conn:
     source.ensure(conn, create=True)
     with conn.cursor() as cur:
         source.positions(cur)
     conn.commit()
-spark = get_spark("fresh-venv", master="local[1]")
+if connect:
+    os.environ["SPARK_REMOTE"] = connect
+    spark = get_spark("fresh-venv")
+else:
+    spark = get_spark("fresh-venv", master="local[1]")
 df = source.read(spark, dsn, [PartitionRange(0, 0, 2)])
-print("RESULT " + json.dumps({
-    "state": str(run.state), "jvm_reader": jvm_reader(spark),
-    "read_in_the_jvm": "onceflow JSON lines" in df._jdf.queryExecution().toString(),
-    "rows": [r["s"] for r in df.orderBy("offset").collect()]}), flush=True)
+plan = df._explain_string(extended=True) if connect else df._jdf.queryExecution().toString()
+result = {"jvm_reader": jvm_reader(spark), "read_in_the_jvm": "onceflow JSON lines" in plan,
+          "rows": [r["s"] for r in df.orderBy("offset").collect()], "spark": spark.version}
+if not connect:
+    result["state"] = str(run.state)
+print("RESULT " + json.dumps(result), flush=True)
 spark.stop()
 """

@@ -579,7 +579,7 @@ def cmd_spark(args) -> int:
         if problem is not None:
             raise ConfigError(problem)
         print(JAR)
-        print(f"built for Spark {built_for()}; for a Spark of that version that onceflow does "
+        print(f"built for Spark {built_for()}; for a Spark it serves that onceflow does "
               f"not start (your Connect server, a cluster): --jars {JAR} --conf "
               f"{ENABLED}=true", file=sys.stderr)
     else:

@@ -8,10 +8,12 @@ Python reader, without a Python worker decoding lines and handing them over thro
 and ``onceflow.spark.SegmentsSource``, the same decoding of the payloads of file segments
 that declare ``json_schema`` (onceflow.sources.segments), read from their Parquet row groups.
 
-The jar's manifest records the Spark version it was compiled against. A Spark of another
-major.minor version does not get it: the Spark onceflow starts here is checked before the jar
-is added (the installed pyspark), any session when a read asks for the reader
-(``spark.version``, which covers a cluster's Spark and a Connect server). On a mismatch a
+The jar's manifest records the Spark version it was compiled against: the wheel's is
+compiled against the oldest supported pyspark (pyproject.toml's build requirement) and serves
+each minor from that one through ``NEWEST_MINOR``, every one of them run by the version matrix
+(bench/matrix.py). A Spark outside that span does not get it: the Spark onceflow starts
+here is checked before the jar is added (the installed pyspark), any session when a read asks
+for the reader (``spark.version``, which covers a cluster's Spark and a Connect server). On a mismatch a
 warning names both versions and the fix, and the Python reader does the work (the same rows,
 more CPU), as it does on a Spark that onceflow did not start without the jar, or with
 ONCEFLOW_JVM_READER=off (or 0). A jar older than the sources beside it (a checkout whose
@@ -45,7 +47,7 @@ SEGMENTS_READER = "onceflow.spark.SegmentsSource"  # decoding file segments' pay
 ENABLED = "spark.onceflow.jvmReader"
 FALLBACK = ("JSON lines are read by Python workers instead (decoded file segments too): the "
             "same rows, more CPU")
-FIX = ("run a Spark of the jar's major.minor version, or build onceflow's wheel against your "
+FIX = ("run a Spark the jar serves, or build onceflow's wheel against your "
        "pyspark (`pip wheel --no-deps --no-build-isolation` of onceflow's source, with that "
        "pyspark and a JDK installed: docs/deployment.md); ONCEFLOW_JVM_READER=off silences "
        "this")
@@ -97,18 +99,28 @@ def _jar_state() -> tuple[Path | None, str | None, str | None]:
     return JAR, version, None
 
 
-def _major_minor(version: str) -> tuple[str, ...]:
-    return tuple(version.split(".")[:2])
+# The newest Spark minor the jar is proved on (the ceiling of pyproject.toml's pyspark range;
+# tests/test_layout.py holds the two together).
+NEWEST_MINOR = (4, 3)
+
+
+def _major_minor(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in version.split(".")[:2])
 
 
 def unusable(spark_version: str | None) -> str | None:
     """Why the packaged jar cannot serve a Spark of ``spark_version`` (None: unknown), or
-    None when it can."""
+    None when it can: a Spark of the jar's major version, from the minor it was compiled
+    against through NEWEST_MINOR (an older Spark may lack an API it was compiled against)."""
     _, version, problem = _jar_state()
     if problem is not None:
         return f"onceflow's JVM reader is not available ({FALLBACK}): {problem}"
-    if spark_version and _major_minor(spark_version) != _major_minor(version):
-        return (f"onceflow's JVM reader was built for Spark {version} and this Spark is "
+    if spark_version and not (
+            _major_minor(version) <= _major_minor(spark_version) <= NEWEST_MINOR
+            and _major_minor(spark_version)[0] == _major_minor(version)[0]):
+        newest = ".".join(map(str, NEWEST_MINOR))
+        return (f"onceflow's JVM reader was built for Spark {version} and serves Spark "
+                f"{'.'.join(version.split('.')[:2])} through {newest}; this Spark is "
                 f"{spark_version}, another minor version, which may not load it ({FALLBACK}). "
                 f"Fix: {FIX}")
     return None
