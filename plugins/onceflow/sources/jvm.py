@@ -13,9 +13,9 @@ compiled against the oldest supported pyspark (pyproject.toml's build requiremen
 each minor from that one through ``NEWEST_MINOR``, every one of them run by the version matrix
 (bench/matrix.py). A Spark outside that span does not get it: the Spark onceflow starts
 here is checked before the jar is added (the installed pyspark), any session when a read asks
-for the reader (``spark.version``, which covers a cluster's Spark and a Connect server). On a mismatch a
-warning names both versions and the fix, and the Python reader does the work (the same rows,
-more CPU), as it does on a Spark that onceflow did not start without the jar, or with
+for the reader (``spark.version``, which covers a cluster's Spark and a Connect server). On a
+mismatch a warning names both versions and the fix, and the Python reader does the work (the
+same rows, more CPU), as it does on a Spark that onceflow did not start without the jar, or with
 ONCEFLOW_JVM_READER=off (or 0). A jar older than the sources beside it (a checkout whose
 Java changed since its last install) is not used either.
 
