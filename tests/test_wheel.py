@@ -4,14 +4,15 @@ it is all `onceflow pipelines` shows. The examples are registered by `run.sh dem
 
 The whole story, a fresh virtualenv (no system site-packages, no checkout on the path) with
 the wheel and an outside package installed from a lock file, running that package's
-pipeline through its Airflow DAG, a crash in its commit included, with the oldest versions
-onceflow supports (constraints-oldest.txt) or the newest (constraints.txt), takes minutes
-(pip installs Airflow and pyspark): it is marked ``fresh_venv`` and left out of the default
-run. .ci/run runs the oldest (the default run tests the newest versions, and the wheel's jar
-installed elsewhere above):
+pipeline through its Airflow DAG, a crash in its commit included, then on Spark Connect, in
+each cell of the version matrix (``CELLS``: the oldest versions onceflow supports,
+constraints-oldest.txt; the newest, constraints.txt; and the minors between), takes minutes
+per cell (pip installs Airflow and pyspark): it is marked ``fresh_venv`` and left out of the
+default run. .ci/run runs the oldest cell (the default run tests the newest versions, and
+the wheel's jar installed elsewhere above); bench/matrix.py runs every cell:
 
-    bash run.sh test tests/test_wheel.py -m fresh_venv -k oldest -n 0
-    bash run.sh test tests/test_wheel.py -m fresh_venv -n 2     # both
+    bash run.sh test tests/test_wheel.py -m fresh_venv -k "fresh_virtualenv and [oldest]" -n 0
+    python bench/matrix.py     # every cell, one at a time
 """
 
 from __future__ import annotations
