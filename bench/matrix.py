@@ -59,8 +59,8 @@ def run(chosen: list[str]) -> tuple[list[dict], str]:
         started = time.monotonic()
         done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
         total = time.monotonic() - started
-        load = f"load average {load_before[0]:.2f} before, " \
-               f"{os.getloadavg()[0]:.2f} after; {os.cpu_count()} CPUs; {total:.0f}s in all"
+        load = f"{load_before[0]:.2f} before, {os.getloadavg()[0]:.2f} after; " \
+               f"{os.cpu_count()} CPUs; {total:.0f}s for the run"
         rows = []
         if junit.exists():
             for case in ET.parse(junit).iter("testcase"):
@@ -84,28 +84,45 @@ def run(chosen: list[str]) -> tuple[list[dict], str]:
         return rows, load
 
 
-def table(rows: list[dict], load: str) -> str:
+COLUMNS = ("| cell | Airflow | pyspark | spark-submit + killed commit, JVM reader, Spark Connect "
+           "+ JVM reader | seconds | run at, load average, CPUs |")
+
+
+def table(rows: list[dict], load: str, earlier: dict[str, str] | None = None) -> str:
+    """The section: a row per cell, this run's rows in place of those an earlier run wrote."""
     when = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
-    lines = [HEADING, "", f"Run {when}; {load}.", "",
-             "| cell | Airflow | pyspark | spark-submit + crash, JVM reader, Spark Connect + "
-             "JVM reader | seconds |", "| --- | --- | --- | --- | --- |"]
+    lines = {cell: line for cell, line in (earlier or {}).items()}
     for r in rows:
         outcome = "passed" if r["passed"] else "FAILED"
-        lines.append(f"| {r['cell']} | {r['airflow']} | {r['pyspark']} | {outcome}: "
-                     f"{r['said'].replace('|', '/')} | {r['seconds']:.0f} |")
-    return "\n".join(lines) + "\n"
+        lines[r["cell"]] = (f"| {r['cell']} | {r['airflow']} | {r['pyspark']} | {outcome}: "
+                            f"{r['said'].replace('|', '/')} | {r['seconds']:.0f} | {when}; "
+                            f"{load} |")
+    order = [c for c in cells() if c in lines] + [c for c in lines if c not in cells()]
+    return "\n".join([HEADING, "", "Each cell a new virtualenv; a row is replaced when its cell "
+                      "runs again.", "", COLUMNS, "| --- | --- | --- | --- | --- | --- |",
+                      *(lines[c] for c in order)]) + "\n"
+
+
+def _section(current: str) -> tuple[str, str, str]:
+    """bench/RESULTS.md split around the matrix section: before, the section, after."""
+    if HEADING not in current:
+        return current.rstrip("\n") + "\n\n", "", ""
+    head, rest = current.split(HEADING, 1)
+    after = re.search(r"^## ", rest, re.M)
+    return head, HEADING + (rest[:after.start()] if after else rest), \
+        rest[after.start():] if after else ""
+
+
+def earlier_rows() -> dict[str, str]:
+    _, section, _ = _section(RESULTS.read_text() if RESULTS.exists() else "")
+    return {m.group(1): m.group(0) for m in re.finditer(r"^\| ([\w.-]+) \| .*$", section, re.M)
+            if m.group(1) not in ("cell", "---")}
 
 
 def write(text: str) -> None:
     """Replace the matrix section of bench/RESULTS.md (or add it at the end)."""
-    current = RESULTS.read_text() if RESULTS.exists() else ""
-    if HEADING in current:
-        head, rest = current.split(HEADING, 1)
-        after = re.search(r"^## ", rest, re.M)
-        current = head + text + ("\n" + rest[after.start():] if after else "")
-    else:
-        current = current.rstrip("\n") + "\n\n" + text
-    RESULTS.write_text(current)
+    head, _, after = _section(RESULTS.read_text() if RESULTS.exists() else "")
+    RESULTS.write_text(head + text + ("\n" + after if after else ""))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--write", action="store_true", help="put the table in RESULTS.md")
     args = parser.parse_args(argv)
     rows, load = run(args.cells)
-    text = table(rows, load)
+    text = table(rows, load, earlier_rows())
     print(text)
     if args.write and rows:
         write(text)
