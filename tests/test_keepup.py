@@ -18,7 +18,7 @@ from airflow.triggers.base import BaseEventTrigger
 from helpers import another, produce, run_transaction, table, tweets_pipeline
 from onceflow.airflow.dags import transaction_dag
 from onceflow.airflow.triggers import SourceWatchTrigger
-from onceflow.core import freshness, keepup
+from onceflow.core import backflow, freshness, keepup
 from onceflow.core.begin import begin, mark_failed
 from onceflow.core.errors import ConfigError, NothingToPlan
 from onceflow.core.keepup import Look, Runs, Watch
@@ -116,6 +116,53 @@ def test_a_run_the_watcher_started_plans_no_empty_transaction(conn):
     # a run someone started plans as before: an empty transaction if there is nothing
     empty = begin(conn, pipeline, "run-3")
     assert (empty.attempt.txid, empty.records) == (2, 0)
+
+
+def test_a_run_of_an_asset_event_is_the_watchers_whatever_its_run_type():
+    """started_by_watcher: a task's dag_run in the Task SDK has the SDK's DagRunType, whose
+    str() is not its value; the scheduler's is a str. Either asset_triggered run is the
+    watcher's (its begin skips an empty batch, it carries on); a manual one is not."""
+    from types import SimpleNamespace
+
+    from airflow.sdk.api.datamodels._generated import DagRunType as SdkRunType
+    from airflow.utils.types import DagRunType
+
+    from onceflow.airflow.operators.transaction import started_by_watcher
+
+    for kind in (SdkRunType.ASSET_TRIGGERED, DagRunType.ASSET_TRIGGERED):
+        assert started_by_watcher({"dag_run": SimpleNamespace(run_type=kind)}), kind
+    for kind in (SdkRunType.MANUAL, DagRunType.MANUAL, None):
+        assert not started_by_watcher({"dag_run": SimpleNamespace(run_type=kind)}), kind
+    assert not started_by_watcher({})
+
+
+def test_a_run_that_carries_on_plans_a_new_txid_only_for_a_full_start(conn):
+    """begin(carry_on=True), as a keep-up run that committed asks for its next batch: a new
+    txid, not its own again; none while fewer than min_records would be read, and what that
+    look claimed (a replay) is left as it was."""
+    pipeline = tweets_pipeline(conn, events=250, batch_size=100, keep_up=True, min_records=60,
+                               max_pending=5)
+    first = begin(conn, pipeline, "run-1", skip_empty=True)
+    following = begin(conn, pipeline, "run-1", carry_on=True)
+    assert [(b.attempt.txid, b.records) for b in (first, following)] == [(1, 100), (2, 100)]
+    assert table(conn, "SELECT txid FROM transaction_runs WHERE run_id = 'run-1'") == [(2,)]
+    with conn.cursor() as cur:  # one failed record waits in the backflow, unclaimed
+        backflow.ensure_pointers(cur, pipeline.name)
+        cur.execute("""INSERT INTO backflow_items (pipeline, partition, "offset", queue,
+                                                   payload, failures, errors, first_txid,
+                                                   last_txid)
+                       SELECT %s, 0, 1, to_queue, '{}', 1, ARRAY['flaky'], 1, 1
+                       FROM backflow_pointers WHERE pipeline = %s""",
+                    (pipeline.name, pipeline.name))
+    conn.commit()
+    # 50 records and a replay wait: fewer than min_records
+    with pytest.raises(NothingToPlan):
+        begin(conn, pipeline, "run-1", carry_on=True)
+    assert table(conn, "SELECT count(*), max(txid) FROM transactions") == [(2, 2)]
+    assert table(conn, "SELECT claimed_txid FROM backflow_items") == [(None,)]
+    produce(conn, pipeline.topic, list(generate(20, seed=5)))
+    third = begin(conn, pipeline, "run-1", carry_on=True)
+    assert (third.attempt.txid, third.records, third.replayed) == (3, 70, 1)
 
 
 def _sight(unread=0, *, open_=0, begins=0, oldest=None, adopt=False, undecided=False,

@@ -10,8 +10,9 @@ In order, on one Airflow:
 1. a backlog of 10 batches drains in full batches with max_pending transactions in flight,
    every run started by the Asset event; a backlog of 15 batches keeps max_pending in flight
    (2.5 of 3 at least on average while records wait, from the transactions' own timestamps:
-   onceflow_testing.drain) and every commit is followed within a look by a begin taking up
-   the next batch (runs wait in their begin for a place);
+   onceflow_testing.drain) and after every commit while min_records waited, the next batch
+   was planned within one watch_interval (the committing run carries on, or a run waiting
+   in its begin takes the place), from the transactions' own committed_at and planned_at;
 2. a steady producer (RATE records/s for SECONDS s) stays current: the p95 of the records'
    waits from arrival to commit is within max_delay, one look and a batch's processing time
    (the slowest of the phase's runs, from the watcher's look that started it to the commit);
@@ -49,7 +50,7 @@ from test_celery_cluster import _query, _stop
 from test_cluster import free_ports
 
 from onceflow.airflow import airflow_cli
-from onceflow.core import freshness
+from onceflow.core import freshness, keepup
 from onceflow.core.db import connection
 from onceflow.core.registration import register
 from onceflow.core.registry import clear_cache, get_pipeline
@@ -330,15 +331,19 @@ def test_a_backlog_drains_in_full_batches_with_max_pending_in_flight(deployment)
     assert {run for *_, run in done} <= {run_id for run_id, *_ in runs}
     ran = [(start, end) for *_, start, end, _ in runs if start is not None and end is not None]
     assert most_at_once(ran) <= 3 * pipeline.max_pending  # the DAG's max_active_runs
-    # every run planned a batch: none was started for nothing
-    assert len(runs) == len(done), [r for r in runs if r[0] not in {d[-1] for d in done}]
+    # A run may carry on with more batches (TransactionOperator); where it took the batch of
+    # a run the watcher had started and that was not yet waiting in its begin (a task's
+    # start takes long on a loaded machine), that run plans nothing: its task is skipped and
+    # no empty transaction is planned. At most the runs waiting past max_pending are so.
+    idle = {run_id for run_id, *_ in runs} - {run for *_, run in done}
+    assert len(idle) <= keepup.WAITING_RUNS * pipeline.max_pending, idle
+    ends = dict(((run, state) for run, state in _query(
+        deployment.airflow.meta, "SELECT run_id, state FROM task_instance WHERE dag_id = %s",
+        (DAG_ID,)) if run in idle))
+    assert set(ends) == idle and set(ends.values()) <= {"skipped"}, ends
+    print(f"{len(done)} txids in {len(runs)} runs, {len(idle)} of which planned nothing")
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "max_pending in flight needs a transaction to outlast Airflow's start of a run (a "
-    "scheduler loop per run of the DAG, a task process): where a batch of this test commits "
-    "in about a second, runs cannot be made fast enough to overlap three; where it takes "
-    "longer (a loaded machine, bench/bench_keepup_drain.py's batches) the bound holds"))
 def test_a_backlog_keeps_max_pending_in_flight_and_plans_at_each_commit(deployment):
     """While records wait, max_pending transactions are open (runs wait in their begin for a
     place), and a commit is followed by a plan within a look."""
@@ -353,16 +358,15 @@ def test_a_backlog_keeps_max_pending_in_flight_and_plans_at_each_commit(deployme
         done = drain.spans(cur, PIPELINE, before)
     assert sum(n for _, n, *_ in done) == backlog
     figures = drain.figures(done, pipeline.batch_start_records, pipeline.watch_interval)
+    runs = {run for *_, run in txids(deployment.dsn, before)}
     print(f"drain of {backlog:,} records, max_pending={pipeline.max_pending}: {figures}; "
-          f"load average {os.getloadavg()[0]:.1f}")
+          f"{len(done)} txids in {len(runs)} runs; load average {os.getloadavg()[0]:.1f}")
     assert figures["in_flight_waiting"] >= 2.5, figures
-    # A commit is followed by a waiting run's begin, not by a look, a scheduler loop and a
-    # task's start. That begin wakes within one watch_interval on a machine with CPU to spare;
-    # on a shared machine whose load average is many times its cores, a woken process waits
-    # for a core, so the bound asserted is three intervals and the commits past one are
-    # printed above.
-    assert figures["commit_to_plan_max_s"] <= 3 * pipeline.watch_interval, figures
-    assert len(figures["slow_after_commit"]) <= len(done) // 10, figures
+    # After every commit while min_records or more waited, the next batch was planned (its
+    # planned_at written) within one watch_interval of that commit's committed_at: the run
+    # that committed carries on, or a run waiting in its begin takes the place.
+    assert figures["commit_to_plan_written_max_s"] <= pipeline.watch_interval, figures
+    assert len(figures["after_commits"]) >= len(done) // 2, figures  # (held at most commits)
 
 
 def test_a_steady_producer_is_kept_current(deployment):
@@ -383,8 +387,12 @@ def test_a_steady_producer_is_kept_current(deployment):
     # event its run consumed) to the commit. The slowest records are the slowest batch's, so
     # the p95 of the records' waits is held against the slowest batch (a p95 over a handful
     # of runs interpolates below it).
-    asked = deployment.airflow.events()
-    run_s = {txid: float(committed - asked[run]) for txid, *_, committed, run in done}
+    # (a run that carried on took up its later batches at their plan, not at the look)
+    asked, first_of_run = deployment.airflow.events(), {}
+    for txid, *_, run in done:
+        first_of_run.setdefault(run, txid)
+    run_s = {txid: float(committed - (asked[run] if first_of_run[run] == txid else planned))
+             for txid, _, _, planned, committed, run in done}
     bound = pipeline.max_delay_s + pipeline.watch_interval + max(run_s.values())
     with connection(deployment.dsn) as conn, conn.cursor() as cur:
         each = freshness.by_txid(cur, PIPELINE, [t for t, *_ in done])

@@ -74,4 +74,5 @@ def figures(done: list[Span], min_records: int, watch_interval: float) -> dict[s
             "in_flight_drain": round(in_flight(done, first, last_commit), 2),
             "commit_to_plan_max_s": max((w[2] for w in waits), default=None),
             "commit_to_plan_written_max_s": max((w[3] for w in waits), default=None),
+            "after_commits": waits,
             "slow_after_commit": [w for w in waits if w[2] > watch_interval]}

@@ -65,10 +65,19 @@ def commit_outlets(pipeline) -> list[Asset]:
 
 def emit(context, pipeline, *, txid: int, table_rows: Mapping[str, int],
          ranges: list[str] | tuple[str, ...]) -> None:
-    """The event of each state table for a committed txid: its own rows applied."""
+    """The event of each state table for a committed txid: its own rows applied. A task
+    that committed txids before (a keep-up run carries on) gives one event of them all:
+    ``txid`` the newest, ``txids`` each, ``rows`` and ``ranges`` theirs together."""
     for spec in pipeline.states:
-        context["outlet_events"][state_asset(pipeline.name, spec.table)].extra = {
-            "txid": txid, "rows": int(table_rows.get(spec.table, 0)), "ranges": list(ranges)}
+        event = context["outlet_events"][state_asset(pipeline.name, spec.table)]
+        before = dict(event.extra or {})
+        extra = {"txid": txid, "rows": int(table_rows.get(spec.table, 0)),
+                 "ranges": list(ranges)}
+        if "txid" in before:
+            extra.update(txids=[*before.get("txids", [before["txid"]]), txid],
+                         rows=int(before.get("rows", 0)) + extra["rows"],
+                         ranges=[*before.get("ranges", ()), *ranges])
+        event.extra = extra
 
 
 def no_events(task) -> None:

@@ -15,6 +15,11 @@ What begin gives a run (first rule that applies):
    empty batch (``skip_empty``: a run the source watcher started), unless there is nothing
    to read (then NothingToPlan: no txid).
 
+A run that committed its txid and goes on with the next batch (``carry_on``: a keep-up run,
+onceflow.airflow.operators.transaction) skips rule 2 (its own txid is the committed one) and
+plans a new batch only when the records it would read (and replays) reach the pipeline's
+``batch_start_records``: a trickle is left to the watcher's ``min_records`` and ``max_delay``.
+
 A new batch records when its oldest and newest records arrived in the source
 (``transactions.first_arrival`` / ``last_arrival``, onceflow.core.freshness). Every begin
 counts itself (``pipelines.begins``), so the source watcher knows its runs began.
@@ -49,11 +54,13 @@ log = logging.getLogger(__name__)
 
 
 def begin(conn, pipeline: Pipeline, run_id: str, *, txid: int | None = None,
-          lease_s: int | None = None, skip_empty: bool = False) -> Batch:
+          lease_s: int | None = None, skip_empty: bool = False,
+          carry_on: bool = False) -> Batch:
     """Give ``run_id`` its transaction attempt and batch (the rules in the module docstring).
     ``lease_s``: the attempt's first lease (default the pipeline's; a run that goes on in
     another task gives its hand-over lease, onceflow.core.lease). ``skip_empty``: plan no
-    new transaction without records to read (NothingToPlan)."""
+    new transaction without records to read (NothingToPlan). ``carry_on``: the run committed
+    its txid and asks for the next batch, planned only if a full start of one waits."""
     lease = (lease_s or pipeline.lease_s, this_process())
     with timings.begin_split() as split, transaction(conn) as cur:
         with timings.phase("lock_wait"):
@@ -70,12 +77,14 @@ def begin(conn, pipeline: Pipeline, run_id: str, *, txid: int | None = None,
             log.warning("STAGING pipeline=%s: made again for the declaration: %s",
                         pipeline.name, change)
         target, why = txid, "requested"
-        if target is None:
+        if target is None and not carry_on:
             target, why = txlog.run_txid(cur, pipeline.name, run_id), "the run's own txid"
         if target is None:
             target, why = txlog.adoptable(cur, pipeline.name) or (None, "")
         if target is None:
-            batch = _begin_new(cur, pipeline, run_id, coordinator, lease, split, skip_empty)
+            batch = _begin_new(cur, pipeline, run_id, coordinator, lease, split,
+                               skip_empty or carry_on,
+                               pipeline.batch_start_records if carry_on else 0)
         elif not 1 <= target < coordinator.next_txid:
             raise UnknownTransaction(
                 f"txid={target} does not exist in pipeline {pipeline.name!r} (txids 1.."
@@ -163,7 +172,9 @@ def _arrivals(cur, pipeline: Pipeline, txid: int, ranges) -> None:
 
 def _begin_new(cur, pipeline: Pipeline, run_id: str, coordinator: txlog.Coordinator,
                lease: tuple[int, str], split: timings.Split,
-               skip_empty: bool = False) -> Batch | None:
+               skip_empty: bool = False, least: int = 0) -> Batch | None:
+    """A new txid, unless nothing (``skip_empty``) or fewer than ``least`` records (replays
+    counted) would be read."""
     pending = txlog.uncommitted(cur, pipeline.name)
     if len(pending) >= pipeline.max_pending:
         raise MaxPendingReached(
@@ -171,6 +182,8 @@ def _begin_new(cur, pipeline: Pipeline, run_id: str, coordinator: txlog.Coordina
             f"{', '.join(map(str, pending))} are uncommitted; no new transaction is planned "
             "until one commits")
     txid = coordinator.next_txid
+    if least:  # what a plan too small to take would have claimed and recorded is undone
+        cur.execute("SAVEPOINT onceflow_least")
     # Backflow first: the to-queue (swapped in if it ran dry), up to replay_cap, then eden.
     backflow.maybe_swap(cur, pipeline.name)
     replayed = backflow.claim(cur, pipeline.name, txid, pipeline.replays_per_batch,
@@ -178,6 +191,9 @@ def _begin_new(cur, pipeline: Pipeline, run_id: str, coordinator: txlog.Coordina
     ranges, backlog = _plan(cur, pipeline, coordinator, pipeline.groups, txid, None,
                             size=pipeline.batch_size - replayed)
     if skip_empty and not replayed and not ranges:  # (an empty range keeps a decided start)
+        return None
+    if replayed + sum(r.size for r, _ in ranges) < least:
+        cur.execute("ROLLBACK TO SAVEPOINT onceflow_least")
         return None
     ta = txlog.insert(cur, pipeline.name, txid, run_id, groups=pipeline.groups,
                       records=sum(r.size for r, _ in ranges), replayed=replayed,

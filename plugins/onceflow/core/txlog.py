@@ -261,6 +261,19 @@ def map_run(cur, pipeline: str, run_id: str, txid: int) -> None:
     )
 
 
+def begin_waiter_name(pipeline: str) -> str:
+    """The application_name of the connection a run waiting in its begin for a place
+    listens on (PostgreSQL keeps 63 bytes of it)."""
+    return f"onceflow-begin-wait {pipeline}"[:63]
+
+
+def begin_waiters(cur, pipeline: str) -> int:
+    """How many runs wait in their begin for a place among ``pipeline``'s max_pending."""
+    cur.execute("SELECT count(*) FROM pg_stat_activity WHERE application_name = %s",
+                (begin_waiter_name(pipeline),))
+    return int(cur.fetchone()[0])
+
+
 # -- reading --------------------------------------------------------------------------------------
 def uncommitted(cur, pipeline: str) -> list[int]:
     cur.execute(

@@ -70,6 +70,10 @@ PROCESS_ENTRY_POINT = str(
     Path(importlib.util.find_spec("onceflow.spark").origin).parent / "process_batch.py"
 )
 
+# The most txids a keep-up run commits in turn (TransactionOperator): a run stays a bounded
+# piece of work in Airflow's pages and logs; the watcher starts the next.
+CARRY_ON_TXIDS = 10
+
 # How long a commit task waits for txid - 1 in the task before it defers: most turns come
 # within it, and a deferral costs the triggerer a hand-over each way.
 WAIT_IN_TASK_S = 30.0
@@ -127,7 +131,9 @@ def started_by_watcher(context) -> bool:
     """Whether this task's run was started by an Asset event (a keep-up pipeline's source
     watcher, onceflow.airflow.triggers.source_watch), not by a person, a backfill or a schedule."""
     run = (context or {}).get("dag_run")
-    return str(getattr(run, "run_type", "") or "") == "asset_triggered"
+    kind = getattr(run, "run_type", None)
+    # the Task SDK's DagRunType is an Enum whose str() is "DagRunType.ASSET_TRIGGERED"
+    return str(getattr(kind, "value", kind) or "") == "asset_triggered"
 
 
 def load_pipeline(name: str, refs: Iterable[str] = (), **settings: Any):
@@ -302,6 +308,7 @@ class _Begins(_PipelineTask):
                 txid = setting["txid"]
                 # a run the source watcher started plans no transaction of no records
                 skip_empty = started_by_watcher(context)
+                self._planning = pipeline  # the settings a carried-on batch keeps
                 with connection(self._dsn()) as conn:
                     ensure_ready(conn, pipeline)
                     batch = self._begin_when_free(pipeline, lambda: begin(
@@ -315,6 +322,9 @@ class _Begins(_PipelineTask):
             cause = error.__cause__ or error
             run_note(context, lambda notes: notes.no_txid(self.pipeline, cause))
             raise
+        return self._planned(context, pipeline, batch)
+
+    def _planned(self, context, pipeline, batch) -> list[dict[str, Any]]:
         ta = batch.attempt
         run_note(context, lambda notes: notes.no_op(pipeline.name, ta.txid) if batch.committed
                  else notes.planned(pipeline.name, ta.txid, ta.attempt, batch.records))
@@ -351,7 +361,9 @@ class _Begins(_PipelineTask):
                     if listener is None:  # listening before the next look: no commit missed
                         self.log.info("%s; waiting up to %.0fs for one to commit",
                                       full, self.wait_for_slot)
-                        listener = TurnListener(self._dsn())
+                        # named, so that a run that carries on leaves the place to it
+                        listener = TurnListener(self._dsn(),
+                                                txlog.begin_waiter_name(pipeline.name))
                         continue
                     listener.wait(min(self.poll_interval, max(0.0, until - time.monotonic())))
                     continue
@@ -596,15 +608,26 @@ class _Commits(_PipelineTask):
     wait_in_task: float
 
     def execute_complete(self, context, event: dict[str, Any] | None = None,
-                         batch: Any = None) -> dict[str, Any]:
+                         batch: Any = None, earlier: list | None = None) -> dict[str, Any]:
         if batch is not None:
             self.batch = batch
+        # the txids this task committed before it deferred (a run that carried on): their
+        # Asset events are recorded when the task ends, so they are given again
+        self._earlier = [(int(t), dict(rows), list(ranges)) for t, rows, ranges in earlier or ()]
+        if context and "outlet_events" in context:
+            pipeline = self._pipeline()
+            for txid, rows, ranges in self._earlier:
+                emit(context, pipeline, txid=txid, table_rows=rows, ranges=ranges)
         return self._try_commit(float((event or {}).get("deadline", 0)) or time.time(), context)
 
     def _try_commit(self, deadline: float, context=None) -> dict[str, Any]:
         with noting_skips(context, self.pipeline, attempt_of(self.batch)):
             out = self._commit_turn(deadline, context)
-        run_note(context, lambda notes: self._note(notes, out))
+        if getattr(self, "_may_carry_on", False) and out["status"] == "committed":
+            # a run that may carry on plans first: its note is said once it ends
+            self._unsaid = lambda notes: self._note(notes, out)
+        else:
+            run_note(context, lambda notes: self._note(notes, out))
         return out
 
     def _note(self, notes, out: dict[str, Any]) -> dict[str, Any]:
@@ -613,7 +636,8 @@ class _Commits(_PipelineTask):
         if out["status"] != "already_committed":
             return notes.committed(self.pipeline, out["txid"], out["attempt"], records=records,
                                    failed=out["failed"], dead=out["dead"],
-                                   waited_s=out["waited_s"], fresh_s=out.get("fresh_s"))
+                                   waited_s=out["waited_s"], fresh_s=out.get("fresh_s"),
+                                   earlier=[t for t, *_ in getattr(self, "_earlier", ())])
         if any(b.get("committed") for b in batch):  # begin found it committed
             return notes.no_op(self.pipeline, out["txid"])
         # this attempt committed it, on an earlier try of this task
@@ -684,15 +708,19 @@ class _Commits(_PipelineTask):
                 trigger=CommitTurnTrigger(pipeline.name, ta.txid, ta.attempt,
                                           self.postgres_conn_id, self.poll_interval, deadline,
                                           lease_s=pipeline.handoff_lease_s),
-                method_name="execute_complete", kwargs={"batch": self.batch},
+                method_name="execute_complete",
+                kwargs={"batch": self.batch, "earlier": [
+                    [t, rows, ranges] for t, rows, ranges in getattr(self, "_earlier", ())]},
             )
+        if result.status == "committed":  # what a run that carries on gives again
+            self._events = (ta.txid, dict(result.table_rows), list(result.ranges))
         if context and "outlet_events" in context:
 
             if result.status == "committed":
                 emit(context, pipeline, txid=ta.txid, table_rows=result.table_rows,
                      ranges=result.ranges)
-            else:  # committed before (this run's earlier try, or another run): no event
-                no_events(self)
+            elif not getattr(self, "_earlier", ()):
+                no_events(self)  # committed before (an earlier try, another run): no event
         return {"txid": ta.txid, "attempt": ta.attempt, "status": result.status,
                 "rows_applied": result.rows_applied, "waited_s": result.waited_s,
                 "failed": result.failed, "dead": result.dead,
@@ -765,6 +793,17 @@ class TransactionOperator(_Begins, _Processes, _Commits, BaseOperator):
     a new attempt of its own txid (the old one is fenced). Groups are processed side by side on
     the one Spark session. Waiting for the turn to commit defers the task as the commit task
     does; it resumes at the commit, the batch carried in the deferral.
+
+    A run the source watcher started (keep-up) **carries on**: once it committed, it begins
+    the next batch in the same task while ``batch_start_records`` wait and fewer than
+    ``max_pending`` are open (onceflow.core.begin's ``carry_on``), up to CARRY_ON_TXIDS txids
+    a run. Airflow makes at most one run of a DAG per scheduler loop, and a run's task takes
+    seconds to start; batches that commit faster than that would otherwise drain one or two
+    at a time. Each txid is its own transaction as before (its BEGIN, PROCESSED and COMMIT
+    lines, fences and lease); the run's note and its Asset events name every txid it
+    committed, and a retry begins again at the run's newest txid. A run waiting in its begin
+    for a place takes it first; a run still starting may find its batch taken and plan
+    nothing (skipped, no empty transaction).
     """
 
     template_fields = ("batch_size", "txid", "groups")
@@ -785,13 +824,52 @@ class TransactionOperator(_Begins, _Processes, _Commits, BaseOperator):
         self.batch: list[dict[str, Any]] | None = None
 
     def execute(self, context) -> dict[str, Any]:
+        self._earlier: list[tuple[int, dict[str, int], list[str]]] = []
         with spark_client_loading():
             self.batch = self._begin(context)
-            ta = attempt_of(self.batch)
             with airflow_outcomes():
                 pipeline, dsn = self._pipeline(), self._dsn()
-            with self._holding(pipeline, dsn, ta, handoff=False):
-                return self._transact(context, pipeline, dsn, ta)
+            while True:
+                ta = attempt_of(self.batch)
+                self._may_carry_on = started_by_watcher(context) \
+                    and len(self._earlier) + 1 < CARRY_ON_TXIDS
+                with self._holding(pipeline, dsn, ta, handoff=False):
+                    out = self._transact(context, pipeline, dsn, ta)
+                following = self._carry_on(context, dsn) \
+                    if self._may_carry_on and out["status"] == "committed" else None
+                if following is None:
+                    if self._may_carry_on and out["status"] == "committed":
+                        run_note(context, self._unsaid)
+                    return out
+                self._earlier.append(self._events)
+                self.batch = following
+
+    def _carry_on(self, context, dsn: str) -> list[dict[str, Any]] | None:
+        """The next batch of a keep-up run that just committed (see the class docstring), or
+        None: a run waits in its begin (woken by the commit, it takes the place), fewer than
+        ``batch_start_records`` wait (the watcher starts their run), or ``max_pending`` are
+        open again."""
+        pipeline = self._planning
+        try:
+            with connection(dsn) as conn:
+                with conn.cursor() as cur:
+                    waiting = txlog.begin_waiters(cur, pipeline.name)
+                conn.rollback()
+                if waiting:
+                    raise NothingToPlan(f"{waiting} run(s) wait in their begin for the place")
+                batch = begin(conn, pipeline, context["run_id"], carry_on=True)
+        except (MaxPendingReached, NothingToPlan) as nothing:
+            self.log.info("%s: the run ends after %d txid(s): %s", pipeline.name,
+                          len(self._earlier) + 1, nothing)
+            return None
+        except Exception as error:  # noqa: BLE001 (its txid committed: the run succeeded)
+            self.log.warning("%s: the run does not carry on after %d txid(s) (%s: %s); the "
+                             "watcher starts the next", pipeline.name, len(self._earlier) + 1,
+                             type(error).__name__, error)
+            return None
+        self.log.info("%s: the run carries on with %s (after %d committed)", pipeline.name,
+                      batch.attempt, len(self._earlier) + 1)
+        return self._planned(context, pipeline, batch)
 
     def _first_lease(self, pipeline) -> int | None:
         return None  # processing and commit follow in this task

@@ -43,8 +43,8 @@ class TurnListener:
     Listening starts before the first look, so an announcement between a look and the wait
     is not missed."""
 
-    def __init__(self, dsn: str):
-        self.conn = connect(dsn, application_name="onceflow-trigger-listen")
+    def __init__(self, dsn: str, application_name: str = "onceflow-trigger-listen"):
+        self.conn = connect(dsn, application_name=application_name)
         self.conn.autocommit = True
         with self.conn.cursor() as cur:
             cur.execute(sql.SQL("LISTEN {}").format(sql.Identifier(txlog.TURN_CHANNEL)))

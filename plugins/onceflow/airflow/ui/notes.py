@@ -68,10 +68,12 @@ def no_op(pipeline: str, txid: int) -> dict[str, Any]:
 
 def committed(pipeline: str, txid: int, attempt: int, *, records: int, failed: int = 0,
               dead: int = 0, waited_s: float = 0.0, earlier_try: bool = False,
-              fresh_s: tuple[float, float] | list[float] | None = None) -> dict[str, Any]:
+              fresh_s: tuple[float, float] | list[float] | None = None,
+              earlier: list[int] | tuple[int, ...] = ()) -> dict[str, Any]:
     """The run committed its txid (``earlier_try``: on an earlier try of its commit task,
     whose counts this try does not know). ``fresh_s``: how long its newest and its oldest
-    record waited from their arrival in the source to this commit (onceflow.core.freshness)."""
+    record waited from their arrival in the source to this commit (onceflow.core.freshness).
+    ``earlier``: the txids the run committed before this one (a keep-up run carries on)."""
     parts = [f"txid {txid}", "committed", f"{records:,} record{'s' if records != 1 else ''}"]
     if fresh_s:
         newest, oldest = fresh_s
@@ -88,6 +90,9 @@ def committed(pipeline: str, txid: int, attempt: int, *, records: int, failed: i
         parts.append(f"waited {waited_s:.0f}s for txid {txid - 1}")
     if earlier_try:
         parts.append("on an earlier try of the commit task")
+    if earlier:
+        parts.append(f"after txid{'s' if len(earlier) > 1 else ''} "
+                     f"{', '.join(map(str, earlier))} in this run")
     return _note("committed", SEP.join(parts), pipeline, txid, attempt)
 
 
