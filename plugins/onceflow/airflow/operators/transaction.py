@@ -709,8 +709,9 @@ class _Commits(_PipelineTask):
                                           self.postgres_conn_id, self.poll_interval, deadline,
                                           lease_s=pipeline.handoff_lease_s),
                 method_name="execute_complete",
-                kwargs={"batch": self.batch, "earlier": [
-                    [t, rows, ranges] for t, rows, ranges in getattr(self, "_earlier", ())]},
+                kwargs={"batch": self.batch, **({"earlier": [
+                    [t, rows, ranges] for t, rows, ranges in self._earlier]}
+                    if getattr(self, "_earlier", ()) else {})},
             )
         if result.status == "committed":  # what a run that carries on gives again
             self._events = (ta.txid, dict(result.table_rows), list(result.ranges))
