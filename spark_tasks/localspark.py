@@ -291,8 +291,7 @@ def warm_up(url: str) -> float:
     started = time.monotonic()
 
     def decoded(batches):
-        # imported here: pyarrow is heavy: it loads only where files are read or written
-        import pyarrow as pa
+        import pyarrow as pa  # lazy: `import onceflow` loads no pyarrow
 
         records = JsonRecords("url string, n long")
         for batch in batches:

@@ -108,14 +108,17 @@ def test_the_shipped_library_imports_nothing_of_the_checkouts_own():
     assert not offenders, offenders
 
 
-def test_begin_and_commit_do_not_load_pyspark():
+def test_begin_and_commit_do_not_load_pyspark_or_pyarrow():
+    """Nor the CLI and the Airflow operators: pyarrow and numpy load in the functions that
+    read or write Arrow data (docs/design.md)."""
     code = (
         "import sys\n"
-        "import onceflow.airflow.operators, onceflow.airflow.triggers\n"
+        "import onceflow.airflow.operators, onceflow.airflow.triggers, onceflow.cli\n"
         "import onceflow.core.begin, onceflow.core.commit, onceflow.ops.status\n"
         "from onceflow.core.registry import pipelines\n"
         "assert pipelines(), 'no pipeline registered'\n"
-        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'pyspark'))\n"
+        "print(sorted(m for m in sys.modules\n"
+        "             if m.split('.')[0] in ('pyspark', 'pyarrow', 'numpy')))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout

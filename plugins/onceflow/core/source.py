@@ -155,8 +155,7 @@ class Source(ABC):
         partition and offset) of replayed backflow items ``(partition, offset, payload,
         replays)``: the payload, or its decoded columns and ``_problem``. A source whose
         records carry more than their payload adds those columns."""
-        # imported here: pyarrow loads only where records are read
-        import pyarrow as pa
+        import pyarrow as pa  # lazy: `import onceflow` loads no pyarrow
 
         payloads = [r[2] for r in rows]
         if self.records is None:

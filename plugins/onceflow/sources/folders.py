@@ -31,8 +31,7 @@ def require_folder(folder: str, filesystem=None, *, field: str | None = None) ->
     if filesystem is None:
         visible = os.path.isdir(folder)
     else:
-        # imported here: pyarrow is heavy: it loads only where files are read or written
-        from pyarrow import fs
+        from pyarrow import fs  # lazy: `import onceflow` loads no pyarrow
 
         visible = filesystem.get_file_info(folder).type == fs.FileType.Directory
     if not visible:

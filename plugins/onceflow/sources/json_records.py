@@ -99,8 +99,7 @@ class JsonRecords:
         return [name for name, _ in self.columns]
 
     def arrow_schema(self):
-        # imported here: pyarrow is heavy: it loads only where files are read or written
-        import pyarrow as pa
+        import pyarrow as pa  # lazy: `import onceflow` loads no pyarrow
 
         return pa.schema([*(pa.field(name, arrow_type(kind)) for name, kind in self.columns),
                           pa.field(CORRUPT, pa.string())])
@@ -110,8 +109,7 @@ class JsonRecords:
         ``_corrupt_record`` (a dict by name), and ``_problem``, why the spout refuses a line:
         over ``max_bytes`` bytes (then nothing is decoded), or a NUL byte (PostgreSQL text
         cannot keep its payload; such a line is never valid JSON)."""
-        # imported here: pyarrow is heavy: it loads only where files are read or written
-        import pyarrow as pa
+        import pyarrow as pa  # lazy: `import onceflow` loads no pyarrow
 
         decode, empty = _decoder(self.columns)
         errors = (msgspec.DecodeError, UnicodeDecodeError, RecursionError)
@@ -174,8 +172,7 @@ class JsonRecords:
         rows at most: partition, offset, the payloads decoded (the declared columns and
         ``_corrupt_record``) and ``_problem`` (see ``decode``): what a decoding source's
         reader task yields."""
-        # imported here: pyarrow is heavy: it loads only where files are read or written
-        import pyarrow as pa
+        import pyarrow as pa  # lazy: `import onceflow` loads no pyarrow
 
         for piece in table.to_batches(max_chunksize=max_rows):
             payloads = piece.column("payload")
@@ -216,8 +213,7 @@ class JsonSchemaSource(Source):
 
 def arrow_type(kind: str):
     """The Arrow type a declared column of Spark type ``kind`` is decoded into."""
-    # imported here: pyarrow is heavy: it loads only where files are read or written
-    import pyarrow as pa
+    import pyarrow as pa  # lazy: `import onceflow` loads no pyarrow
 
     return {"string": pa.string(), "boolean": pa.bool_(), "tinyint": pa.int8(),
             "smallint": pa.int16(), "int": pa.int32(), "bigint": pa.int64(),
@@ -226,8 +222,7 @@ def arrow_type(kind: str):
 
 def _sparse(n: int, values: dict[int, str]):
     """A string array of ``n`` nulls but at ``values``' positions."""
-    # imported here: pyarrow is heavy: it loads only where files are read or written
-    import pyarrow as pa
+    import pyarrow as pa  # lazy: `import onceflow` loads no pyarrow
 
     if not values:
         return pa.nulls(n, pa.string())

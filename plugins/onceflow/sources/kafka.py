@@ -437,7 +437,7 @@ class KafkaSource(JsonSchemaSource):
     def replay_columns(self, rows: Sequence[tuple[int, int, str, int]]):
         """A replayed record's value comes from the backflow; its key, timestamp and headers
         are read again from the broker (null where retention deleted the record since)."""
-        import pyarrow as pa
+        import pyarrow as pa  # lazy: `import onceflow` loads no pyarrow
 
         body = super().replay_columns(rows)
         wanted = sorted({(r[0], r[1]) for r in rows})
@@ -580,7 +580,7 @@ def _reader(config: dict[str, Any], conn_id: str, topic: str, records: JsonRecor
     ``records`` when the source declares a schema."""
 
     def read(batches: Iterator) -> Iterator:
-        import pyarrow as pa
+        import pyarrow as pa  # lazy: `import onceflow` loads no pyarrow
 
         kafka = consumer(config, timeout_s)
         try:

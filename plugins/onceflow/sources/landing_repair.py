@@ -182,8 +182,7 @@ def _check(source: LandingFolder, chunks: list[_Chunk], known_legacy: bool) -> t
         size = f.size()
         meta = None
         if source.format == "parquet" and chunks[0].crc is not None:
-            # imported here: pyarrow is heavy: it loads only where files are read or written
-            import pyarrow.parquet as pq
+            import pyarrow.parquet as pq  # lazy: `import onceflow` loads no pyarrow
 
             footer, _ = _parquet_footer(f)
             if f"{footer:08x}" != chunks[0].checksum:
@@ -317,8 +316,7 @@ def accept(cur, source: LandingFolder, change: ChangedFile) -> int:
     heads = dict(cur.fetchall())
     known = source._known(cur, [change.path])[change.path]
     filesystem, _ = _filesystem(source.path)
-    # imported here: pyarrow is heavy: it loads only where files are read or written
-    from pyarrow import fs
+    from pyarrow import fs  # lazy: `import onceflow` loads no pyarrow
 
     info = filesystem.get_file_info(change.path)
     if info.type != fs.FileType.File:

@@ -78,9 +78,8 @@ def copy_records(cur, statement: str):
     """In a Spark task: run one ``COPY (SELECT partition, offset, payload ...) TO STDOUT
     (FORMAT csv)`` and parse its CSV with Arrow. The records as an Arrow table, None when
     there are none."""
-    # imported here: pyarrow is heavy: it loads only where files are read or written
-    import pyarrow as pa
-    from pyarrow import csv as pacsv
+    import pyarrow as pa  # lazy: `import onceflow` loads no pyarrow
+    from pyarrow import csv as pacsv  # lazy: `import onceflow` loads no pyarrow
 
     buf = io.BytesIO()
     cur.copy_expert(statement, buf)

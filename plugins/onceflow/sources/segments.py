@@ -55,8 +55,7 @@ from onceflow.sources.pglog import check_payload
 log = logging.getLogger(__name__)
 
 def _schema():
-    # imported here: pyarrow is heavy: it loads only where files are read or written
-    import pyarrow as pa
+    import pyarrow as pa  # lazy: `import onceflow` loads no pyarrow
 
     return pa.schema([("partition", pa.int32()), ("offset", pa.int64()),
                       ("payload", pa.string()), ("produced_at", pa.timestamp("us", tz="UTC"))])
@@ -76,8 +75,7 @@ ROW_GROUP_ROWS = 32_768
 
 
 def _write_segment(path: Path, table) -> None:
-    # imported here: pyarrow is heavy: it loads only where files are read or written
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # lazy: `import onceflow` loads no pyarrow
 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
@@ -93,8 +91,7 @@ def _write_segment(path: Path, table) -> None:
 def write_segment(path: Path, partition: int, base: int, records: list[str], now: datetime):
     """One segment file of ``records`` at offsets ``base``... of ``partition``, not indexed
     (produce_segments indexes it); returns its payloads as an Arrow array."""
-    # imported here: pyarrow is heavy: it loads only where files are read or written
-    import pyarrow as pa
+    import pyarrow as pa  # lazy: `import onceflow` loads no pyarrow
 
     payload = pa.array(records, pa.string())
     _write_segment(path, pa.table({
@@ -110,8 +107,7 @@ def _largest(payloads) -> int | None:
     """The byte length of the longest of ``payloads`` (an Arrow string array) when none holds
     a NUL character, else None: what a batch's may_refuse compares with max_record_bytes
     (the spout refuses a record over it, or one with a NUL)."""
-    # imported here: pyarrow is heavy: it loads only where files are read or written
-    import pyarrow.compute as pc
+    import pyarrow.compute as pc  # lazy: `import onceflow` loads no pyarrow
 
     if not len(payloads) or pc.any(pc.match_substring(payloads, "\x00")).as_py():
         return None
@@ -209,8 +205,7 @@ def _aligned(segment, base: int, offsets):
     ``offsets``, in their order (null where it holds none). A segment holds consecutive
     offsets from its base in order, so offset o is row o - base; a file that does not
     (not written by onceflow) is joined on offset instead."""
-    # imported here: pyarrow is heavy: it loads only where files are read or written
-    import pyarrow.compute as pc
+    import pyarrow.compute as pc  # lazy: `import onceflow` loads no pyarrow
 
     low, high = pc.min(offsets).as_py() - base, pc.max(offsets).as_py() - base
     if segment.num_rows and low >= 0 and high < segment.num_rows:
@@ -219,8 +214,7 @@ def _aligned(segment, base: int, offsets):
                  else segment.take(pc.subtract(offsets, base)))
         if pc.all(pc.equal(taken.column("offset"), offsets)).as_py():
             return taken.column("payload")
-    # imported here: pyarrow is heavy: it loads only where files are read or written
-    import pyarrow as pa
+    import pyarrow as pa  # lazy: `import onceflow` loads no pyarrow
 
     mine = pa.table({"offset": offsets, "at": pa.array(range(len(offsets)), pa.int64())})
     joined = mine.join(segment, keys="offset", join_type="left outer").sort_by("at")
@@ -232,12 +226,9 @@ def _differing(cur, topic: str, partition: int, rows):
     the one the log holds, ascending (a numpy array): each overlapping segment is read once
     (offset and payload only, the row groups that meet the rows' offsets) and compared with
     the rows it holds, column against column."""
-    # imported here: numpy is heavy: it loads only with the Arrow data it serves
-    import numpy as np
-
-    # imported here: pyarrow is heavy: it loads only where files are read or written
-    import pyarrow.compute as pc
-    import pyarrow.parquet as pq
+    import numpy as np  # lazy: `import onceflow` loads no numpy
+    import pyarrow.compute as pc  # lazy: `import onceflow` loads no pyarrow
+    import pyarrow.parquet as pq  # lazy: `import onceflow` loads no pyarrow
 
     offsets = rows.column("offset")
     low, high = pc.min(offsets).as_py(), pc.max(offsets).as_py() + 1
@@ -273,12 +264,9 @@ def _differing(cur, topic: str, partition: int, rows):
 def _unique_offsets(topic: str, partition: int, rows):
     """``rows`` (sorted by offset) with repeated records dropped; ImportConflict when the
     import holds two payloads for one offset (no flag can choose between them)."""
-    # imported here: numpy is heavy: it loads only with the Arrow data it serves
-    import numpy as np
-
-    # imported here: pyarrow is heavy: it loads only where files are read or written
-    import pyarrow as pa
-    import pyarrow.compute as pc
+    import numpy as np  # lazy: `import onceflow` loads no numpy
+    import pyarrow as pa  # lazy: `import onceflow` loads no pyarrow
+    import pyarrow.compute as pc  # lazy: `import onceflow` loads no pyarrow
 
     numbers = rows.column("offset").to_numpy()
     repeated = numbers[1:] == numbers[:-1]
@@ -313,12 +301,9 @@ def import_segments(conn, root: Path, topic: str, table, *, chunk_size: int = 40
     no "replace": a batch may have read those offsets, and a record read differently on a
     re-run would break exactly-once. Anything else wrong is refused (ConfigError naming the
     partition and the offsets). Every refusal comes before a file is written."""
-    # imported here: numpy is heavy: it loads only with the Arrow data it serves
-    import numpy as np
-
-    # imported here: pyarrow is heavy: it loads only where files are read or written
-    import pyarrow as pa
-    import pyarrow.compute as pc
+    import numpy as np  # lazy: `import onceflow` loads no numpy
+    import pyarrow as pa  # lazy: `import onceflow` loads no pyarrow
+    import pyarrow.compute as pc  # lazy: `import onceflow` loads no pyarrow
 
     if on_conflict not in ON_CONFLICT:
         raise ConfigError(f"on_conflict={on_conflict!r} is invalid: give one of "
@@ -432,10 +417,9 @@ def _has_segments(cur, topic: str, partition: int) -> bool:
 def read_export(paths: Iterable[str]):
     """Records with their partition and offset from Parquet or JSON-lines files (fields
     partition, offset, payload), as one Arrow table."""
-    # imported here: pyarrow is heavy: it loads only where files are read or written
-    import pyarrow as pa
-    import pyarrow.json as pajson
-    import pyarrow.parquet as pq
+    import pyarrow as pa  # lazy: `import onceflow` loads no pyarrow
+    import pyarrow.json as pajson  # lazy: `import onceflow` loads no pyarrow
+    import pyarrow.parquet as pq  # lazy: `import onceflow` loads no pyarrow
 
     tables = []
     for path in paths:
@@ -505,9 +489,8 @@ def row_groups(meta, ranges: Iterable[PartitionRange]) -> list[int]:
 def read_ranges(path: str, ranges: Iterable[PartitionRange], columns: list[str]):
     """The rows of the segment at ``path`` within ``ranges`` (``columns`` of them, as an Arrow
     table in file order), decoding only the row groups whose statistics meet the ranges."""
-    # imported here: pyarrow is heavy: it loads only where files are read or written
-    import pyarrow.compute as pc
-    import pyarrow.parquet as pq
+    import pyarrow.compute as pc  # lazy: `import onceflow` loads no pyarrow
+    import pyarrow.parquet as pq  # lazy: `import onceflow` loads no pyarrow
 
     ranges = list(ranges)
     with pq.ParquetFile(path) as f:

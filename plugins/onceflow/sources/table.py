@@ -712,10 +712,9 @@ def _direct_reader(dsn: str, records: JsonRecords,
     """The Spark task of a direct read (TableSource._direct_select): each chunk's CSV parsed
     by Arrow into the declared types; the clean rows yielded as read, the rows that carry a
     payload decoded by ``records`` (corrupt or oversized exactly as the decoder says)."""
-    # imported here: pyarrow is heavy: it loads only where files are read or written
-    import pyarrow as pa
-    import pyarrow.compute as pc
-    from pyarrow import csv as pacsv
+    import pyarrow as pa  # lazy: `import onceflow` loads no pyarrow
+    import pyarrow.compute as pc  # lazy: `import onceflow` loads no pyarrow
+    from pyarrow import csv as pacsv  # lazy: `import onceflow` loads no pyarrow
 
     present = [(f"c{n}", kind) for n, (_, kind, pg_type) in enumerate(fields)
                if pg_type is not None]
