@@ -9,6 +9,8 @@
 #   bash run.sh demo ui | demo onceflow ARGS...   the UI or any `onceflow` command with the
 #                       examples' pipelines registered
 #   bash run.sh test    the whole test suite (pytest; extra arguments go to pytest)
+#   bash run.sh bench SCRIPT ARGS...   a benchmark (bench/SCRIPT.py) with the examples'
+#                       pipelines registered (bench/README.md)
 #   bash run.sh ui      the Airflow UI on http://127.0.0.1:8080 (airflow standalone)
 #   bash run.sh onceflow ARGS...   any `onceflow` command inside the project's environment
 #
@@ -86,7 +88,12 @@ case "$cmd" in
       *) need_java; exec python -m tweets_example.demo "$@" ;;
     esac ;;
   test) need_java; exec python -m pytest "$@" ;;
+  bench)
+    if [ $# -eq 0 ]; then echo "usage: bash run.sh bench SCRIPT ARGS (the scripts: bench/README.md)" >&2; exit 2; fi
+    script=${1%.py}; shift
+    if [ ! -f "bench/$script.py" ]; then echo "onceflow: no benchmark bench/$script.py (the scripts: bench/README.md)" >&2; exit 2; fi
+    with_examples; need_java; exec python "bench/$script.py" "$@" ;;
   ui) exec onceflow ui "$@" ;;
   onceflow) exec onceflow "$@" ;;
-  *) echo "usage: bash run.sh demo|test|ui|onceflow ARGS (see the top of run.sh)" >&2; exit 2 ;;
+  *) echo "usage: bash run.sh demo|test|bench|ui|onceflow ARGS (see the top of run.sh)" >&2; exit 2 ;;
 esac

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -18,13 +17,12 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchkit import free_port, recreate_database
 
+from onceflow.airflow.dag_file import TEXT as DAG_FILE
+from onceflow.airflow.environment import airflow_healthy, served_airflow_env
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+HERE = Path(__file__).resolve().parent
 
 
 def _query(dsn: str, query: str, params=()):
@@ -268,8 +266,6 @@ def run_airflow(dsn: str, server: str, spark_url: str, folder: Path, pipelines: 
     from onceflow.core.db import connection
     from onceflow.core.registration import register
     from onceflow.core.registry import get_pipeline
-    from onceflow.dev.localenv import airflow_healthy, served_airflow_env
-    from onceflow.dev.localpg import recreate_database
 
     with connection(dsn) as conn:  # what `onceflow init` does on a user's machine
         for pipeline in pipelines:
@@ -280,9 +276,9 @@ def run_airflow(dsn: str, server: str, spark_url: str, folder: Path, pipelines: 
     home = Path(tempfile.mkdtemp(prefix="onceflow-bench-airflow-"))
     dags = home / "dags"  # the project's DAG file and the warm-up DAG
     dags.mkdir()
-    shutil.copy(ROOT / "dags" / "onceflow_pipelines.py", dags)
-    shutil.copy(ROOT / "bench" / "airflow_dags" / "bench_warm_up.py", dags)
-    api_port = _free_port()
+    (dags / "onceflow_pipelines.py").write_text(DAG_FILE)  # what `onceflow dags` prints
+    shutil.copy(HERE / "airflow_dags" / "bench_warm_up.py", dags)
+    api_port = free_port()
     host, _, port = spark_url.removeprefix("sc://").partition(":")
     env = {
         **os.environ,

@@ -1,7 +1,7 @@
 """What the acker costs: the example topology with the acker on and off, same data, same
 batches, and the acker's state per root.
 
-    .venv/bin/python bench/bench_acker.py --events 10000000 --batch-size 1000000
+    python bench/bench_acker.py --events 10000000 --batch-size 1000000
 
 The events (demo tweets, with the default shares of malformed, poison and flaky ones) are
 generated once into a Parquet file under .run/bench-acker/ and read back by Spark, so the
@@ -21,12 +21,11 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+from benchkit import need_examples, project_dir
 
 from onceflow.core.registry import get_pipeline
-from onceflow.dev import use_examples
-from onceflow.dev.localenv import project_dir
 
-use_examples()  # the checkout's examples (code, pipelines), as `bash run.sh demo` has them
+need_examples()  # the examples' code and pipelines (bench/README.md)
 
 from tweets_example.data import generate  # noqa: E402
 

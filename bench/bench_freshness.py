@@ -1,7 +1,7 @@
 """Freshness of a kept-up pipeline through a real Airflow, beside Structured Streaming's
 trigger-interval latency on the same records, and what the watcher costs when idle.
 
-    .venv/bin/python bench/bench_freshness.py --rate 1000,10000,50000 --seconds 60 --idle 600
+    python bench/bench_freshness.py --rate 1000,10000,50000 --seconds 60 --idle 600
 
 Per rate R, a producer makes R records/s for --seconds (a chunk of R/4 records every 0.25 s,
 on a schedule: a slow chunk does not lower the rate), each record ``{"k": KEY, "t":
@@ -64,11 +64,11 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from benchkit import loadavg, warm_spark_connect
+from benchkit import free_port, loadavg, recreate_database, server_dsn, warm_spark_connect
+
+from onceflow.airflow.dag_file import TEXT as DAG_FILE
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-sys.path.insert(0, str(HERE))
 
 TICK = 0.25  # seconds between two chunks of a producer
 KEYS = 997  # record i has the key k{i % KEYS}
@@ -116,14 +116,13 @@ class Deployment:
     COMPONENTS = ("api-server", "scheduler", "dag-processor", "triggerer")
 
     def __init__(self, home: Path, meta: str, dsn: str, spark_port: int, spec: dict):
-        from airflow_run import _free_port
 
-        from onceflow.dev.localenv import served_airflow_env, spark_connection
+        from onceflow.airflow.environment import served_airflow_env, spark_connection
 
         self.home, self.meta, self.dsn = home, meta, dsn
-        self.api_port = _free_port()
+        self.api_port = free_port()
         (home / "dags").mkdir(parents=True)
-        shutil.copy(ROOT / "dags" / "onceflow_pipelines.py", home / "dags")
+        (home / "dags" / "onceflow_pipelines.py").write_text(DAG_FILE)  # `onceflow dags`
         keep = {k: v for k, v in os.environ.items()
                 if not k.startswith(("AIRFLOW", "ONCEFLOW", "SPARK", "PYSPARK"))}
         self.env = {
@@ -153,7 +152,7 @@ class Deployment:
 
     def start(self, dag_ids: list[str]) -> None:
         from onceflow.airflow import airflow_cli
-        from onceflow.dev.localenv import airflow_healthy
+        from onceflow.airflow.environment import airflow_healthy
 
         self.cli("db", "migrate")
         for name in self.COMPONENTS:
@@ -332,7 +331,6 @@ def run_onceflow(args, server: str, spec: dict) -> tuple[list[dict], dict | None
     from onceflow.core.db import connection
     from onceflow.core.registration import register
     from onceflow.core.registry import clear_cache, get_pipeline
-    from onceflow.dev.localpg import recreate_database
     from onceflow.spark import localspark
 
     clear_cache()
@@ -419,7 +417,6 @@ def streaming_rate(spark, server: str, folder: Path, rate: int, seconds: float,
     from airflow_run import _query
 
     from onceflow.core.db import connection
-    from onceflow.dev.localpg import recreate_database
 
     dsn = recreate_database(server, "onceflow_bench_freshness_ss", migrate=False)
     with connection(dsn) as conn, conn.cursor() as cur:
@@ -585,9 +582,8 @@ def main(argv: list[str] | None = None) -> int:
     shutil.rmtree(args.folder, ignore_errors=True)
     args.folder.mkdir(parents=True)
 
-    from onceflow.dev.localpg import ensure_postgres
 
-    server, _ = ensure_postgres(Path.cwd())
+    server, _ = server_dsn()
     print(f"load average before: {loadavg()}", flush=True)
     results, quiet = [], None
     if "onceflow" in systems:

@@ -1,7 +1,7 @@
 """A kept-up pipeline draining a backlog through a real Airflow: how many transactions are in
 flight, and how long records wait for a plan after a commit.
 
-    .venv/bin/python bench/bench_keepup_drain.py --records 1000000 --batch-size 20000
+    python bench/bench_keepup_drain.py --records 1000000 --batch-size 20000
 
 The pipeline is bench/freshness_pipelines.py's (``keep_up=True``, counts per key, the topology
 in the JVM only, a one-task DAG, a PostgreSQL log of two partitions) with ``max_pending``
@@ -13,7 +13,7 @@ started by hand; processing on a local Spark Connect server, started and warmed 
 
 Once the watcher runs, --records records are appended to the log at once (the backlog), and
 the benchmark waits until every one is committed. The figures come from the transactions'
-own timestamps (``planned_at`` to ``committed_at``: onceflow_testing.drain):
+own timestamps (``planned_at`` to ``committed_at``: onceflow.ops.drain):
 
 - **in flight while records wait**: the transactions open on average from the first plan to
   the last (records waited unplanned all that time);
@@ -38,11 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchkit import loadavg, warm_spark_connect
-
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent / "tests"))  # onceflow_testing.drain: the measure
+from benchkit import loadavg, recreate_database, server_dsn, warm_spark_connect
 
 RATE = 1000  # the name of the pipeline (fresh_<RATE>); the sizes are given, not derived
 
@@ -54,9 +50,8 @@ def run(args, server: str, spec: dict) -> dict:
     from onceflow.core.db import connection
     from onceflow.core.registration import register
     from onceflow.core.registry import clear_cache, get_pipeline
-    from onceflow.dev.localpg import recreate_database
+    from onceflow.ops import drain
     from onceflow.spark import localspark
-    from onceflow_testing import drain
 
     clear_cache()
     name = freshness_pipelines.name(RATE)
@@ -148,9 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     shutil.rmtree(args.folder, ignore_errors=True)
     args.folder.mkdir(parents=True)
 
-    from onceflow.dev.localpg import ensure_postgres
-
-    server, _ = ensure_postgres(Path.cwd())
+    server, _ = server_dsn()
     print(f"load average before: {loadavg()}", flush=True)
     result = run(args, server, spec)
     print(line(result), flush=True)

@@ -2,7 +2,7 @@
 one look (onceflow.core.keepup.look) in the watcher's process and in its PostgreSQL backend,
 on a pipeline with a long history and no new record.
 
-    .venv/bin/python bench/bench_keepup_look.py --txids 2000 --files 1000 --seconds 20
+    python bench/bench_keepup_look.py --txids 2000 --files 1000 --seconds 20
 
 Two sources: a PostgreSQL log (4 partitions) whose ``--txids`` transactions are all
 committed, and a landing folder of ``--files`` indexed files (each look lists the folder).
@@ -22,17 +22,15 @@ import time
 from pathlib import Path
 
 import psutil
+from benchkit import need_examples, recreate_database, server_dsn
 
 from onceflow.core import db, keepup
 from onceflow.core.begin import begin
 from onceflow.core.registration import register
 from onceflow.core.registry import get_pipeline
-from onceflow.dev import use_examples
-from onceflow.dev.localenv import project_dir
-from onceflow.dev.localpg import ensure_postgres, recreate_database
 from onceflow.sources.landing import LandingFolder
 
-use_examples()  # the tweets example's declaration, as `bash run.sh demo` has it
+need_examples()  # the examples' code and pipelines (bench/README.md)
 
 
 def history(conn, pipeline, txids: int, per_txid: int) -> None:
@@ -83,7 +81,7 @@ def main() -> None:
     parser.add_argument("--files", type=int, default=1000)
     parser.add_argument("--seconds", type=float, default=20.0)
     args = parser.parse_args()
-    server, how = ensure_postgres(project_dir())
+    server, how = server_dsn()
     dsn = recreate_database(server, "onceflow_bench_keepup")
     conn = db.connect(dsn)
     print(f"PostgreSQL: {how}; load average {os.getloadavg()[0]:.2f}")

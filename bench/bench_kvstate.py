@@ -1,6 +1,6 @@
 """Cost of the key-value state of stateful bolts (onceflow.kvstate), per provider.
 
-    .venv/bin/python bench/bench_kvstate.py --keys 100000 --changes 10000
+    python bench/bench_kvstate.py --keys 100000 --changes 10000
 
 Per provider it prints:
 - seed: prepare + commit of --keys new keys (txid 1);
@@ -11,7 +11,7 @@ Per provider it prints:
 - replay commit: the same, when an earlier attempt of the txid already reached the store (keys
   it wrote and the replay does not change are put back).
 
-PostgreSQL: ONCEFLOW_PG_DSN's server (or one found like `onceflow pg`), a database of its own
+PostgreSQL: ONCEFLOW_PG_DSN's server (else the one on 127.0.0.1:5432), a database of its own
 (onceflow_bench_kv, dropped at the start). Redis: --redis-host/--redis-port (a key prefix of
 its own, deleted at the end).
 """
@@ -23,11 +23,9 @@ import statistics
 import uuid
 
 import redis
-from benchkit import migrated_database, timed
+from benchkit import migrated_database, server_dsn, timed
 
 from onceflow.core.txlog import TransactionAttempt
-from onceflow.dev.localenv import project_dir
-from onceflow.dev.localpg import ensure_postgres
 from onceflow.kvstate import KeyValueState, open_provider
 
 PIPELINE, BOLT, NS = "bench", "counter", "s0"
@@ -91,7 +89,7 @@ def main() -> None:
     parser.add_argument("--redis-port", type=int, default=6379)
     args = parser.parse_args()
 
-    server, how = ensure_postgres(project_dir())
+    server, how = server_dsn()
     dsn = migrated_database(server, "onceflow_bench_kv")
     prefix = f"onceflow-bench-{uuid.uuid4().hex[:8]}:"
     configs = {

@@ -9,7 +9,7 @@ then read whole, several times, by
 
 The best of ``--rounds`` passes is printed for each (a shared machine's noise only adds).
 
-    .venv/bin/python bench/bench_landing_reader.py --lines 1000000 --rounds 5
+    python bench/bench_landing_reader.py --lines 1000000 --rounds 5
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import os
 import time
 from pathlib import Path
 
-from onceflow.dev.localenv import project_dir
+from benchkit import project_dir
 
 
 def landed_file(lines: int) -> Path:

@@ -1,7 +1,7 @@
 """How cost grows: with the events, the distinct keys a batch changes, the transactions in
 flight, and the committed history (issue 39's scaling table).
 
-    .venv/bin/python bench/bench_scaling.py --parts events,keys,inflight,history
+    python bench/bench_scaling.py --parts events,keys,inflight,history
 
 Parts (--parts, comma-separated):
 
@@ -27,8 +27,8 @@ Uses a database of its own (onceflow_bench_scaling, dropped at the start of each
 segments folder under /var/tmp/onceflow-bench-scaling. Prints the load average before and
 after each part. Larger sizes (not run in CI; minutes to hours on a small machine):
 
-    .venv/bin/python bench/bench_scaling.py --parts events --sizes 10000000,100000000
-    .venv/bin/python bench/bench_scaling.py --parts keys --keys 10000000
+    python bench/bench_scaling.py --parts events --sizes 10000000,100000000
+    python bench/bench_scaling.py --parts keys --keys 10000000
 """
 
 from __future__ import annotations
@@ -42,14 +42,10 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+from benchkit import loadavg, migrated_database, need_examples, server_dsn, timed
 
-from onceflow.dev import use_examples  # noqa: E402
+need_examples()  # the examples' code and pipelines (bench/README.md)
 
-use_examples()  # the checkout's examples (the tweets generator), as `bash run.sh demo` has them
-
-from benchkit import loadavg, migrated_database, timed  # noqa: E402
 
 from onceflow import FileSegments, Pipeline, PostgresLog, StateSpec  # noqa: E402
 from onceflow.core.begin import begin  # noqa: E402
@@ -288,10 +284,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.key_rounds < 1 or args.history < 1:
         parser.error("--key-rounds and --history: give 1 or more")
 
-    from onceflow.dev.localenv import project_dir
-    from onceflow.dev.localpg import ensure_postgres
 
-    server, how = ensure_postgres(project_dir())
+    server, how = server_dsn()
     print(f"PostgreSQL: {how}; load average {loadavg()}", flush=True)
     ok = True
     spark = None

@@ -30,9 +30,9 @@ with a shared machine's load.
 ``--spark-connect URL`` runs it through that Spark Connect server (the library path), else
 in a local session.
 
-    .venv/bin/python bench/compare.py --events 1000000 --batches 2 --systems streaming \\
+    python bench/compare.py --events 1000000 --batches 2 --systems streaming \\
         --sources landing-json --acker-events 0 --folder /var/tmp/seg-bench
-    .venv/bin/python bench/bench_segment_batch.py --folder /var/tmp/seg-bench \\
+    python bench/bench_segment_batch.py --folder /var/tmp/seg-bench \\
         --events 500000 [--spark-connect sc://127.0.0.1:15002]
 """
 
@@ -46,14 +46,10 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+from benchkit import loadavg, need_examples, recreate_database, server_dsn
 
-from onceflow.dev import use_examples  # noqa: E402
+need_examples()  # the examples' code and pipelines (bench/README.md)
 
-use_examples()
-
-from benchkit import loadavg  # noqa: E402
 
 
 def jvm_cpu(pid: int | None) -> float:
@@ -111,13 +107,12 @@ def main() -> int:
     from onceflow.core.db import connection, transaction
     from onceflow.core.planner import PartitionRange
     from onceflow.core.registration import register
-    from onceflow.dev.localpg import ensure_postgres, recreate_database
     from onceflow.spark.processing import process_batch
     from onceflow.spark.records import batch_records
     from onceflow.spark.runner import run_topology
     from onceflow.spark.session import connect_session, get_spark
 
-    server, _ = ensure_postgres(Path.cwd())
+    server, _ = server_dsn()
     dsn = recreate_database(server, "onceflow_bench_segment_batch")
     fill(dsn, ["segments"], files, args.folder)
     segments, landing = SOURCES["segments"], SOURCES["landing-json"]

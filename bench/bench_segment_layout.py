@@ -5,9 +5,9 @@ of every partition, starting at ``--start``) are read with Spark (the batch's re
 range filter pushed down; every payload decoded) and with payloads()'s reader
 (onceflow.sources.segments.read_ranges). Best of ``--repeat``.
 
-    .venv/bin/python bench/bench_sources.py --kinds files --import --partitions 8 \\
+    python bench/bench_sources.py --kinds files --import --partitions 8 \\
         --events 3200000 --batch-size 1000000
-    .venv/bin/python bench/bench_segment_layout.py --start 125000 --per-partition 125000
+    python bench/bench_segment_layout.py --start 125000 --per-partition 125000
 
 Layouts: ``one`` (one row group per segment, as segments were written before), ``rgN`` (row
 groups of N rows), ``rgN+pages`` (the same, with the page index and pages of at most 8,192
@@ -23,9 +23,9 @@ import shutil
 import time
 
 import pyarrow.parquet as pq
+from benchkit import project_dir
 
 from onceflow.core.planner import PartitionRange
-from onceflow.dev.localenv import project_dir
 from onceflow.sources.segments import SPARK_SCHEMA, read_ranges
 
 LAYOUTS = "one,rg32768,rg65536,rg131072,rg65536+pages"

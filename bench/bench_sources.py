@@ -1,7 +1,7 @@
 """Read N demo events through the processing phase from each source kind: the PostgreSQL log
 (COPY through mapInArrow) and the file-segment log (Spark's Parquet reader).
 
-    .venv/bin/python bench/bench_sources.py --events 10000000 --batch-size 2500000
+    python bench/bench_sources.py --events 10000000 --batch-size 2500000
 
 Prints, per kind: produce time, then processing events/s (transform and staging included;
 the Spark session start is reported apart), and verify. Uses a database of its own
@@ -12,7 +12,7 @@ as `onceflow import` writes them (400,000 records per partition), batches smalle
 segment, each batch's begin / processing / commit time and a Python read of its ranges
 (``payloads``, as verify reads them):
 
-    .venv/bin/python bench/bench_sources.py --kinds files --import --partitions 8 \
+    python bench/bench_sources.py --kinds files --import --partitions 8 \
         --events 3200000 --batch-size 1000000 --batches 2
 
 ``--row-group-rows N`` writes the segments with N rows per row group instead of
@@ -27,18 +27,17 @@ import os
 import shutil
 import time
 
+from benchkit import need_examples, project_dir, recreate_database, server_dsn
+
 from onceflow.core import db
 from onceflow.core.begin import begin
 from onceflow.core.commit import commit
 from onceflow.core.registration import register
 from onceflow.core.registry import get_pipeline
-from onceflow.dev import use_examples
-from onceflow.dev.localenv import project_dir
-from onceflow.dev.localpg import ensure_postgres, recreate_database
 from onceflow.sources.pglog import PostgresLog
 from onceflow.sources.segments import FileSegments, import_segments, produce_segments
 
-use_examples()  # the checkout's examples (code, pipelines), as `bash run.sh demo` has them
+need_examples()  # the examples' code and pipelines (bench/README.md)
 
 from tweets_example.data import generate  # noqa: E402
 
@@ -63,7 +62,7 @@ def main() -> None:
 
         segments.ROW_GROUP_ROWS = args.row_group_rows
 
-    server, how = ensure_postgres(project_dir())
+    server, how = server_dsn()
     dsn = recreate_database(server, "onceflow_bench_sources", migrate=False)
     conn = db.connect(dsn)
     db.migrate(conn)

@@ -1,11 +1,11 @@
 """Throughput of whole transactions (begin -> process -> commit), phase functions called
 directly with one warm SparkSession, on a fresh database.
 
-    .venv/bin/python bench/bench_transactions.py --events 1000000 --batch-size 250000
+    python bench/bench_transactions.py --events 1000000 --batch-size 250000
 
 Prints the Spark session start apart, then per transaction and overall: events/s of the
 processing phase, commit seconds, and end-to-end events/s. Uses ONCEFLOW_PG_DSN's server (or
-finds one like `onceflow pg`) and a database of its own (onceflow_bench), dropped at the start.
+the one on 127.0.0.1:5432) and a database of its own (onceflow_bench), dropped at the start.
 """
 
 from __future__ import annotations
@@ -13,18 +13,16 @@ from __future__ import annotations
 import argparse
 import time
 
-from helpers import produce
+from benchkit import need_examples, recreate_database, server_dsn
+
 from onceflow.core import db
 from onceflow.core.begin import begin
 from onceflow.core.commit import commit
 from onceflow.core.registration import register
 from onceflow.core.registry import get_pipeline
-from onceflow.dev import use_examples
-from onceflow.dev.localenv import project_dir
-from onceflow.dev.localpg import ensure_postgres, recreate_database
 from onceflow.ops.verify import recount as verify
 
-use_examples()  # the checkout's examples (code, pipelines), as `bash run.sh demo` has them
+need_examples()  # the examples' code and pipelines (bench/README.md)
 
 from tweets_example.data import generate  # noqa: E402
 
@@ -37,14 +35,14 @@ def main() -> None:
     parser.add_argument("--verify", action="store_true", help="run verify at the end")
     args = parser.parse_args()
 
-    server, how = ensure_postgres(project_dir())
+    server, how = server_dsn()
     dsn = recreate_database(server, "onceflow_bench")
     conn = db.connect(dsn)
     db.migrate(conn)
     pipeline = get_pipeline("tweets", batch_size=args.batch_size)
     register(conn, pipeline, create_source=True)
     t = time.monotonic()
-    produce(conn, pipeline.topic, generate(args.events, seed=1))
+    pipeline.source.append(conn, generate(args.events, seed=1))
     print(f"PostgreSQL: {how}; produced {args.events} events in {time.monotonic() - t:.1f}s")
 
     from onceflow.spark.processing import process_batch

@@ -1,21 +1,98 @@
-"""Pieces the bench scripts share: the load average, a migrated database of a script's own,
-a timer, a warm Spark Connect server."""
+"""Pieces the bench scripts share: the PostgreSQL they use and the databases of their own on it,
+the examples they run, the load average, a timer, a warm Spark Connect server, CPU seconds by
+process. They need the installed onceflow and its examples only (bench/README.md), none of
+onceflow's checkout."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import socket
+import sys
 import threading
 import time
 from pathlib import Path
 
 import psycopg2
+from psycopg2 import sql
 
-from onceflow.core import db
-from onceflow.dev.localpg import recreate_database
+from onceflow.core import db, settings
 
 # The bench databases' names begin with this (ONCEFLOW_BENCH_DB): runs of two checkouts on
 # one shared server keep apart by giving different ones.
 DB = os.environ.get("ONCEFLOW_BENCH_DB", "onceflow_bench")
+EXAMPLES = {"tweets_example": "examples/tweets", "orders_example": "examples/orders"}
+
+
+def need_examples() -> None:
+    """Exit, saying how to install them, unless the examples' packages (their data generators,
+    topologies and pipelines, which every benchmark runs) import here."""
+    missing = [path for name, path in EXAMPLES.items() if importlib.util.find_spec(name) is None]
+    if missing:
+        print(f"bench: the benchmarks run onceflow's examples, and {', '.join(missing)} is not "
+              f"installed for {sys.executable}: pip install {' '.join('./' + m for m in missing)}"
+              " (from onceflow's repository), or in its checkout run the script through "
+              "`bash run.sh bench SCRIPT.py`", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def project_dir() -> Path:
+    """Where a script keeps its files (under ``.run/``): ``ONCEFLOW_HOME``, else the current
+    directory."""
+    return Path(settings.get("home") or Path.cwd())
+
+
+def _answers(dsn: str) -> bool:
+    try:
+        psycopg2.connect(db.with_database(dsn, "postgres"), connect_timeout=3).close()
+        return True
+    except psycopg2.OperationalError:
+        return False
+
+
+def server_dsn() -> tuple[str, str]:
+    """The PostgreSQL server the benchmarks make their databases on, and how it was found:
+    ``ONCEFLOW_PG_DSN``, else the server on 127.0.0.1:5432 (user postgres). Exits, saying
+    so, when neither answers."""
+    if settings.get("pg_dsn"):
+        return settings.get("pg_dsn"), settings.env_name("pg_dsn")
+    if _answers(db.DEFAULT_DSN):
+        return db.DEFAULT_DSN, "the PostgreSQL server on 127.0.0.1:5432"
+    print(f"bench: no PostgreSQL answers on 127.0.0.1:5432 and {settings.env_name('pg_dsn')} "
+          "is not set: set it to a server the benchmark may create databases on (in onceflow's "
+          "checkout, `export ONCEFLOW_PG_DSN=$(bash run.sh onceflow pg)` starts a throwaway "
+          "one)", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def recreate_database(server: str, name: str, *, migrate: bool = True) -> str:
+    """The benchmark's own database ``name`` (``onceflow_bench...``, its prefix replaced by
+    DB) on the server, dropped if it exists and created again, empty (with onceflow's schema
+    when ``migrate``); its DSN. Never a user's database."""
+    if not name.startswith(DB):
+        if not name.startswith("onceflow_bench"):
+            raise ValueError(f"{name!r}: a benchmark's database is named onceflow_bench...")
+        name = DB + name[len("onceflow_bench"):]
+    admin = psycopg2.connect(db.with_database(server, "postgres"))
+    admin.autocommit = True
+    try:
+        with admin.cursor() as cur:
+            cur.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
+                sql.Identifier(name)))
+            cur.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    finally:
+        admin.close()
+    dsn = db.with_database(server, name)
+    if migrate:
+        with db.connection(dsn) as conn:
+            db.migrate(conn)
+    return dsn
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def loadavg() -> str:
@@ -24,12 +101,9 @@ def loadavg() -> str:
     return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
 
-def migrated_database(server_dsn: str, name: str) -> str:
+def migrated_database(server: str, name: str) -> str:
     """A fresh database ``name`` (dropped first) with onceflow's schema; its DSN."""
-    dsn = recreate_database(server_dsn, name, migrate=False)
-    with db.connection(dsn) as conn:
-        db.migrate(conn)
-    return dsn
+    return recreate_database(server, name)
 
 
 def timed(fn):
@@ -43,11 +117,9 @@ def warm_spark_connect(folder: Path) -> tuple[int, str]:
     """A local Spark Connect server on a free port, keeping its files in ``folder``, warmed up
     before any clock starts (its start and warm-up printed apart). (port, url); stop it with
     onceflow.spark.localspark.stop(port, folder=folder)."""
-    from airflow_run import _free_port
+    from onceflow.spark import localspark  # pyspark's: only the scripts that start a server
 
-    from onceflow.spark import localspark
-
-    port, started = _free_port(), time.monotonic()
+    port, started = free_port(), time.monotonic()
     url = localspark.start(port, folder=folder).url
     print(f"Spark Connect server up and warmed up in "
           f"{time.monotonic() - started + localspark.warm_up(url):.1f}s", flush=True)

@@ -1,6 +1,6 @@
 """onceflow against what a user would pick instead, on the same data, in one run.
 
-    .venv/bin/python bench/compare.py --events 10000000 --batches 10
+    python bench/compare.py --events 10000000 --batches 10
 
 Generates the events once (seeded; reused while --events and --seed stay the same) as JSON
 lines files (one per batch) in a landing folder, computes the ground truth in Python, then
@@ -58,9 +58,9 @@ average at the run's end; then the per-batch fixed cost of the warm Spark, the a
 off (the tweets example's topology, with its per-record Python bolt), and the load average
 before and after (the machine must be quiet for the figures to mean anything).
 
-    .venv/bin/python bench/compare.py --events 5000000 --batches 5 \\
+    python bench/compare.py --events 5000000 --batches 5 \\
         --systems streaming,connect,airflow --acker-events 0            # every source
-    .venv/bin/python bench/compare.py --events 200000 --batches 2 \\
+    python bench/compare.py --events 200000 --batches 2 \\
         --sources landing-csv,table --acker-events 0                    # two sources
 """
 
@@ -75,17 +75,21 @@ import sys
 import time
 from pathlib import Path
 
+from benchkit import (
+    DB,
+    ProcCpu,
+    loadavg,
+    need_examples,
+    postmaster_pid,
+    recreate_database,
+    server_dsn,
+)
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
 
-from onceflow.dev import use_examples  # noqa: E402
-
-use_examples()  # the checkout's examples (code, pipelines), as `bash run.sh demo` has them
+need_examples()  # the examples' code and pipelines (bench/README.md)
 
 import peers  # noqa: E402
-from benchkit import DB, ProcCpu, loadavg, postmaster_pid  # noqa: E402
-
-from onceflow.dev.localpg import recreate_database  # noqa: E402
 
 
 class CpuClock:
@@ -332,9 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         [s for s in SOURCE_NAMES if s in asked]
     json_lines = "landing-json" in sources  # the systems that read the JSON lines only
 
-    from onceflow.dev.localpg import ensure_postgres
-
-    server, _ = ensure_postgres(Path.cwd())
+    server, _ = server_dsn()
     os.environ["ONCEFLOW_BENCH_FOLDER"] = str(args.folder / "landing")
     os.environ["ONCEFLOW_PIPELINES"] = "workload:PIPELINES"
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE),

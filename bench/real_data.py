@@ -2,7 +2,7 @@
 files from a landing folder, and committing typed state with a composite key and several
 measures.
 
-    .venv/bin/python bench/real_data.py --rows 10000000
+    python bench/real_data.py --rows 10000000
 
 - ``table``: an ``orders`` table of --rows rows (loaded by COPY first), read by TableSource
   with 1, 2 and 4 Spark tasks (read_chunk = rows / tasks): rows/s of the read alone (Spark's
@@ -27,10 +27,7 @@ import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-from benchkit import loadavg
-
-HERE = Path(__file__).resolve().parent
-
+from benchkit import loadavg, need_examples, project_dir, recreate_database, server_dsn
 
 
 def say(line: str) -> None:
@@ -38,10 +35,8 @@ def say(line: str) -> None:
 
 
 def fresh_database(name: str) -> str:
-    from onceflow.dev.localenv import project_dir
-    from onceflow.dev.localpg import ensure_postgres, recreate_database
 
-    server, _ = ensure_postgres(project_dir())
+    server, _ = server_dsn()
     return recreate_database(server, name)
 
 
@@ -180,9 +175,8 @@ def bench_commit(dsn: str, keys: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from onceflow.dev import use_examples
 
-    use_examples()  # the checkout's examples (code, pipelines), as `bash run.sh demo` has them
+    need_examples()  # the examples' code and pipelines (bench/README.md)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      epilog=__doc__.split("\n\n", 2)[2],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -195,7 +189,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.rows < 1 or args.keys < 1:
         parser.error("--rows and --keys must be at least 1")
     parts = args.only or ["table", "landing", "commit"]
-    from onceflow.dev.localenv import project_dir
     from onceflow.spark.session import get_spark
 
     dsn = fresh_database("onceflow_bench_real")

@@ -1,10 +1,12 @@
-"""The peer comparison (bench/compare.py) stays runnable: it runs here in a tiny size (the
-figures mean nothing at this size; the full runs are in bench/RESULTS.md), every system's
-result checked against its ground truth by the benchmark itself."""
+"""The benchmarks stay runnable by a user: every script in bench/ answers --help where nothing
+of onceflow's checkout imports (onceflow.dev, the tests' helpers), and runs at a tiny size there
+(the figures mean nothing at these sizes; the full runs are in bench/RESULTS.md), every
+system's result checked against its ground truth by the benchmark itself."""
 
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -17,6 +19,73 @@ from psycopg2 import sql
 from onceflow.core import db
 
 ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "bench"
+SCRIPTS = sorted(p.name for p in BENCH.glob("*.py") if "__main__" in p.read_text())
+# What a user of the wheel lacks: the checkout's helpers and the tests' own modules. A finder
+# ahead of every other refuses them in the benchmarks' processes (and those they start).
+BLOCKER = """import sys
+
+
+class _CheckoutOnly:
+    def find_spec(self, name, path=None, target=None):
+        if name == "onceflow.dev" or name.startswith(("onceflow.dev.", "onceflow_testing")) \\
+                or name in ("helpers", "conftest", "dag_runner"):
+            raise ModuleNotFoundError(f"No module named {name!r} (not in onceflow's wheel)",
+                                      name=name)
+        return None
+
+
+sys.meta_path.insert(0, _CheckoutOnly())
+"""
+
+
+def _installed_env(folder: Path, *, examples: bool = True, **extra: str) -> dict[str, str]:
+    """The environment of a user who installed onceflow (and, with ``examples``, its two
+    examples): the checkout's own modules refused, neither tests/ nor bench/ on the path."""
+    (folder / "sitecustomize.py").write_text(BLOCKER)
+    path = [str(folder)]
+    if examples:  # as `pip install ./examples/tweets ./examples/orders` has them
+        path += [str(p.parent) for p in sorted((ROOT / "examples").glob("*/pyproject.toml"))]
+        path.append(str(Path(sys.prefix) / "examples"))
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return {**env, "PYTHONPATH": os.pathsep.join(path), **extra}
+
+
+def test_the_scripts_use_nothing_of_the_checkout_and_the_readme_lists_each():
+    readme = (BENCH / "README.md").read_text()
+    for path in sorted(BENCH.glob("*.py")):
+        text = path.read_text()
+        assert "onceflow.dev" not in text and "onceflow_testing" not in text, path.name
+        assert "sys.path" not in text, f"{path.name} edits sys.path"
+        assert not re.search(r"^\s*(from|import) (helpers|conftest)\b", text, re.M), path.name
+    assert len(SCRIPTS) >= 13, SCRIPTS
+    listed = set(re.findall(r"^\| `([a-z_]+\.py)` \|", readme, re.M))
+    assert set(SCRIPTS) <= listed, set(SCRIPTS) - listed
+
+
+def test_every_script_answers_help_where_only_the_package_is_installed(tmp_path):
+    env = _installed_env(tmp_path)
+    running = {name: subprocess.Popen([sys.executable, str(BENCH / name), "--help"],
+                                      cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True)
+               for name in SCRIPTS}
+    for name, proc in running.items():
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0 and out.startswith(f"usage: {name}"), (name, err[-2000:])
+        assert "Traceback" not in err, (name, err[-2000:])
+    # the finder does refuse what the wheel lacks
+    refused = subprocess.run([sys.executable, "-c", "import onceflow.dev"], cwd=tmp_path,
+                             env=env, capture_output=True, text=True)
+    assert refused.returncode == 1 and "not in onceflow's wheel" in refused.stderr
+
+
+def test_a_script_without_the_examples_says_how_to_install_them(tmp_path):
+    done = subprocess.run([sys.executable, str(BENCH / "bench_transactions.py"), "--help"],
+                          cwd=tmp_path, env=_installed_env(tmp_path, examples=False),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "pip install ./examples/tweets ./examples/orders" in done.stderr, done.stderr
+    assert "bash run.sh bench" in done.stderr and "Traceback" not in done.stderr
 
 
 def _free_port() -> int:
@@ -37,16 +106,16 @@ def _bench_databases(server_dsn: str, prefix: str) -> set[str]:
 
 
 def _bench(script: str, args: list[str], tmp_path: Path, dsn: str) -> str:
-    """Run a benchmark; the databases it made on the server are dropped afterwards (named
-    apart from any other run's on the server: ONCEFLOW_BENCH_DB)."""
+    """Run a benchmark as a user of the package would; the databases it made on the server
+    are dropped afterwards (named apart from any other run's on the server:
+    ONCEFLOW_BENCH_DB)."""
     server = db.with_database(dsn, "postgres")
     prefix = f"onceflow_bench_t{uuid.uuid4().hex[:8]}"
     before = _bench_databases(server, prefix)
-    env = {**os.environ, "ONCEFLOW_HOME": str(tmp_path),
-           "ONCEFLOW_SPARK_CONNECT_PORT": str(_free_port()),
-           "ONCEFLOW_PG_DSN": dsn, "ONCEFLOW_BENCH_DB": prefix}
+    env = _installed_env(tmp_path, ONCEFLOW_HOME=str(tmp_path), ONCEFLOW_BENCH_DB=prefix,
+                         ONCEFLOW_SPARK_CONNECT_PORT=str(_free_port()), ONCEFLOW_PG_DSN=dsn)
     try:
-        done = subprocess.run([sys.executable, str(ROOT / "bench" / script), *args],
+        done = subprocess.run([sys.executable, str(BENCH / script), *args],
                               cwd=tmp_path, env=env, capture_output=True, text=True,
                               timeout=900)
     finally:

@@ -41,7 +41,7 @@ from test_cluster import Cluster, free_ports
 from test_outside_pipeline import oracle, payloads
 
 from helpers import OUTSIDE
-from onceflow.dev.localenv import (
+from onceflow.airflow.environment import (
     airflow_healthy,
     served_airflow_env,
     spark_connection,

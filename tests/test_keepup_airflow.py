@@ -10,7 +10,7 @@ In order, on one Airflow:
 1. a backlog of 10 batches drains in full batches with max_pending transactions in flight,
    every run started by the Asset event; a backlog of 15 batches keeps max_pending in flight
    (2.5 of 3 at least on average while records wait, from the transactions' own timestamps:
-   onceflow_testing.drain) and after every commit while min_records waited, a begin took up
+   onceflow.ops.drain) and after every commit while min_records waited, a begin took up
    the next batch within one watch_interval (the committing run carries on, or a run waiting
    in its begin takes the place), from the transactions' own committed_at, planned_at and
    the begin's recorded planning seconds;
@@ -51,13 +51,13 @@ from test_celery_cluster import _query, _stop
 from test_cluster import free_ports
 
 from onceflow.airflow import airflow_cli
+from onceflow.airflow.environment import airflow_healthy, served_airflow_env, spark_connection
 from onceflow.core import freshness, keepup
 from onceflow.core.db import connection
 from onceflow.core.registration import register
 from onceflow.core.registry import clear_cache, get_pipeline
-from onceflow.dev.localenv import airflow_healthy, served_airflow_env, spark_connection
+from onceflow.ops import drain
 from onceflow.ops.status import pipeline_status
-from onceflow_testing import drain
 from onceflow_testing.holds import hold_staging
 from onceflow_testing.plugin import fresh_database
 

@@ -1,4 +1,4 @@
-"""Real faults, for the fault tests and the long fault run (bench/fault_run.py).
+"""Real faults, for the fault tests and the long fault run (tests/fault_run.py).
 
 A ``FaultRun`` drives a pipeline's transactions (begin, process, commit, called directly with
 one Spark session) in a random but seeded order, and on the way:

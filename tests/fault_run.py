@@ -1,7 +1,8 @@
 """A long fault run: the fault tests' harness (onceflow_testing.faults), for longer and more seeds.
+It lives with the tests, whose harness it runs (a checkout's tool, not a benchmark).
 
-    .venv/bin/python bench/fault_run.py --transactions 60
-    .venv/bin/python bench/fault_run.py --transactions 30 --seeds 5 --mode both
+    .venv/bin/python tests/fault_run.py --transactions 60
+    .venv/bin/python tests/fault_run.py --transactions 30 --seeds 5 --mode both
 
 For each seed and mode: a private PostgreSQL cluster of its own (crashed in immediate mode
 between staging and commit, among the other faults), the tweets example's pipeline over
@@ -30,7 +31,9 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from benchkit import loadavg
+
+def loadavg() -> str:
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
 
 def free_port() -> int:
@@ -138,9 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     from onceflow.dev import use_examples
 
     use_examples()  # the checkout's examples (code, pipelines), as `bash run.sh demo` has them
-    # the fault harness lives with the tests (tests/onceflow_testing): here and in its agents
-    tests = str(Path(__file__).resolve().parents[1] / "tests")
-    sys.path.insert(0, tests)
+    # the fault harness (tests/onceflow_testing), which Python finds beside this script, for
+    # the agents it starts too
+    tests = str(Path(__file__).resolve().parent)
     os.environ["PYTHONPATH"] = os.pathsep.join([tests, os.environ["PYTHONPATH"]])
     parser = argparse.ArgumentParser(
         description="Run the tweets pipeline under random real faults (SIGKILLs inside "
@@ -195,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(results) - len(wrong)} of {len(results)} runs exact; "
           f"load average {loadavg()}")
     for seed, mode in wrong:
-        print(f"  rerun: bench/fault_run.py --seed {seed} --mode {mode} "
+        print(f"  rerun: tests/fault_run.py --seed {seed} --mode {mode} "
               f"--transactions {args.transactions}")
     return 1 if wrong else 0
 

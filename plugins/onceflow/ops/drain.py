@@ -1,7 +1,7 @@
 """A kept-up pipeline draining a backlog, measured from its transactions' own timestamps
 (planned_at to committed_at): how many were in flight on average, and whether each commit
-was followed by a plan while records over ``min_records`` waited. Used by
-tests/test_keepup_airflow.py and bench/bench_keepup_drain.py.
+was followed by a plan while records over ``min_records`` waited: how well keep-up kept a
+pipeline busy (bench/bench_keepup_drain.py, tests/test_keepup_airflow.py).
 
 A transaction's planned_at is written once its begin has indexed and planned the batch; the
 begin records those seconds (transaction_attempts.begin_index_s, begin_plan_s), so when the
