@@ -14,7 +14,7 @@ import pytest
 from pyspark import cloudpickle
 from redis_server import RedisServer
 
-from helpers import produce, table
+from helpers import assert_exact, produce, table
 from onceflow.core.begin import begin, mark_failed
 from onceflow.core.commit import commit
 from onceflow.core.errors import ConfigError
@@ -38,9 +38,10 @@ class Crash(RuntimeError):
 def first_seen_pipeline(conn, events: int, **overrides):
     pipeline = get_pipeline("tweets_first_seen", **overrides)
     register(conn, pipeline, create_source=True)
-    produce(conn, pipeline.topic, generate(events, seed=11, malformed_share=0.03,
-                                           poison_share=0.002, flaky_share=0.01))
-    return pipeline
+    payloads = list(generate(events, seed=11, malformed_share=0.03, poison_share=0.002,
+                             flaky_share=0.01))
+    produce(conn, pipeline.topic, payloads)
+    return pipeline, payloads
 
 
 @pytest.fixture
@@ -60,12 +61,19 @@ def redis_settings(tmp_path):
         server.stop()
 
 
-def exactly_once(conn, pipeline):
+def exactly_once(conn, pipeline, payloads: list[str]):
+    """The committed state against the test's own count of the records read (helpers.
+    assert_exact: the URL and domain counts), each URL counted emitted once as first seen,
+    and onceflow's verify agreeing."""
+    exact = assert_exact(conn, pipeline, payloads, read_all=False)
+    counted = {url for (url,) in table(conn, "SELECT key FROM fs_url_counts WHERE value <> 0")}
+    assert dict(table(conn, "SELECT key, value FROM first_seen_urls")) == \
+        dict.fromkeys(counted, 1), "a URL emitted twice, or not at all"
     report = verify(conn, pipeline)
-    assert report.ok, report.mismatches
-    emitted = table(conn, "SELECT max(value), count(*) FROM first_seen_urls")[0]
-    assert emitted[0] in (None, 1)  # no URL emitted twice
-    return report
+    # verify's recount: the records read = those committed + queued for replay + dead
+    assert report.ok and report.records + report.queued + report.dead == exact.read, \
+        (report.line(), exact)
+    return exact
 
 
 @pytest.mark.parametrize("provider, transactions", [("postgres", 8), ("redis", 5)])
@@ -78,7 +86,8 @@ def test_first_seen_emits_each_url_once_over_transactions_with_failures(
     rng = random.Random(seed)
     settings = {"state_provider": provider,
                 "state_provider_config": redis_settings() if provider == "redis" else None}
-    pipeline = first_seen_pipeline(conn, 250 * transactions, batch_size=250, **settings)
+    pipeline, payloads = first_seen_pipeline(conn, 250 * transactions, batch_size=250,
+                                             **settings)
     committed = runs = 0
     while committed < transactions:
         # about 4 in 10 runs fail; the bound only stops a run that makes no progress at all
@@ -106,11 +115,11 @@ def test_first_seen_emits_each_url_once_over_transactions_with_failures(
                    open_state=open_state_provider)
         assert result.status == "committed"
         committed += 1
-        exactly_once(conn, pipeline)
-    report = exactly_once(conn, pipeline)
+        exactly_once(conn, pipeline, payloads)
+    exact = exactly_once(conn, pipeline, payloads)
     urls = table(conn, "SELECT count(*) FROM fs_url_counts")[0][0]
     assert table(conn, "SELECT count(*), sum(value) FROM first_seen_urls")[0] == (urls, urls)
-    assert report.records > 250 * transactions * 0.6
+    assert exact.read > 250 * transactions * 0.6 and exact.counted > 0
 
 
 def test_verify_after_retention_expects_each_url_once(spark, dsn, conn):
@@ -120,7 +129,7 @@ def test_verify_after_retention_expects_each_url_once(spark, dsn, conn):
     from onceflow.core.planner import PartitionRange
     from tweets_example.data import recount
 
-    pipeline = first_seen_pipeline(conn, 800, batch_size=400)
+    pipeline, _ = first_seen_pipeline(conn, 800, batch_size=400)
     for n in range(2):
         batch = begin(conn, pipeline, f"run-{n}")
         process_batch(spark, dsn, pipeline, batch.attempt)
@@ -135,7 +144,9 @@ def test_verify_after_retention_expects_each_url_once(spark, dsn, conn):
         conn, [PartitionRange(part, 60, end) for part, end in ends.items()]))
     conn.commit()
     assert retired & set(remaining.counts["new_urls"])  # URLs seen on both sides
-    exactly_once(conn, pipeline)
+    report = verify(conn, pipeline)  # verify's own merge of the retired presence, the subject
+    assert report.ok, report.mismatches
+    assert table(conn, "SELECT max(value) FROM first_seen_urls") == [(1,)]
 
 
 class RecordingBolt(StatefulBolt):
@@ -170,8 +181,8 @@ def recording_topology(pipeline):
 def test_hooks_are_called_in_order(spark, dsn, conn):
     from onceflow.kvstate import open_provider
 
-    pipeline = first_seen_pipeline(conn, 600, batch_size=200,
-                                   topology=f"{__name__}:recording_topology")
+    pipeline, _ = first_seen_pipeline(conn, 600, batch_size=200,
+                                      topology=f"{__name__}:recording_topology")
     RecordingBolt.calls.clear()
     first = begin(conn, pipeline, "run-1")
     process_batch(spark, dsn, pipeline, first.attempt)
@@ -199,9 +210,9 @@ def test_an_error_after_the_store_commit_then_a_replay_is_exact(spark, dsn, conn
                                                                redis_settings):
     """Redis commits first, the coordinator's commit fails before its COMMIT; the re-attempt reads
     the state as before the txid and its commit puts back what the first one changed."""
-    pipeline = first_seen_pipeline(conn, 900, batch_size=300, state_provider="redis",
-                                   state_provider_config=redis_settings(),
-                                   mode="opaque")
+    pipeline, payloads = first_seen_pipeline(conn, 900, batch_size=300, state_provider="redis",
+                                             state_provider_config=redis_settings(),
+                                             mode="opaque")
 
     def crash(name):
         if name == "kv_state":
@@ -222,12 +233,12 @@ def test_an_error_after_the_store_commit_then_a_replay_is_exact(spark, dsn, conn
     process_batch(spark, dsn, smaller, b2.attempt)
     assert commit(conn, smaller, b2.attempt, coordinator_dsn=dsn,
                    open_state=open_state_provider).status == "committed"
-    exactly_once(conn, smaller)
+    exactly_once(conn, smaller, payloads)
     b3 = begin(conn, smaller, "run-3")
     process_batch(spark, dsn, smaller, b3.attempt)
     commit(conn, smaller, b3.attempt, coordinator_dsn=dsn,
                    open_state=open_state_provider)
-    exactly_once(conn, smaller)
+    exactly_once(conn, smaller, payloads)
 
 
 @pytest.mark.parametrize("settings, message", [
