@@ -20,6 +20,9 @@ import threading
 import time
 from collections.abc import Iterator
 
+import pyarrow as pa
+import pyarrow.compute as pc
+
 from onceflow.core.topology import Bolt, StateContext, TopologyError, columns
 from onceflow.kvstate import KeyValueState, open_provider
 from onceflow.kvstate.base import DELETED as _DELETED
@@ -83,9 +86,6 @@ _ARROW = {"string": "string", "int": "int32", "bigint": "int64", "smallint": "in
 
 def arrow_schema(cols: dict[str, str]):
     """The Arrow schema of Spark columns (name -> type), made where no Spark session is."""
-    # imported here: pyarrow is heavy: it loads only where files are read or written
-    import pyarrow as pa
-
     fields = []
     for name, kind in cols.items():
         if kind in _ARROW:
@@ -127,10 +127,6 @@ def pass_through_runner(bolt: Bolt, stream: str, attempt: int, timeout_ms: int,
     wanted = ["_root", "_tid", "_replays", *in_cols]
 
     def run(batches: Iterator) -> Iterator:
-        # imported here: pyarrow is heavy: it loads only where files are read or written
-        import pyarrow as pa
-        import pyarrow.compute as pc
-
         def conform(batch):
             """The frame's rows as they came, in the declared schema (Spark's input batches
             may order or flag their columns otherwise)."""
@@ -197,9 +193,6 @@ def record_runner(bolt: Bolt, attempt: int, timeout_ms: int, out_types: dict[str
     schema = arrow_schema({**RECORD_META, **out_types})
 
     def run(batches: Iterator) -> Iterator:
-        # imported here: pyarrow is heavy: it loads only where files are read or written
-        import pyarrow as pa
-
         def add(cols, kind, stream, root, tid, replays, value, error, values=None, state=None):
             for name, v in zip(names[:10], (kind, stream, root, tid, replays, value, error,
                                             *(state or (None, None, None))), strict=True):
