@@ -360,15 +360,15 @@ def run_airflow(dsn: str, server: str, spark_url: str, folder: Path, pipelines: 
         for pipeline, dag_id in zip(pipelines, dag_ids, strict=True):
             cpu_before = component_cpu(cpu_pids)
             machine = machine_cpu_s()
-            procs = ProcCpu({**cpu_pids, "trigger (CLI)": trigger.proc.pid},
-                            postmaster=postmaster, databases=databases,
-                            descendants={"scheduler": TASK_RUNS})
+            tracked = ProcCpu({**cpu_pids, "trigger (CLI)": trigger.proc.pid},
+                              postmaster=postmaster, databases=databases,
+                              descendants={"scheduler": TASK_RUNS})
             started, triggered = time.monotonic(), time.time()
             trigger(dag_id, [f"bench_{i:03d}" for i in range(runs)], {"batch_size": batch_size})
             done = _wait_for_runs(meta, dag_id, runs, time.monotonic() + 3600, logs)
             seconds = time.monotonic() - started
             machine = machine_cpu_s() - machine
-            proc_cpu = procs.stop()
+            proc_cpu = tracked.stop()
             if done.get("failed"):
                 kept = True
                 print(f"{done['failed']} Airflow run(s) of {dag_id} failed: task logs under "
