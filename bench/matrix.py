@@ -12,7 +12,7 @@ The cells run one at a time (the machine may be shared; each takes minutes: pip 
 Airflow and pyspark):
 
     python bench/matrix.py                     # every cell, a table on stdout
-    python bench/matrix.py --cells oldest pyspark4.3
+    python bench/matrix.py --cells oldest newest
     python bench/matrix.py --write             # and the table into bench/RESULTS.md
 
 It exits non-zero when a cell fails. docs/deployment.md's supported versions are what its

@@ -177,9 +177,9 @@ LOCKS = {"newest": "constraints.txt", "oldest": "constraints-oldest.txt"}
 # pins leave open, Airflow's own packages of that release).
 CELLS = {
     "oldest": ("oldest", {}),  # Airflow 3.1.0, pyspark 4.0.0
-    "airflow3.2-pyspark4.1": ("newest", {"apache-airflow": "3.2.2", "pyspark": "4.1.4"}),
+    # no lock: the newest lock's libraries conflict with Airflow 3.2.2's (aiosqlite, for one)
+    "airflow3.2-pyspark4.1": (None, {"apache-airflow": "3.2.2", "pyspark": "4.1.4"}),
     "newest": ("newest", {}),  # Airflow 3.3.2, pyspark 4.2.0
-    "pyspark4.3": ("newest", {"pyspark": "4.3.0"}),  # on Airflow 3.3.2
 }
 # Airflow's distributions of one release, which an Airflow of another release replaces
 AIRFLOW_OWN = ("apache-airflow", "apache-airflow-core", "apache-airflow-task-sdk")
@@ -191,8 +191,9 @@ def _lock_file(cell: str, tmp: Path) -> Path:
     if not changes:
         return ROOT / LOCKS[lock]
     dropped = {*changes, *(AIRFLOW_OWN if "apache-airflow" in changes else ())}
-    kept = [line for line in (ROOT / LOCKS[lock]).read_text().splitlines()
-            if line.split("==")[0].lower() not in dropped]
+    kept = [] if lock is None else [
+        line for line in (ROOT / LOCKS[lock]).read_text().splitlines()
+        if line.split("==")[0].lower() not in dropped]
     path = tmp / f"constraints-{cell}.txt"
     path.write_text("\n".join([*kept, *(f"{name}=={v}" for name, v in changes.items())]) + "\n")
     return path
