@@ -187,3 +187,38 @@ def test_the_peer_comparison_runs_every_system_and_checks_it(tmp_path, dsn, monk
             if "server warm-up round" in line] == ["OK"], out
     assert "load average before" in out and "load average after" in out, out
     assert "acker (tweets topology" in out, out
+
+
+# Each script once at a tiny size, where only the package and its examples are installed: the
+# asserts inside each benchmark (rows read, counts against the generated data) are its check.
+def test_the_watchers_look_on_a_history(tmp_path, dsn):
+    out = _bench("bench_keepup_look.py", ["--txids", "20", "--files", "10", "--seconds", "1"],
+                 tmp_path, dsn)
+    assert out.count("looks/s; per look") >= 2 and "load average" in out, out
+
+
+def test_the_key_value_state_per_provider(tmp_path, dsn):
+    from redis_server import RedisServer
+
+    redis = RedisServer(tmp_path / "redis", persistent=False).start()
+    try:
+        out = _bench("bench_kvstate.py", ["--keys", "500", "--changes", "50", "--lazy", "10",
+                                          "--rounds", "1", "--redis-port", str(redis.port)],
+                     tmp_path, dsn)
+    finally:
+        redis.stop()
+    assert [line for line in out.splitlines() if line in ("memory", "postgres", "redis")] == \
+        ["memory", "postgres", "redis"], out
+
+
+def test_the_scaling_parts(tmp_path, dsn):
+    # the in-flight part is the events part at 1 to 3 batches in flight: the events part runs
+    # here with 2
+    out = _bench("bench_scaling.py", [
+        "--parts", "events,keys,history", "--sizes", "2000", "--batch-size", "1000",
+        "--in-flight", "2", "--keys", "200", "--key-rounds", "1", "--history", "4",
+        "--history-records", "10", "--folder", str(tmp_path / "scaling")], tmp_path, dsn)
+    for part in ("events (load average", "2 in flight", "keys, round 1", "begin ms",
+                 "commit ms"):
+        assert part in out, (part, out)
+    assert "WRONG" not in out, out
