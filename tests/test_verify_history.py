@@ -221,10 +221,11 @@ def test_a_committed_chunk_edited_in_place_is_reported_and_the_other_txids_are_c
 def test_a_parked_record_the_re_run_no_longer_fails_is_a_note_not_a_mismatch():
     """A dead letter whose cause was fixed (a type widened) before it was put back: its
     commits failed it, so it is not counted, and the state is exact; said, not failed."""
-    from onceflow.ops.verify import VerifyReport, _account_failures
+    from onceflow.ops.verify import VerifyReport
+    from onceflow.ops.verify.compare import Failure, account_failures
 
     report = VerifyReport("amounts", "re-run", txids=2, txids_checked=2)
-    _account_failures(report, [], {(0, 4): "dead", (1, 2): "queued"}, [], set())
+    account_failures(report, [], {(0, 4): "dead", (1, 2): "queued"}, [], set())
     assert report.ok and report.dead == report.queued == 1
     assert report.notes == [
         "record p0:4 is a dead letter the re-run does not fail: once its cause is fixed, "
@@ -232,5 +233,5 @@ def test_a_parked_record_the_re_run_no_longer_fails_is_a_note_not_a_mismatch():
         "record p1:2 is queued for replay, and the re-run does not fail it: its replay "
         "counts it"]
     # a record the re-run fails that went nowhere is still a mismatch
-    _account_failures(report, [(0, 9, 2, "boom")], {}, [], set())
+    account_failures(report, [Failure(0, 9, 2, "boom")], {}, [], set())
     assert report.found == 1 and "record p0:9 fails in txid 2 (boom)" in report.mismatches[0]
