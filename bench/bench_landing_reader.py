@@ -54,19 +54,21 @@ def main() -> None:
 
     import pyarrow as pa
 
-    from onceflow.sources import landing
+    from onceflow.sources.landing import files as landing_files
+    from onceflow.sources.landing import read as landing_read
+    from onceflow.sources.landing import scan as landing_scan
 
     path = landed_file(args.lines)
-    filesystem, _ = landing._filesystem(str(path))
-    scan = landing._scan_text(filesystem, str(path), 0, path.stat().st_size,
-                              args.chunk_bytes, header=False, limit=64 << 10, tail=False)
-    chunks = [landing._Chunk(str(path), None, None, first, start, end, count, 0, crc, None)
+    filesystem, _ = landing_files.open_filesystem(str(path))
+    scan = landing_scan.scan_text(filesystem, str(path), 0, path.stat().st_size,
+                                   args.chunk_bytes, header=False, limit=64 << 10, tail=False)
+    chunks = [landing_files.Chunk(str(path), None, None, first, start, end, count, 0, crc, None)
               for first, start, end, count, _, crc in scan.chunks]
     print(f"{path}: {path.stat().st_size / 1e6:.0f} MB, {scan.records:,} lines, "
           f"{len(chunks)} chunks")
     wanted = [(0, 0, scan.records)]
 
-    read = landing._chunk_reader("jsonl", False, str(path), chunks, wanted)
+    read = landing_read.chunk_reader("jsonl", False, str(path), chunks, wanted)
     ids = pa.RecordBatch.from_arrays([pa.array(range(len(chunks)), pa.int64())], ["id"])
     best = float("inf")
     for _ in range(args.rounds):
@@ -83,7 +85,7 @@ def main() -> None:
 
     spark = get_spark("onceflow-bench-landing-reader")
     spark.sparkContext.setLogLevel("ERROR")
-    spec = json.dumps({"chunks": [landing._jvm_chunk(c) for c in chunks], "wanted": wanted,
+    spec = json.dumps({"chunks": [landing_read.jvm_chunk(c) for c in chunks], "wanted": wanted,
                        "columns": None, "max_record_bytes": 64 << 10})
     jvm = spark._jvm.java.lang.ProcessHandle.current().pid()
     best_cpu = best_wall = float("inf")

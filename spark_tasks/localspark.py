@@ -40,7 +40,7 @@ from onceflow.core import settings
 from onceflow.core.errors import ConfigError, Unreachable
 from onceflow.sources.json_records import PROBLEM, JsonRecords
 from onceflow.sources.jvm import jvm_conf, jvm_reader
-from onceflow.sources.landing import file_chunk, jvm_lines
+from onceflow.sources.landing.read import file_chunk, jvm_lines
 from onceflow.sources.segments import jvm_segments, write_segment
 from onceflow.spark.conf import processing_conf
 

@@ -31,7 +31,7 @@ from onceflow.core.staging import Staged, stage_group
 from onceflow.core.topology import StateContext
 from onceflow.core.txlog import TransactionAttempt, TxState
 from onceflow.kvstate import DELETED, open_checked_provider
-from onceflow.sources.landing import REPAIR_HINT
+from onceflow.sources.landing.files import REPAIR_HINT
 from onceflow.spark.collected import DELTA, REJECT
 from onceflow.spark.records import batch_records, replayed_records
 from onceflow.spark.runner import run_topology

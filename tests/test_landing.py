@@ -659,12 +659,13 @@ def test_a_landed_chunks_checksum_is_the_crc32_of_its_bytes(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from onceflow.sources.landing import _filesystem, _scan_parquet, _scan_text
+    from onceflow.sources.landing.files import open_filesystem
+    from onceflow.sources.landing.scan import scan_parquet, scan_text
 
     data = b"".join(b'{"n": %d, "pad": "%s"}\n' % (i, b"x" * (i % 97)) for i in range(5000))
     path = tmp_path / "a.jsonl"
     path.write_bytes(data)
-    scan = _scan_text(_filesystem(str(path))[0], str(path), 0, len(data), 7001, header=False)
+    scan = scan_text(open_filesystem(str(path))[0], str(path), 0, len(data), 7001, header=False)
     assert scan.records == 5000 and scan.indexed_to == len(data) and len(scan.chunks) > 10
     assert [crc for *_, crc in scan.chunks] == [zlib.crc32(data[start:end])
                                                 for _, start, end, *_ in scan.chunks]
@@ -672,7 +673,7 @@ def test_a_landed_chunks_checksum_is_the_crc32_of_its_bytes(tmp_path):
     pq.write_table(pa.table({"n": list(range(50_000)), "s": [str(i) for i in range(50_000)]}),
                    path, row_group_size=20_000)
     raw = path.read_bytes()
-    scan = _scan_parquet(_filesystem(str(path))[0], str(path))
+    scan = scan_parquet(open_filesystem(str(path))[0], str(path))
     meta = pq.ParquetFile(path).metadata
     footer = int.from_bytes(raw[-8:-4], "little") + 8
     assert scan.records == 50_000 and scan.checksum == f"{zlib.crc32(raw[-footer:]):08x}"
@@ -704,32 +705,33 @@ def test_the_index_cuts_a_file_into_whole_lines(tmp_path_factory, lines, last_ne
     records its bytes hold, each with the CRC-32 of its bytes, each marked clean (up to
     ``limit`` bytes a line, no NUL, UTF-8) exactly when it is. A file indexed when only its
     first ``cut`` bytes were written, then again from where that stopped, is cut the same."""
-    from onceflow.sources.landing import _filesystem, _lines, _scan_text
+    from onceflow.sources.landing.files import open_filesystem
+    from onceflow.sources.landing.scan import scan_text, split_lines
 
     data = b"\n".join(lines) + (b"\n" if last_newline and lines else b"")
     path = tmp_path_factory.mktemp("index") / "f.jsonl"
     path.write_bytes(data)
-    filesystem = _filesystem(str(path))[0]
-    scan = _scan_text(filesystem, str(path), 0, len(data), chunk_bytes, header=header,
+    filesystem = open_filesystem(str(path))[0]
+    scan = scan_text(filesystem, str(path), 0, len(data), chunk_bytes, header=header,
                       limit=limit, tail=tail)
     body = data.split(b"\n", 1)[1] if header and b"\n" in data else b"" if header else data
     first_byte = len(data) - len(body) if not header or b"\n" in data else 0
     whole = body if tail or body.endswith(b"\n") else body[:body.rfind(b"\n") + 1]
-    assert scan.records == len(_lines(whole))
+    assert scan.records == len(split_lines(whole))
     expected_first, expected_start = 0, first_byte
     for first, start, end, count, clean_to, crc in scan.chunks:
         assert (first, start) == (expected_first, expected_start)
         assert end > start and (data[end - 1:end] == b"\n" or tail and end == len(data))
-        assert count == len(_lines(data[start:end])) and crc == zlib.crc32(data[start:end])
+        assert count == len(split_lines(data[start:end])) and crc == zlib.crc32(data[start:end])
         assert clean_to == _clean_to(data[start:end], limit), data[start:end]
         expected_first, expected_start = first + count, end
     assert (expected_first, expected_start) == (scan.records, first_byte + len(whole))
     assert scan.indexed_to == first_byte + len(whole)
     # written in two parts: the first look indexes up to its last newline, the second on
     cut = min(cut, len(data))
-    early = _scan_text(filesystem, str(path), 0, cut, chunk_bytes, header=header,
+    early = scan_text(filesystem, str(path), 0, cut, chunk_bytes, header=header,
                        limit=limit)
-    later = _scan_text(filesystem, str(path), early.indexed_to, len(data), chunk_bytes,
+    later = scan_text(filesystem, str(path), early.indexed_to, len(data), chunk_bytes,
                        header=header and early.indexed_to == 0, limit=limit, tail=tail)
     both = [(start, end) for _, start, end, *_ in early.chunks + later.chunks]
     assert early.records + later.records == scan.records
@@ -741,9 +743,9 @@ def test_the_index_cuts_a_file_into_whole_lines(tmp_path_factory, lines, last_ne
 @example(data=b"x\r\r\n")  # a last line ending in CR, then CRLF: one CR goes
 def test_decoded_lines_are_cut_as_payload_lines(data):
     """A decoding reader cuts the bytes into the same lines as the payload reader."""
-    from onceflow.sources.landing import _line_bytes, _lines
+    from onceflow.sources.landing.scan import line_bytes, split_lines
 
-    assert [line.decode("utf-8", "replace") for line in _line_bytes(data)] == _lines(data)
+    assert [line.decode("utf-8", "replace") for line in line_bytes(data)] == split_lines(data)
 
 
 def test_json_schema_records_are_decoded_where_they_are_read(spark, conn, dsn, tmp_path):

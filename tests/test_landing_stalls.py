@@ -252,27 +252,28 @@ def test_the_index_cuts_csv_into_whole_records(tmp_path_factory, records, crlf, 
     on from where that stopped, holds the same records."""
     import zlib
 
-    from onceflow.sources.landing import _csv_array, _csv_records, _filesystem, _scan_csv
+    from onceflow.sources.landing.files import open_filesystem
+    from onceflow.sources.landing.scan import _csv_records, csv_array, scan_csv
 
     ends = ["\r\n" if i < len(crlf) and crlf[i] and r != "\r" else "\n"
             for i, r in enumerate(records)]
     data = ("".join(r + e for r, e in zip(records, ends, strict=True)) + last).encode()
     path = tmp_path_factory.mktemp("csv") / "f.csv"
     path.write_bytes(data)
-    filesystem = _filesystem(str(path))[0]
-    scan = _scan_csv(filesystem, str(path), 0, len(data), chunk_bytes, header=header,
+    filesystem = open_filesystem(str(path))[0]
+    scan = scan_csv(filesystem, str(path), 0, len(data), chunk_bytes, header=header,
                      tail=tail)
     got = []
     for _, start, end, count, _, crc in scan.chunks:
         piece = data[start:end]
         assert crc == zlib.crc32(piece) and count == len(_csv_rows(piece)) > 0
-        assert _csv_array(piece).to_pylist() == [r.decode() for r in _csv_records(piece)]
+        assert csv_array(piece).to_pylist() == [r.decode() for r in _csv_records(piece)]
         got += [_csv_rows(r)[0] for r in _csv_records(piece)]
     assert scan.records == len(got)
     want = _csv_rows(data[:scan.indexed_to])
     assert got == (want[1:] if header else want)
-    early = _scan_csv(filesystem, str(path), 0, min(cut, len(data)), chunk_bytes,
+    early = scan_csv(filesystem, str(path), 0, min(cut, len(data)), chunk_bytes,
                       header=header)
-    later = _scan_csv(filesystem, str(path), early.indexed_to, len(data), chunk_bytes,
+    later = scan_csv(filesystem, str(path), early.indexed_to, len(data), chunk_bytes,
                       header=header and early.indexed_to == 0, tail=tail)
     assert early.records + later.records == scan.records

@@ -43,7 +43,8 @@ from onceflow.core.errors import ConfigError
 from onceflow.core.pipeline import Pipeline
 from onceflow.ops import bookkeeping
 from onceflow.sources import landing_repair
-from onceflow.sources.landing import SET_ASIDE_FIX, LandingFolder
+from onceflow.sources.landing import LandingFolder
+from onceflow.sources.landing.files import SET_ASIDE_FIX
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from onceflow.core import backflow, freshness, keepup, offsets, txlog
 from onceflow.core.errors import NotInitialised
 from onceflow.core.txlog import TxRow, TxState
 from onceflow.ops import bookkeeping
-from onceflow.sources.landing import REPAIR_HINT
+from onceflow.sources.landing.files import REPAIR_HINT
 
 WIDTH = 100
 

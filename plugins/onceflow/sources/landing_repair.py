@@ -34,15 +34,11 @@ from datetime import UTC, datetime
 
 from onceflow.core import offsets, txlog
 from onceflow.core.errors import ConfigError
-from onceflow.sources.landing import (
-    LandingFolder,
-    _Chunk,
-    _crc_of,
-    _filesystem,
-    _parquet_footer,
-    _row_group_bytes,
-    _scan_parquet,
-)
+from onceflow.sources.landing import LandingFolder
+from onceflow.sources.landing import index as indexing
+from onceflow.sources.landing.files import Chunk, open_filesystem
+from onceflow.sources.landing.index import Look, Work
+from onceflow.sources.landing.scan import crc_of, parquet_footer, row_group_bytes, scan_parquet
 
 log = logging.getLogger(__name__)
 
@@ -68,25 +64,25 @@ class ChangedFile:
     file_no: int
     partition: int
     what: str  # what changed (the look's words, or the first changed chunk's)
-    chunks: list[_Chunk]  # its chunks holding records, in byte order
+    chunks: list[Chunk]  # its chunks holding records, in byte order
     first: int  # index in ``chunks`` of the first changed chunk (len(chunks): none changed)
     readers: list[Reader] = field(default_factory=list)
     parquet: bool = False
 
     @property
-    def changed_chunks(self) -> list[_Chunk]:
+    def changed_chunks(self) -> list[Chunk]:
         return self.chunks[self.first:]
 
-    def planned_by(self, chunk: _Chunk) -> list[str]:
+    def planned_by(self, chunk: Chunk) -> list[str]:
         return [r.name for r in self.readers
                 if r.resume is not None and r.resume > chunk.first]
 
-    def committed_by_all(self, chunk: _Chunk) -> bool:
+    def committed_by_all(self, chunk: Chunk) -> bool:
         return all(r.committed is not None and r.committed >= chunk.first + chunk.records
                    for r in self.readers)
 
     @property
-    def to_accept(self) -> list[_Chunk]:
+    def to_accept(self) -> list[Chunk]:
         """The chunks --accept-changed leaves void: from the first changed one on (a Parquet
         file's: all, it is indexed again whole)."""
         return self.chunks if self.parquet else self.changed_chunks
@@ -103,7 +99,7 @@ class ChangedFile:
                     "holds never change")
         return None
 
-    def to_skip(self) -> list[_Chunk]:
+    def to_skip(self) -> list[Chunk]:
         """The chunks --skip-changed leaves void: from the first changed one on, but those
         every pipeline has committed."""
         return [c for c in self.changed_chunks if not self.committed_by_all(c)]
@@ -167,13 +163,13 @@ def _readers(cur, topic: str, partitions: set[int]) -> dict[int, list[Reader]]:
     return out
 
 
-def _check(source: LandingFolder, chunks: list[_Chunk], known_legacy: bool) -> tuple[int, str]:
+def _check(source: LandingFolder, chunks: list[Chunk], known_legacy: bool) -> tuple[int, str]:
     """(index of the first chunk whose bytes are not those indexed, what is wrong with it);
     ``len(chunks)`` when all are as indexed. A chunk indexed before chunk checksums counts as
     changed when its file is marked changed (``known_legacy``)."""
     if not chunks:
         return 0, ""
-    filesystem, _ = _filesystem(source.path)
+    filesystem, _ = open_filesystem(source.path)
     try:
         f = filesystem.open_input_file(chunks[0].path)
     except FileNotFoundError:
@@ -184,7 +180,7 @@ def _check(source: LandingFolder, chunks: list[_Chunk], known_legacy: bool) -> t
         if source.format == "parquet" and chunks[0].crc is not None:
             import pyarrow.parquet as pq  # lazy: `import onceflow` loads no pyarrow
 
-            footer, _ = _parquet_footer(f)
+            footer, _ = parquet_footer(f)
             if f"{footer:08x}" != chunks[0].checksum:
                 return 0, "its footer (metadata) is not the one indexed"
             meta = pq.ParquetFile(f).metadata
@@ -197,14 +193,14 @@ def _check(source: LandingFolder, chunks: list[_Chunk], known_legacy: bool) -> t
             if meta is not None:
                 if chunk.start >= meta.num_row_groups:
                     return i, f"its row group {chunk.start} is gone"
-                crc, _ = _crc_of(f, *_row_group_bytes(meta, chunk.start))
+                crc, _ = crc_of(f, *row_group_bytes(meta, chunk.start))
             else:
                 if size < chunk.end:
                     return i, (f"it is {size} bytes long, and chunk {i + 1} of {len(chunks)} "
                                f"(bytes [{chunk.start}, {chunk.end}), offsets "
                                f"[{chunk.first}, {chunk.first + chunk.records})) ended at "
                                f"byte {chunk.end}")
-                crc, _ = _crc_of(f, chunk.start, chunk.end)
+                crc, _ = crc_of(f, chunk.start, chunk.end)
             if crc != chunk.crc:
                 return i, (f"the bytes of chunk {i + 1} of {len(chunks)} differ (bytes "
                            f"[{chunk.start}, {chunk.end}), offsets [{chunk.first}, "
@@ -241,11 +237,11 @@ def inspect(cur, source: LandingFolder) -> list[ChangedFile]:
                 ON c.topic = f.topic AND c.file_no = f.file_no AND c.void IS NULL
            WHERE f.topic = %s AND f.file_no = ANY(%s)
            ORDER BY f.file_no, c.byte_start""", (source.topic, numbers))
-    files: dict[int, tuple[int, str | None, str, list[_Chunk]]] = {}
+    files: dict[int, tuple[int, str | None, str, list[Chunk]]] = {}
     for file_no, partition, changed, path, *chunk in cur.fetchall():
         held = files.setdefault(file_no, (partition, changed, path, []))[3]
         if chunk[2] is not None:  # (a file that holds no record has no chunk)
-            held.append(_Chunk(path, *chunk))
+            held.append(Chunk(path, *chunk))
     readers = _readers(cur, source.topic, {f[0] for f in files.values()})
     found = []
     for file_no, (partition, changed, path, chunks) in files.items():
@@ -281,7 +277,7 @@ def _pick(found: list[ChangedFile], wanted: str) -> ChangedFile:
     return matches[0]
 
 
-def _void(cur, source: LandingFolder, change: ChangedFile, chunks: list[_Chunk],
+def _void(cur, source: LandingFolder, change: ChangedFile, chunks: list[Chunk],
           why: str) -> None:
     cur.execute(
         """UPDATE landing_chunks SET void = %s
@@ -314,8 +310,8 @@ def accept(cur, source: LandingFolder, change: ChangedFile) -> int:
         """SELECT partition, next_offset FROM source_partitions WHERE topic = %s
            ORDER BY partition FOR UPDATE""", (source.topic,))
     heads = dict(cur.fetchall())
-    known = source._known(cur, [change.path])[change.path]
-    filesystem, _ = _filesystem(source.path)
+    known = indexing.known_files(source, cur, [change.path])[change.path]
+    filesystem, _ = open_filesystem(source.path)
     from pyarrow import fs  # lazy: `import onceflow` loads no pyarrow
 
     info = filesystem.get_file_info(change.path)
@@ -326,13 +322,14 @@ def accept(cur, source: LandingFolder, change: ChangedFile) -> int:
     # (its chunks before ``start`` were just checked: the look reads on from there)
     known = known._replace(size=-1, changed=None, last=None, legacy=False)
     if source.format == "parquet":
-        kind, scan = "grown", _scan_parquet(filesystem, change.path)
+        kind, scan = "grown", scan_parquet(filesystem, change.path)
     else:
-        kind, scan, _ = source._look(filesystem, change.path, size, mtime, known)
+        kind, scan, _ = indexing.look(source, filesystem, Work(change.path, size, mtime, known))
     if kind != "grown":  # (it changed again meanwhile)
         raise ConfigError(f"--accept-changed {change.path}: it changed again while being "
                           f"indexed ({scan}); run repair again")
-    source._record(cur, (change.path, size, mtime, known), ("grown", scan, None), 0, heads)
+    indexing.record(source, cur, Work(change.path, size, mtime, known), Look("grown", scan), 0,
+                    heads)
     log.warning("REPAIR topic=%s: %s accepted as it is now: %d record(s) of it were left "
                 "void and %d indexed again", source.topic, change.path,
                 sum(c.records for c in gone), scan.records)
@@ -362,7 +359,7 @@ def skip(cur, source: LandingFolder, change: ChangedFile) -> int:
     return skipped
 
 
-def _spans(chunks: list[_Chunk]) -> list[tuple[int, int]]:
+def _spans(chunks: list[Chunk]) -> list[tuple[int, int]]:
     """The chunks' offsets as [from, to) ranges, those that touch merged."""
     out: list[tuple[int, int]] = []
     for c in sorted(chunks, key=lambda c: c.first):
