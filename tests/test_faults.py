@@ -188,7 +188,7 @@ def test_a_postgres_that_stays_away_fails_retryable_and_a_wrong_one_at_once(dsn,
     (airflow_outcomes lets it through); a server that answers with an error waiting cannot
     fix (a database that does not exist) is Unreachable at once, failing the task."""
     from onceflow.airflow.compat import AirflowFailException
-    from onceflow.airflow.operators.transaction import airflow_outcomes
+    from onceflow.airflow.operators import airflow_outcomes
     from onceflow.core.errors import Unavailable, Unreachable, is_permanent
 
     with socket.socket() as s:

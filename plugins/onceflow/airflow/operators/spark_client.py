@@ -1,0 +1,91 @@
+"""Reaching Spark from a task: spark-submit's entry point and settings, the Spark Connect URL
+of a connection, and the Spark client imported in a thread while a one-task transaction
+begins (never beside a topology being built)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import threading
+from contextlib import contextmanager
+from pathlib import Path
+
+from airflow.providers.apache.spark.hooks.spark_connect import SparkConnectHook
+from airflow.sdk import BaseHook
+
+from onceflow.spark.conf import processing_conf
+
+# The spark-submit application: the installed onceflow.spark package's entry point file.
+PROCESS_ENTRY_POINT = str(
+    Path(importlib.util.find_spec("onceflow.spark").origin).parent / "process_batch.py"
+)
+
+
+# onceflow's processing settings (onceflow.spark.conf); INFO logging only costs time.
+SPARK_DEFAULTS = {
+    **processing_conf(),
+    "spark.ui.enabled": "false",
+    "spark.log.level": "WARN",
+}
+
+
+# Held while the Spark client is imported in spark_client_loading's thread and while a
+# topology is built: two threads importing pyspark at once can see a partly initialised
+# pyspark.sql (ImportError "cannot import name ... partially initialized module").
+SPARK_IMPORTS = threading.Lock()
+
+
+def build_checked(pipeline) -> None:
+    """Build ``pipeline``'s topology (its declaration checked), never beside the thread that
+    imports the Spark client."""
+    with SPARK_IMPORTS:
+        pipeline.build_topology()
+
+
+def _import_spark_layer() -> None:
+    try:
+        with SPARK_IMPORTS:
+            for module in ("onceflow.spark.session", "onceflow.spark.localspark",
+                           "onceflow.spark.processing"):
+                importlib.import_module(module)
+    except Exception:  # noqa: S110 (imported again where used, which then says what is wrong)
+        pass
+
+
+@contextmanager
+def spark_client_loading():
+    """Import the Spark client and onceflow's Spark layer in a thread while the block runs:
+    a one-task transaction needs them right after its begin, which may wait for a place
+    among max_pending, so the imports are off the path to its commit. The thread is joined
+    before the task ends."""
+    thread = threading.Thread(target=_import_spark_layer, name="onceflow-spark-import",
+                              daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        thread.join()
+
+
+def module_root(ref: str | None) -> str | None:
+    """The folder from which ``ref``'s module is imported (for PYTHONPATH of a process that
+    must import it too), or None when it cannot be told."""
+    if not ref:
+        return None
+    module = sys.modules.get(ref.partition(":")[0])
+    origin = getattr(module, "__file__", None)
+    if not origin:
+        return None
+    depth = module.__name__.count(".") + (1 if origin.endswith("__init__.py") else 0)
+    return str(Path(origin).resolve().parents[depth])
+
+
+def spark_connect_url(conn_id: str) -> str | None:
+    """The Spark Connect URL of connection ``conn_id`` when its type is ``spark_connect``;
+    None for a ``spark`` connection (spark-submit to its master)."""
+
+    conn = BaseHook.get_connection(conn_id)
+    if conn.conn_type != "spark_connect":
+        return None
+
+    return SparkConnectHook(conn_id).get_connection_url().rstrip("/")
