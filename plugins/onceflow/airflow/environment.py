@@ -11,6 +11,8 @@ import urllib.request
 
 from psycopg2.extensions import parse_dsn
 
+from onceflow.core.connections import DSN_ENV
+
 
 def airflow_connection_json(dsn: str) -> str:
     """An Airflow connection (JSON form: no URI escaping of passwords) for a libpq DSN."""
@@ -66,7 +68,7 @@ def served_airflow_env(*, meta_dsn: str, api_port: int, dsn: str, spark: str,
         "AIRFLOW__LOGGING__LOGGING_LEVEL": log_level,
         "AIRFLOW_CONN_ONCEFLOW_PG": airflow_connection_json(dsn),
         "AIRFLOW_CONN_SPARK_DEFAULT": spark,
-        "ONCEFLOW_PG_DSN": dsn,
+        DSN_ENV: dsn,
         "PYSPARK_PYTHON": sys.executable,
     }
 
