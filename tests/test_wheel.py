@@ -107,7 +107,8 @@ def test_the_wheel_has_the_jar_and_none_of_the_checkouts_own(wheels):
     assert not [n for n in names if n.startswith("onceflow/dev/") or n.endswith(".java")]
     assert not [n for n in names if n.split("/")[0] in ("tests", "examples", "onceflow_testing",
                                                         "tweets_example", "orders_example")]
-    for module in ("onceflow/spark/localspark.py", "onceflow/cli.py",
+    for module in ("onceflow/spark/localspark.py", "onceflow/cli/__init__.py",
+                   "onceflow/cli/operate.py",
                    "onceflow/migrations/001_core.sql", "onceflow/airflow/ui/templates/base.html",
                    "onceflow/airflow/ui/static/onceflow-view.js"):
         assert module in names
