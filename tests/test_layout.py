@@ -125,6 +125,38 @@ def test_begin_and_commit_do_not_load_pyspark_or_pyarrow():
     assert out.strip() == "[]"
 
 
+def _unexplained_imports(path: Path) -> list[str]:
+    """The imports inside functions of ``path`` that give no reason: none on their own lines,
+    and none on the line above them (a comment, or a ``try:`` that says why) or above the
+    run of imports they belong to."""
+    lines = path.read_text().splitlines()
+    found = set()
+    for function in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        for node in ast.walk(function):
+            for block in (getattr(node, f, None) for f in ("body", "orelse", "finalbody")):
+                first = None  # the first line of the run of imports a statement is in
+                for statement in block if isinstance(block, list) else ():
+                    if not isinstance(statement, ast.Import | ast.ImportFrom):
+                        first = None
+                        continue
+                    first = first or statement.lineno
+                    own = lines[statement.lineno - 1:statement.end_lineno]
+                    if not any("#" in line for line in own) and "#" not in lines[first - 2]:
+                        found.add(f"{path.relative_to(ROOT)}:{statement.lineno}: "
+                                  f"{lines[statement.lineno - 1].strip()}")
+    return sorted(found)
+
+
+def test_every_import_inside_a_function_says_why():
+    """An import inside a function is for a heavy or optional dependency, a layer above, or
+    a cycle it breaks (docs/design.md); the comment beside it says which."""
+    offenders = [o for folder in LIBRARY for path in sorted(folder.rglob("*.py"))
+                 for o in _unexplained_imports(path)]
+    assert not offenders, "\n".join(offenders)
+
+
 def test_the_jar_is_built_against_the_oldest_pyspark():
     """The build requirement (the pyspark an isolated build compiles the JVM reader against)
     is the oldest supported, the version constraints-oldest.txt locks: one jar for every

@@ -56,7 +56,7 @@ def cmd_spark(args) -> int:
 
 
 def cmd_dags(args) -> int:
-    from onceflow.airflow.dag_file import TEXT
+    from onceflow.airflow.dag_file import TEXT  # loads Airflow: only `onceflow dags` needs it
 
     sys.stdout.write(TEXT)
     return 0

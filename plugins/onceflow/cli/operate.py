@@ -3,6 +3,7 @@ retention, backfill, replay-dead-letters, repair, release."""
 
 from __future__ import annotations
 
+import getpass
 import logging
 import os
 import sys
@@ -263,8 +264,6 @@ def cmd_replay_dead_letters(args) -> int:
 
 
 def _os_user() -> str:
-    import getpass
-
     try:
         return getpass.getuser()
     except (KeyError, OSError):  # no name for this uid (a container)

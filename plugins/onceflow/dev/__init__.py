@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from onceflow.core import settings
+from onceflow.core.errors import ConfigError
 
 CHECKOUT = Path(__file__).resolve().parents[3]  # plugins/onceflow/dev -> the checkout
 
@@ -28,8 +29,6 @@ def use_examples() -> list[str]:
     go first on sys.path and PYTHONPATH. Only the demo, the tests and the benchmarks see
     them; `bash run.sh ui` and `onceflow` show a user's own pipelines alone. Returns the
     folders."""
-    from onceflow.core.errors import ConfigError
-
     installed = Path(sys.prefix) / "examples"
     if not list(installed.glob("*.dist-info")):
         raise ConfigError(f"the examples are not installed for {sys.executable} (their entry "

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from onceflow.core.errors import ConfigError
+from onceflow.dev.localenv import spark_ready
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +31,7 @@ def prepare_dag_test() -> bool:
     only wait. Airflow's own cache (supervisor.in_process_api_server) keeps the API for the
     runs. Returns whether it is built, routes and all; a failure only loses the head start
     (the first task builds it then)."""
-    try:
+    try:  # Airflow's execution API loads only for a demo run
         import httpx
         from airflow.sdk.execution_time.supervisor import in_process_api_server
 
@@ -49,7 +50,7 @@ def prepare_dag_test() -> bool:
 
 def load_dag(dags_folder: Path, dag_id: str):
     """The DAG ``dag_id`` from the DAG files of ``dags_folder``."""
-    from airflow.sdk import DAG
+    from airflow.sdk import DAG  # Airflow loads only when a demo runs a DAG
 
     found = []
     for path in sorted(Path(dags_folder).glob("*.py")):
@@ -91,8 +92,6 @@ def run_transactions(dag, count: int, conf: Mapping[str, Any], log_file: Path
                      ) -> list[tuple[str, str, float]]:
     """Run ``count`` DAG runs one after the other: (run_id, state, seconds) for each (once
     the Spark server embedded_env(wait_spark=False) started answers)."""
-    from onceflow.dev.localenv import spark_ready
-
     spark_ready()
     results = []
     last = None

@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 from collections.abc import Mapping
+from importlib.metadata import version
 from pathlib import Path
 
 from onceflow.airflow.environment import airflow_connection_json, spark_connection
@@ -94,14 +95,12 @@ def apply_env(env: dict[str, str]) -> None:
 
 def airflow_db_ready(root: Path) -> None:
     """`airflow db migrate` once per Airflow version (a stamp file remembers)."""
-    from importlib.metadata import version
-
     stamp = Path(os.environ["AIRFLOW_HOME"]) / f".migrated-{version('apache-airflow')}"
     if stamp.exists():
         return
     stamp.parent.mkdir(parents=True, exist_ok=True)
     print("onceflow: initialising the Airflow metadata database (once)", file=sys.stderr)
-    from onceflow.airflow import airflow_cli
+    from onceflow.airflow import airflow_cli  # Airflow's CLI only when a migration is due
 
     subprocess.run(airflow_cli("db", "migrate"), check=True, stdout=subprocess.DEVNULL)
     stamp.touch()
@@ -118,7 +117,7 @@ def embedded_env(*, warm_spark: bool = True, wait_spark: bool = True) -> str:
     warm-up follows (localspark.warm_up): the caller's own batches come at once, and a
     warm-up would only compete with them for the CPU."""
     global _launched
-    from onceflow.dev.localpg import ensure_postgres
+    from onceflow.dev.localpg import ensure_postgres  # localpg is the checkout's own
 
     root = project_dir()
     dsn, how = ensure_postgres(root)
@@ -127,7 +126,7 @@ def embedded_env(*, warm_spark: bool = True, wait_spark: bool = True) -> str:
     # a Spark connection given in the environment wins: no local server to start for it
     if warm_spark and settings.get("spark") == "connect" \
             and "AIRFLOW_CONN_SPARK_DEFAULT" not in os.environ:
-        from onceflow.spark import localspark
+        from onceflow.spark import localspark  # pyspark: only when a local Spark starts
 
         _launched = localspark.launch(warm=wait_spark)
         port = _launched.port

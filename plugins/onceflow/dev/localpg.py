@@ -17,8 +17,9 @@ import sys
 from pathlib import Path
 
 import psycopg2
+from psycopg2 import sql
 
-from onceflow.core import settings
+from onceflow.core import db, settings
 from onceflow.core.db import DEFAULT_DSN, with_database
 from onceflow.core.errors import ConfigError
 
@@ -130,10 +131,6 @@ def recreate_database(server_dsn: str, name: str, *, migrate: bool = True) -> st
     """Drop the database ``name`` on the server if it exists and create it again, empty
     (with onceflow's migrations applied when ``migrate``): for benchmarks and tests, never
     for a user's database. Returns its DSN."""
-    from psycopg2 import sql
-
-    from onceflow.core import db
-
     admin = psycopg2.connect(with_database(server_dsn, "postgres"))
     admin.autocommit = True
     try:

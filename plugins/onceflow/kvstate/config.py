@@ -122,8 +122,8 @@ def _connection_dsn(conn_id: str) -> str:
 
 # -- redis --------------------------------------------------------------------------------------
 def _open_redis(config: dict) -> Provider:
-    try:  # an optional dependency: the `redis` extra
-        import redis
+    try:
+        import redis  # an optional dependency: the `redis` extra
     except ImportError as missing:
         raise ConfigError("state_provider='redis' needs the redis client: "
                           "pip install 'onceflow[redis]'") from missing

@@ -45,9 +45,11 @@ from datetime import datetime
 from typing import Any, ClassVar
 
 from onceflow.core.errors import ConfigError, OnceflowError, Permanent, SourceShortfall
+from onceflow.core.offsets import committed_by_pipeline
 from onceflow.core.planner import PartitionRange
 from onceflow.core.source import PROBLEM, Position
 from onceflow.sources.json_records import JsonRecords, JsonSchemaSource
+from onceflow.sources.pglog import chunk_ranges
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +84,7 @@ def kafka_config(conn_id: str = DEFAULT_CONN_ID, *, setting: str = "source.conn_
                  ) -> dict[str, Any]:
     """The client configuration of the Airflow connection ``conn_id`` (its ``extra``),
     through the Kafka provider's hook, checked: ``bootstrap.servers`` set, no callback."""
-    try:
+    try:  # the Kafka provider: the optional `kafka` extra
         from airflow.providers.apache.kafka.hooks.base import KafkaBaseHook
     except ImportError:
         raise _missing_extra() from None
@@ -125,6 +127,7 @@ def _short_timeout(config: Mapping[str, Any], timeout_s: float) -> dict[str, Any
 def consumer(config: Mapping[str, Any], timeout_s: float, group_id: str | None = None):
     """A consumer that reads by assignment only (no group membership, no offset commits)."""
     try:
+        # confluent_kafka: the optional `kafka` extra
         from confluent_kafka import Consumer
     except ImportError:
         raise _missing_extra() from None
@@ -205,6 +208,7 @@ class KafkaSource(JsonSchemaSource):
     # -- where the topic is ----------------------------------------------------------------
     def _admin(self, config: Mapping[str, Any]):
         try:
+            # confluent_kafka: the optional `kafka` extra
             from confluent_kafka.admin import AdminClient
         except ImportError:
             raise _missing_extra() from None
@@ -213,6 +217,7 @@ class KafkaSource(JsonSchemaSource):
 
     def _partitions(self, admin, config) -> list[int] | None:
         """The topic's partitions, None when the broker does not know the topic."""
+        # confluent_kafka: the optional `kafka` extra
         from confluent_kafka import KafkaError, KafkaException
 
         try:
@@ -231,6 +236,9 @@ class KafkaSource(JsonSchemaSource):
         return sorted(found.partitions)
 
     def _watermarks(self, admin, config, partitions: list[int]) -> dict[int, Position]:
+        # confluent_kafka: the optional `kafka` extra
+      
+        # confluent_kafka: the optional `kafka` extra
         from confluent_kafka import IsolationLevel, KafkaException, TopicPartition
         from confluent_kafka.admin import OffsetSpec
 
@@ -274,8 +282,6 @@ class KafkaSource(JsonSchemaSource):
     def lost(self, cur, positions: Mapping[int, Position]) -> list[str]:
         """What the broker lost: a sentence per pipeline and partition whose committed offset
         is past the end offset (or whose partition is gone), each with the fix."""
-        from onceflow.core.offsets import committed_by_pipeline
-
         out = []
         for pipeline, done in committed_by_pipeline(cur, self.topic).items():
             fix = (f"Nothing is read or committed until the broker holds them again; to go on "
@@ -316,9 +322,7 @@ class KafkaSource(JsonSchemaSource):
         if not partitions:
             raise self._no_topic(config)
         with conn.cursor() as cur:
-            from onceflow.core.offsets import committed_by_pipeline
-
-            read = {p for done in committed_by_pipeline(cur, self.topic).values() for p in done}
+                read = {p for done in committed_by_pipeline(cur, self.topic).values() for p in done}
         conn.rollback()
         gone = sorted(read - set(partitions))
         if gone:
@@ -329,6 +333,7 @@ class KafkaSource(JsonSchemaSource):
                 "new name (or `onceflow reset --force-from-start`)")
 
     def first_at(self, cur, partition: int, when: datetime, position: Position) -> int:
+        # confluent_kafka: the optional `kafka` extra
         from confluent_kafka import KafkaException, TopicPartition
 
         config = self.config()
@@ -377,6 +382,7 @@ class KafkaSource(JsonSchemaSource):
     def write_group_offsets(self, group: str, done: Sequence[tuple[int, int, int]]) -> None:
         """Commit ``(partition, offset, txid)`` to ``group`` (a consumer that is no member:
         Kafka takes such commits for a group nobody consumes in)."""
+        # confluent_kafka: the optional `kafka` extra
         from confluent_kafka import KafkaException, TopicPartition
 
         config = self.config()
@@ -400,8 +406,6 @@ class KafkaSource(JsonSchemaSource):
 
     # -- reading ---------------------------------------------------------------------------
     def read(self, spark, dsn: str, ranges: Iterable[PartitionRange]):
-        from onceflow.sources.pglog import chunk_ranges
-
         pieces = chunk_ranges([r for r in ranges if r.size > 0], self.read_chunk)
         rows = [(i, p, s, e) for i, (p, s, e) in enumerate(pieces)]
         chunks = spark.createDataFrame(rows, CHUNK_SCHEMA)
@@ -476,6 +480,7 @@ def read_range(reader, config: Mapping[str, Any], conn_id: str, topic: str, part
     timestamp ms, headers), read by ``reader`` assigned and positioned at ``start`` until
     its position reaches ``end``. Offsets without a record are skipped; a range that cannot
     be read whole fails, naming why (``missing_ok``: gives nothing instead)."""
+    # confluent_kafka: the optional `kafka` extra
     from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
     # The broker's log start and high watermark first: a range it no longer holds whole is

@@ -3,6 +3,7 @@ the run note, onceflow's errors as Airflow outcomes, and the failure and retry c
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
@@ -54,12 +55,10 @@ def run_note(context, make) -> None:
     if not context or "ti" not in context:
         return
     try:
-        from onceflow.airflow.ui import notes
+        from onceflow.airflow.ui import notes  # the UI's modules load only for a note
 
         notes.push(context, make(notes))
     except Exception as error:
-        import logging
-
         logging.getLogger(__name__).warning("no run note: %s", error)
 
 

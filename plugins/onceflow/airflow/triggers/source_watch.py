@@ -159,6 +159,7 @@ class _CommitListener:
 def _dag_runs(dag_id: str) -> keepup.Runs:
     """The DAG's runs, from Airflow (the Task SDK's count, answered by the triggerer). Raises
     where no triggerer answers (a trigger run by hand)."""
+    # the Task SDK's task runner: only the triggerer counts runs, not the DAG processor
     from airflow.sdk.execution_time.task_runner import RuntimeTaskInstance
 
     active = RuntimeTaskInstance.get_dr_count(dag_id=dag_id, states=["queued", "running"])

@@ -55,7 +55,7 @@ def server_dsn(conn_id: str = DEFAULT_CONN_ID, *, session=None) -> str:
 
     ``session``: read the metadata database with this SQLAlchemy session (a listener must
     not open the thread's scoped session: it would commit and close its caller's)."""
-    try:
+    try:  # the server's secrets backends; without Airflow, onceflow's own lookup below
         from airflow.configuration import ensure_secrets_loaded
         from airflow.models.connection import Connection
         from airflow.secrets.metastore import MetastoreBackend

@@ -175,8 +175,7 @@ class TableSource(JsonSchemaSource):
         return self._check(cur).direct
 
     def read(self, spark, dsn: str, ranges: Iterable[PartitionRange]):
-        # the reader tasks import pyarrow, which `import onceflow` (begin, commit) does not load
-        from onceflow.sources.table.read import CHUNK_SCHEMA, copy_reader, direct_reader
+        from onceflow.sources.table import read as tasks  # pyarrow: loaded to read a batch
 
         dsn = self.table_dsn(dsn)
         pieces = chunk_ranges([r for r in ranges if r.size > 0], self.read_chunk)
@@ -189,11 +188,11 @@ class TableSource(JsonSchemaSource):
                     for _, s, e in pieces]
             conn.rollback()
         if table.direct:
-            reader = direct_reader(dsn, self.records, table.fields, self.max_record_bytes)
+            reader = tasks.direct_reader(dsn, self.records, table.fields, self.max_record_bytes)
         else:
-            reader = copy_reader(dsn, self.records, self.max_record_bytes)
+            reader = tasks.copy_reader(dsn, self.records, self.max_record_bytes)
         # No repartition: the local rows are already spread over the default parallelism.
-        chunks = spark.createDataFrame(list(enumerate(copies)), CHUNK_SCHEMA)
+        chunks = spark.createDataFrame(list(enumerate(copies)), tasks.CHUNK_SCHEMA)
         return chunks.mapInArrow(reader, self.read_ddl)
 
     @contextmanager
