@@ -72,6 +72,19 @@ class Position:
         return self.head - self.log_start
 
 
+def require_topic(topic, fix: str = "name the topic") -> None:
+    """A source's ``topic``: a non-empty name, or ConfigError ending in ``fix``."""
+    if not isinstance(topic, str) or not topic:
+        raise ConfigError(f"source.topic={topic!r} is invalid: {fix}")
+
+
+def require_partitions(partitions) -> None:
+    """A source's ``partitions``: a positive whole number, or ConfigError."""
+    if not isinstance(partitions, int) or partitions <= 0:
+        raise ConfigError(f"source.partitions={partitions!r} is invalid: give a positive "
+                          "number of partitions")
+
+
 @dataclass(frozen=True, kw_only=True)
 class Source(ABC):
     """A partitioned, offset-addressed, replayable source (see the module docstring).

@@ -47,7 +47,7 @@ from typing import Any, ClassVar
 from onceflow.core.errors import ConfigError, OnceflowError, Permanent, SourceShortfall
 from onceflow.core.offsets import committed_by_pipeline
 from onceflow.core.planner import PartitionRange
-from onceflow.core.source import PROBLEM, Position
+from onceflow.core.source import PROBLEM, Position, require_topic
 from onceflow.sources.json_records import JsonRecords, JsonSchemaSource
 from onceflow.sources.pglog import chunk_ranges
 
@@ -170,8 +170,7 @@ class KafkaSource(JsonSchemaSource):
 
     def validate(self) -> None:
         super().validate()
-        if not isinstance(self.topic, str) or not self.topic:
-            raise ConfigError(f"source.topic={self.topic!r} is invalid: name the Kafka topic")
+        require_topic(self.topic, "name the Kafka topic")
         if not isinstance(self.conn_id, str) or not self.conn_id:
             raise ConfigError(f"source.conn_id={self.conn_id!r} is invalid: name an Airflow "
                               f"connection of type kafka (default {DEFAULT_CONN_ID!r})")

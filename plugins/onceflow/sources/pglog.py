@@ -24,9 +24,9 @@ from typing import ClassVar
 
 import psycopg2
 
-from onceflow.core.errors import ConfigError, Permanent
+from onceflow.core.errors import Permanent
 from onceflow.core.planner import PartitionRange
-from onceflow.core.source import Position
+from onceflow.core.source import Position, require_partitions, require_topic
 from onceflow.sources import catalog
 from onceflow.sources.json_records import JsonRecords, JsonSchemaSource
 
@@ -155,11 +155,8 @@ class PostgresLog(JsonSchemaSource):
 
     def validate(self) -> None:
         super().validate()
-        if not isinstance(self.topic, str) or not self.topic:
-            raise ConfigError(f"source.topic={self.topic!r} is invalid: name the topic")
-        if not isinstance(self.partitions, int) or self.partitions <= 0:
-            raise ConfigError(f"source.partitions={self.partitions!r} is invalid: give a "
-                              "positive number of partitions")
+        require_topic(self.topic)
+        require_partitions(self.partitions)
 
     def ensure(self, conn, *, create: bool = False) -> None:
         catalog.ensure_topic(conn, self.topic, self.partitions, create=create)

@@ -45,7 +45,7 @@ from onceflow.core import settings
 from onceflow.core.db import connection, transaction
 from onceflow.core.errors import ConfigError, ImportConflict, SourceShortfall
 from onceflow.core.planner import PartitionRange
-from onceflow.core.source import Position
+from onceflow.core.source import Position, require_partitions, require_topic
 from onceflow.sources import catalog
 from onceflow.sources.folders import require_roots
 from onceflow.sources.json_records import JsonRecords, JsonSchemaSource
@@ -538,11 +538,8 @@ class FileSegments(JsonSchemaSource):
 
     def validate(self) -> None:
         super().validate()
-        if not isinstance(self.topic, str) or not self.topic:
-            raise ConfigError(f"source.topic={self.topic!r} is invalid: name the topic")
-        if not isinstance(self.partitions, int) or self.partitions <= 0:
-            raise ConfigError(f"source.partitions={self.partitions!r} is invalid: give a "
-                              "positive number of partitions")
+        require_topic(self.topic)
+        require_partitions(self.partitions)
 
     def root(self) -> Path:
         if self.path:

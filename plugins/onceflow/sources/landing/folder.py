@@ -12,7 +12,7 @@ from typing import ClassVar
 
 from onceflow.core.errors import ConfigError
 from onceflow.core.planner import PartitionRange
-from onceflow.core.source import Position, Source
+from onceflow.core.source import Position, Source, require_topic
 from onceflow.sources import catalog
 from onceflow.sources.json_records import JsonRecords
 from onceflow.sources.landing import index as indexing
@@ -57,9 +57,8 @@ class LandingFolder(Source):
 
     def validate(self) -> None:
         super().validate()
-        if not isinstance(self.topic, str) or not self.topic:
-            raise ConfigError(f"source.topic={self.topic!r} is invalid: name the landing "
-                              "folder's topic (how pipelines and the manifest know it)")
+        require_topic(self.topic, "name the landing folder's topic (how pipelines and the "
+                      "manifest know it)")
         if self.format not in FORMATS:
             raise ConfigError(f"source.format={self.format!r} is invalid: choose one of "
                               f"{', '.join(FORMATS)}")

@@ -19,7 +19,7 @@ from onceflow.core.connections import resolve_dsn
 from onceflow.core.db import connection, transaction
 from onceflow.core.errors import ConfigError
 from onceflow.core.planner import PartitionRange
-from onceflow.core.source import Position
+from onceflow.core.source import Position, require_topic
 from onceflow.sources.json_records import JsonSchemaSource
 from onceflow.sources.pglog import chunk_ranges
 from onceflow.sources.table import select
@@ -59,9 +59,8 @@ class TableSource(JsonSchemaSource):
 
     def validate(self) -> None:
         super().validate()
-        if not isinstance(self.topic, str) or not self.topic:
-            raise ConfigError(f"source.topic={self.topic!r} is invalid: name the topic (how "
-                              "pipelines and the coordinator know this table)")
+        require_topic(self.topic, "name the topic (how pipelines and the coordinator know "
+                      "this table)")
         if not isinstance(self.table, str) or not _TABLE.match(self.table):
             raise ConfigError(f"source.table={self.table!r} is invalid: give schema.table, "
                               "e.g. 'public.orders' (quote names with capitals: "
