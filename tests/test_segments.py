@@ -249,7 +249,7 @@ def test_a_sub_range_reads_exactly_its_records_from_the_row_groups_that_hold_the
     from onceflow.core.planner import PartitionRange
     from onceflow.sources import segments
 
-    monkeypatch.setattr(segments, "ROW_GROUP_ROWS", 100)
+    monkeypatch.setattr(segments.write, "ROW_GROUP_ROWS", 100)
     root = tmp_path / "seg"
     pipeline = get_pipeline("tweets_files", source=FileSegments(topic="tweets_files",
                                                                 path=str(root)))
@@ -376,7 +376,7 @@ def test_the_jvm_and_python_segment_readers_decode_alike(spark, conn, dsn, tmp_p
     from onceflow.core.planner import PartitionRange
     from onceflow.sources import segments
 
-    monkeypatch.setattr(segments, "ROW_GROUP_ROWS", 7)
+    monkeypatch.setattr(segments.write, "ROW_GROUP_ROWS", 7)
     root = tmp_path / "seg"
     source = FileSegments(topic="decoded", path=str(root), partitions=2, json_schema=ALL.ddl,
                           max_record_bytes=200)
