@@ -41,7 +41,7 @@ from onceflow.core.errors import ConfigError, Unreachable
 from onceflow.sources.json_records import PROBLEM, JsonRecords
 from onceflow.sources.jvm import jvm_conf, jvm_reader
 from onceflow.sources.landing.read import file_chunk, jvm_lines
-from onceflow.sources.segments import jvm_segments, write_segment
+from onceflow.sources.segments import jvm_segments
 from onceflow.spark.conf import processing_conf
 
 log = logging.getLogger(__name__)
@@ -340,6 +340,8 @@ def _jvm_reads(spark):
     generated records each, decoded as a declared json_schema is: their classes are loaded
     and compiled before a batch needs them. The files live in a folder of their own while
     the frames are read."""
+    from onceflow.sources.segments.write import write_segment  # pyarrow: only when warming up
+
     records = JsonRecords("url string, n long")
     n = WARM_UP_RECORDS
     lines = [f'{{"url": "http://host{i % 97}/p{i % 1013}", "n": {i}}}' for i in range(n)]

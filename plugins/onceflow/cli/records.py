@@ -12,7 +12,7 @@ from onceflow.cli.args import Progress, chosen_pipeline
 from onceflow.core import db
 from onceflow.core.errors import ConfigError
 from onceflow.sources.pglog import check_payload
-from onceflow.sources.segments import FileSegments, import_segments, read_export
+from onceflow.sources.segments import FileSegments
 
 STDIN_CHUNK = 100_000  # records written at once from standard input at most
 
@@ -114,6 +114,9 @@ def cmd_import(args) -> int:
                           "import keeps partitions and offsets into file segments only "
                           "(a pipeline with source=FileSegments(...))")
     started = time.monotonic()
+    # pyarrow and numpy: loaded for an import, not for every command
+    from onceflow.sources.segments.bulk_import import import_segments, read_export
+
     table = read_export(args.files)
     with db.connection() as conn:
         done = import_segments(conn, pipeline.source.root(), pipeline.topic, table,

@@ -32,21 +32,26 @@ The modules: source (FileSegments), write (a segment file, a producer's append),
 (records imported at their own offsets), read (the segments and row groups a batch reads).
 """
 
-from onceflow.sources.segments.bulk_import import (
-    ON_CONFLICT,
-    Imported,
-    import_segments,
-    read_export,
-)
-from onceflow.sources.segments.read import jvm_segments, read_ranges, row_groups, segments_for
-from onceflow.sources.segments.source import FileSegments
-from onceflow.sources.segments.write import (
-    ROW_GROUP_ROWS,
-    SPARK_SCHEMA,
-    produce_segments,
-    segment_path,
-    write_segment,
-)
+import importlib
+
+from onceflow.sources.segments.source import SPARK_SCHEMA, FileSegments, jvm_segments, segments_for
+
+# The modules that import pyarrow at their top, and the names each gives: loaded when first
+# asked for (PEP 562), so that `import onceflow` loads no pyarrow.
+_ARROW_SIDE = {
+    "write": ("ROW_GROUP_ROWS", "produce_segments", "segment_path", "write_segment"),
+    "read": ("read_ranges", "row_groups"),
+    "bulk_import": ("ON_CONFLICT", "Imported", "import_segments", "read_export"),
+}
+
+
+def __getattr__(name: str):
+    for module, names in _ARROW_SIDE.items():
+        if name == module or name in names:
+            loaded = importlib.import_module(f"{__name__}.{module}")
+            return loaded if name == module else getattr(loaded, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "ON_CONFLICT", "ROW_GROUP_ROWS", "SPARK_SCHEMA", "FileSegments", "Imported",

@@ -1,6 +1,10 @@
 """Importing records at their own offsets (an export of another log, a backfill): what the log
 holds already is skipped, kept or refused (``on_conflict``), and the rest written as segments
-and indexed in one PostgreSQL transaction."""
+and indexed in one PostgreSQL transaction.
+
+pyarrow and numpy are imported here at the top: the package loads this module only for an
+import, so `import onceflow` loads neither.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +14,12 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.json as pajson
+import pyarrow.parquet as pq
 
 from onceflow.core.db import transaction
 from onceflow.core.errors import ConfigError, ImportConflict
@@ -89,8 +99,6 @@ def _aligned(segment, base: int, offsets):
     ``offsets``, in their order (null where it holds none). A segment holds consecutive
     offsets from its base in order, so offset o is row o - base; a file that does not
     (not written by onceflow) is joined on offset instead."""
-    import pyarrow.compute as pc  # lazy: `import onceflow` loads no pyarrow
-
     low, high = pc.min(offsets).as_py() - base, pc.max(offsets).as_py() - base
     if segment.num_rows and low >= 0 and high < segment.num_rows:
         # consecutive offsets (what an import brings again) are a slice, which copies nothing
@@ -98,8 +106,6 @@ def _aligned(segment, base: int, offsets):
                  else segment.take(pc.subtract(offsets, base)))
         if pc.all(pc.equal(taken.column("offset"), offsets)).as_py():
             return taken.column("payload")
-    import pyarrow as pa  # lazy: `import onceflow` loads no pyarrow
-
     mine = pa.table({"offset": offsets, "at": pa.array(range(len(offsets)), pa.int64())})
     joined = mine.join(segment, keys="offset", join_type="left outer").sort_by("at")
     return joined.column("payload")
@@ -110,10 +116,6 @@ def _differing(cur, topic: str, partition: int, rows):
     the one the log holds, ascending (a numpy array): each overlapping segment is read once
     (offset and payload only, the row groups that meet the rows' offsets) and compared with
     the rows it holds, column against column."""
-    import numpy as np  # lazy: `import onceflow` loads no numpy
-    import pyarrow.compute as pc  # lazy: `import onceflow` loads no pyarrow
-    import pyarrow.parquet as pq  # lazy: `import onceflow` loads no pyarrow
-
     offsets = rows.column("offset")
     low, high = pc.min(offsets).as_py(), pc.max(offsets).as_py() + 1
     cur.execute("""SELECT base_offset, records, path FROM source_segments
@@ -148,10 +150,6 @@ def _differing(cur, topic: str, partition: int, rows):
 def _unique_offsets(topic: str, partition: int, rows):
     """``rows`` (sorted by offset) with repeated records dropped; ImportConflict when the
     import holds two payloads for one offset (no flag can choose between them)."""
-    import numpy as np  # lazy: `import onceflow` loads no numpy
-    import pyarrow as pa  # lazy: `import onceflow` loads no pyarrow
-    import pyarrow.compute as pc  # lazy: `import onceflow` loads no pyarrow
-
     numbers = rows.column("offset").to_numpy()
     repeated = numbers[1:] == numbers[:-1]
     if not repeated.any():
@@ -185,10 +183,6 @@ def import_segments(conn, root: Path, topic: str, table, *, chunk_size: int = 40
     no "replace": a batch may have read those offsets, and a record read differently on a
     re-run would break exactly-once. Anything else wrong is refused (ConfigError naming the
     partition and the offsets). Every refusal comes before a file is written."""
-    import numpy as np  # lazy: `import onceflow` loads no numpy
-    import pyarrow as pa  # lazy: `import onceflow` loads no pyarrow
-    import pyarrow.compute as pc  # lazy: `import onceflow` loads no pyarrow
-
     if on_conflict not in ON_CONFLICT:
         raise ConfigError(f"on_conflict={on_conflict!r} is invalid: give one of "
                           f"{', '.join(ON_CONFLICT)}")
@@ -301,10 +295,6 @@ def _has_segments(cur, topic: str, partition: int) -> bool:
 def read_export(paths: Iterable[str]):
     """Records with their partition and offset from Parquet or JSON-lines files (fields
     partition, offset, payload), as one Arrow table."""
-    import pyarrow as pa  # lazy: `import onceflow` loads no pyarrow
-    import pyarrow.json as pajson  # lazy: `import onceflow` loads no pyarrow
-    import pyarrow.parquet as pq  # lazy: `import onceflow` loads no pyarrow
-
     tables = []
     for path in paths:
         if not Path(path).is_file():

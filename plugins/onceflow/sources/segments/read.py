@@ -1,47 +1,22 @@
-"""Reading segments: the indexed segments that hold a batch's ranges, the row groups of one
-that meet them (by their statistics), and the rows within them; the Spark readers of decoded
-segments (Python workers, or the JVM reader of onceflow's jar)."""
+"""Reading segments: the row groups of one that meet a batch's ranges (by their statistics),
+the rows within them, and the Spark reader of decoded segments in Python workers.
+
+pyarrow is imported here at the top: the package loads this module only where segments are
+read (FileSegments.read and payloads, the import), so `import onceflow` loads no pyarrow.
+"""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 from functools import reduce
 from typing import Any
 
-from onceflow.core.errors import SourceShortfall
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
 from onceflow.core.planner import PartitionRange
 from onceflow.sources.json_records import JsonRecords
-from onceflow.sources.jvm import SEGMENTS_READER
 from onceflow.sources.segments import write
-
-
-def segments_for(cur, topic: str, ranges: Iterable[PartitionRange]) -> dict[str, int]:
-    """Paths of the segments holding the ranges' offsets, each once (ranges of several txids,
-    as verify reads them, share segments: a path given to Spark twice is read twice), with
-    their partitions; SourceShortfall when the index does not cover a range whole."""
-    paths: dict[str, int] = {}
-    for r in ranges:
-        if r.size <= 0:
-            continue
-        cur.execute(
-            """SELECT base_offset, records, path FROM source_segments
-               WHERE topic = %s AND partition = %s
-                 AND base_offset < %s AND base_offset + records > %s
-               ORDER BY base_offset""",
-            (topic, r.partition, r.end, r.start),
-        )
-        covered = r.start
-        for base, records, path in cur.fetchall():
-            if base > covered:
-                break
-            covered = max(covered, base + records)
-            paths[path] = r.partition
-        if covered < r.end:
-            raise SourceShortfall(
-                f"topic {topic!r} partition {r.partition}: no segment holds offsets "
-                f"[{covered}, {r.end}) of the planned range [{r.start}, {r.end})")
-    return paths
 
 
 def _stats(meta, group: int, column: int) -> tuple[Any, Any] | None:
@@ -67,9 +42,6 @@ def row_groups(meta, ranges: Iterable[PartitionRange]) -> list[int]:
 def read_ranges(path: str, ranges: Iterable[PartitionRange], columns: list[str]):
     """The rows of the segment at ``path`` within ``ranges`` (``columns`` of them, as an Arrow
     table in file order), decoding only the row groups whose statistics meet the ranges."""
-    import pyarrow.compute as pc  # lazy: `import onceflow` loads no pyarrow
-    import pyarrow.parquet as pq  # lazy: `import onceflow` loads no pyarrow
-
     ranges = list(ranges)
     with pq.ParquetFile(path) as f:
         wanted = sorted(set(columns) | {"partition", "offset"})
@@ -97,13 +69,3 @@ def decoding_reader(segments: list[tuple[str, int]], ranges: list[PartitionRange
                 yield from records.decode_batches(table, max_bytes, write.ROW_GROUP_ROWS)
 
     return read
-
-
-def jvm_segments(spark, segments: list[tuple[str, int]], wanted: list[tuple[int, int, int]],
-                 records: JsonRecords, max_bytes: int):
-    """The JVM reader (onceflow.spark.SegmentsSource) over local ``segments`` ((path,
-    partition)): the records in ``wanted`` ((partition, start, end)), decoded by
-    ``records``."""
-    spec = {"segments": [list(s) for s in segments], "wanted": [list(w) for w in wanted],
-            "columns": list(map(list, records.columns)), "max_record_bytes": max_bytes}
-    return spark.read.format(SEGMENTS_READER).option("spec", json.dumps(spec)).load()

@@ -1,8 +1,10 @@
 """FileSegments: the Source over a partitioned log of Parquet segment files (see
-onceflow.sources.segments)."""
+onceflow.sources.segments), the index's segments a batch reads, and the JVM reader of
+decoded segments."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
@@ -12,20 +14,43 @@ from typing import ClassVar
 
 from onceflow.core import settings
 from onceflow.core.db import connection, transaction
-from onceflow.core.errors import ConfigError
+from onceflow.core.errors import ConfigError, SourceShortfall
 from onceflow.core.planner import PartitionRange
 from onceflow.core.source import Position, require_partitions, require_topic
 from onceflow.sources import catalog
 from onceflow.sources.folders import require_roots
-from onceflow.sources.json_records import JsonSchemaSource
-from onceflow.sources.jvm import jvm_reader
-from onceflow.sources.segments.read import (
-    decoding_reader,
-    jvm_segments,
-    read_ranges,
-    segments_for,
-)
-from onceflow.sources.segments.write import SPARK_SCHEMA, produce_segments
+from onceflow.sources.json_records import JsonRecords, JsonSchemaSource
+from onceflow.sources.jvm import SEGMENTS_READER, jvm_reader
+
+SPARK_SCHEMA = "partition int, offset long, payload string"  # the columns a batch reads
+
+
+def segments_for(cur, topic: str, ranges: Iterable[PartitionRange]) -> dict[str, int]:
+    """Paths of the segments holding the ranges' offsets, each once (ranges of several txids,
+    as verify reads them, share segments: a path given to Spark twice is read twice), with
+    their partitions; SourceShortfall when the index does not cover a range whole."""
+    paths: dict[str, int] = {}
+    for r in ranges:
+        if r.size <= 0:
+            continue
+        cur.execute(
+            """SELECT base_offset, records, path FROM source_segments
+               WHERE topic = %s AND partition = %s
+                 AND base_offset < %s AND base_offset + records > %s
+               ORDER BY base_offset""",
+            (topic, r.partition, r.end, r.start),
+        )
+        covered = r.start
+        for base, records, path in cur.fetchall():
+            if base > covered:
+                break
+            covered = max(covered, base + records)
+            paths[path] = r.partition
+        if covered < r.end:
+            raise SourceShortfall(
+                f"topic {topic!r} partition {r.partition}: no segment holds offsets "
+                f"[{covered}, {r.end}) of the planned range [{r.start}, {r.end})")
+    return paths
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -127,6 +152,8 @@ class FileSegments(JsonSchemaSource):
         """The records of ``segments`` within ``ranges``, their payloads decoded where they
         are read: one Spark task per segment, in the JVM (local paths) or in Python
         workers (the same rows)."""
+        from onceflow.sources.segments.read import decoding_reader  # pyarrow: read, not import
+
         if jvm_reader(spark) and not any("://" in path for path, _ in segments):
             return jvm_segments(spark, segments, [(r.partition, r.start, r.end) for r in ranges],
                                 self.records, self.max_record_bytes)
@@ -136,6 +163,8 @@ class FileSegments(JsonSchemaSource):
 
     def payloads(self, conn, ranges: Iterable[PartitionRange]
                  ) -> Iterator[tuple[int, int, str]]:
+        from onceflow.sources.segments.read import read_ranges  # pyarrow: where files are read
+
         ranges = [r for r in ranges if r.size > 0]
         with conn.cursor() as cur:
             paths = segments_for(cur, self.topic, ranges)
@@ -147,5 +176,17 @@ class FileSegments(JsonSchemaSource):
 
     def append(self, conn, payloads: Iterable[str], *, chunk_size: int = 400_000,
                progress=None) -> int:
+        from onceflow.sources.segments.write import produce_segments  # pyarrow: to write files
+
         return produce_segments(conn, self.root(), self.topic, payloads, chunk_size=chunk_size,
                                 progress=progress)
+
+
+def jvm_segments(spark, segments: list[tuple[str, int]], wanted: list[tuple[int, int, int]],
+                 records: JsonRecords, max_bytes: int):
+    """The JVM reader (onceflow.spark.SegmentsSource) over local ``segments`` ((path,
+    partition)): the records in ``wanted`` ((partition, start, end)), decoded by
+    ``records``."""
+    spec = {"segments": [list(s) for s in segments], "wanted": [list(w) for w in wanted],
+            "columns": list(map(list, records.columns)), "max_record_bytes": max_bytes}
+    return spark.read.format(SEGMENTS_READER).option("spec", json.dumps(spec)).load()

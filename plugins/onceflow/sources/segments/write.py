@@ -1,6 +1,10 @@
 """Writing segments: a segment file (Parquet, in row groups of ROW_GROUP_ROWS offsets with
 partition and offset statistics, fsynced, then renamed into place) and a producer's append,
-indexed in the PostgreSQL transaction that advances the heads."""
+indexed in the PostgreSQL transaction that advances the heads.
+
+pyarrow is imported here at the top: the package loads this module only where segments are
+written (onceflow.sources.segments names it lazily), so `import onceflow` loads no pyarrow.
+"""
 
 from __future__ import annotations
 
@@ -9,18 +13,17 @@ from collections.abc import Iterable
 from datetime import UTC, datetime
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
 from onceflow.sources import catalog
 from onceflow.sources.pglog import check_payload
 
 
 def segment_schema():
-    import pyarrow as pa  # lazy: `import onceflow` loads no pyarrow
-
     return pa.schema([("partition", pa.int32()), ("offset", pa.int64()),
                       ("payload", pa.string()), ("produced_at", pa.timestamp("us", tz="UTC"))])
-
-
-SPARK_SCHEMA = "partition int, offset long, payload string"  # the columns a batch reads
 
 
 def segment_path(root: Path, topic: str, partition: int, base: int) -> Path:
@@ -34,8 +37,6 @@ ROW_GROUP_ROWS = 32_768
 
 
 def write_segment_file(path: Path, table) -> None:
-    import pyarrow.parquet as pq  # lazy: `import onceflow` loads no pyarrow
-
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     # min/max statistics per row group on partition and offset: what readers skip row groups
@@ -50,8 +51,6 @@ def write_segment_file(path: Path, table) -> None:
 def write_segment(path: Path, partition: int, base: int, records: list[str], now: datetime):
     """One segment file of ``records`` at offsets ``base``... of ``partition``, not indexed
     (produce_segments indexes it); returns its payloads as an Arrow array."""
-    import pyarrow as pa  # lazy: `import onceflow` loads no pyarrow
-
     payload = pa.array(records, pa.string())
     write_segment_file(path, pa.table({
         "partition": pa.array([partition] * len(records), pa.int32()),
@@ -66,8 +65,6 @@ def largest_payload(payloads) -> int | None:
     """The byte length of the longest of ``payloads`` (an Arrow string array) when none holds
     a NUL character, else None: what a batch's may_refuse compares with max_record_bytes
     (the spout refuses a record over it, or one with a NUL)."""
-    import pyarrow.compute as pc  # lazy: `import onceflow` loads no pyarrow
-
     if not len(payloads) or pc.any(pc.match_substring(payloads, "\x00")).as_py():
         return None
     return pc.max(pc.binary_length(payloads)).as_py()
