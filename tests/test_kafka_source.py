@@ -322,3 +322,38 @@ def test_bad_input_is_refused_with_the_field_and_the_fix(broker, dsn, monkeypatc
                "'bootstrap.servers'" in nobootstrap.stderr
     with pytest.raises(ConfigError, match=r"source.json_schema: column 'kafka_key'"):
         KafkaSource(topic="t", json_schema="kafka_key string").validate()
+
+
+def test_a_kafka_topic_named_as_a_log_topic_is_checked_against_its_own_pipelines(
+        views, broker, dsn, conn, spark):
+    """A team that produced its events to onceflow's log under the topic's own name, then
+    reads the topic from Kafka: the log pipeline's committed offsets (five partitions, past
+    the Kafka topic's ends) are not the Kafka topic's. Neither "partitions read before" at
+    registration nor "the broker lost committed records" at begin: the Kafka pipeline commits
+    exactly, and each pipeline is stored with its source."""
+    import dataclasses
+
+    from helpers import another, produce, tweets_events
+    from onceflow.core.registration import register
+    from onceflow.core.registry import get_pipeline
+
+    tweets = get_pipeline("tweets")
+    log_views = another(tweets, "log_views", batch_size=1000, source=dataclasses.replace(
+        tweets.source, topic=TOPIC, partitions=5))
+    register(conn, log_views, create_source=True)
+    produce(conn, TOPIC, tweets_events(1000, malformed_share=0, poison_share=0, flaky_share=0))
+    run_transaction(spark, dsn, conn, log_views, "log-1")
+    read = committed_offsets_of(conn, "log_views")
+    assert set(read) == {0, 1, 2, 3, 4} and min(read.values()) > 30, read
+
+    register_views(conn, views)  # three partitions: 3 and 4 were read only by the log
+    produced = broker.produce(TOPIC, payloads(90, seed=9), partitions=3)  # 30 each
+    run_transaction(spark, dsn, conn, views, "kafka-1")
+    assert committed_offsets(conn) == ends(produced) == {0: 30, 1: 30, 2: 30}
+    assert_exact(conn, produced)
+    assert committed_offsets_of(conn, "log_views") == read
+    assert table(conn, "SELECT name, source FROM pipelines ORDER BY name") == [
+        ("kafka_views", "kafka:kafka_default"), ("log_views", "postgres-log")]
+    status = cli("status", "--pipeline", "kafka_views")
+    assert status.returncode == 0, status.stdout + status.stderr
+    assert "lost" not in status.stdout

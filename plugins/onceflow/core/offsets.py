@@ -49,13 +49,17 @@ def committed(cur, pipeline: str) -> dict[int, int]:
     return dict(cur.fetchall())
 
 
-def committed_by_pipeline(cur, topic: str) -> dict[str, dict[int, int]]:
-    """Every pipeline reading ``topic`` -> its committed offsets (empty: it read nothing)."""
+def committed_by_pipeline(cur, topic: str, source: str | None = None
+                          ) -> dict[str, dict[int, int]]:
+    """Every pipeline reading ``topic`` -> its committed offsets (empty: it read nothing).
+    ``source`` (Source.identity): only the pipelines of that source's topic, and those not
+    registered since sources were stored (they may be of it)."""
     cur.execute(
         """SELECT p.name, po.partition, po."offset" FROM pipelines p
            LEFT JOIN partition_offsets po ON po.pipeline = p.name
-           WHERE p.topic = %s ORDER BY p.name""",
-        (topic,),
+           WHERE p.topic = %s AND (%s::text IS NULL OR p.source IS NULL OR p.source = %s)
+           ORDER BY p.name""",
+        (topic, source, source),
     )
     out: dict[str, dict[int, int]] = {}
     for name, partition, offset in cur.fetchall():

@@ -52,6 +52,9 @@ def register(conn, pipeline: Pipeline, state_dsns: Mapping[str, str] | None = No
                 "source a new pipeline name")
         cur.execute("UPDATE pipelines SET mode = %s WHERE name = %s AND mode <> %s",
                     (pipeline.mode, pipeline.name, pipeline.mode))
+        cur.execute("UPDATE pipelines SET source = %s WHERE name = %s "
+                    "AND source IS DISTINCT FROM %s",
+                    (pipeline.source.identity, pipeline.name, pipeline.source.identity))
         backflow.ensure_pointers(cur, pipeline.name)
         for spec in pipeline.states:
             if spec.typed:

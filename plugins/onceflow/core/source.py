@@ -235,6 +235,12 @@ class Source(ABC):
     def describe(self) -> str:
         return f"{self.kind} source {self.topic!r}"
 
+    @property
+    def identity(self) -> str:
+        """Where the topic lives, stored with the pipeline (pipelines.source): the source's
+        kind, and whatever else tells two topics of one name apart (a Kafka cluster)."""
+        return self.kind
+
 
 def record_sightings(cur, topic: str, heads: Mapping[int, int]) -> None:
     """Record that ``heads`` (partition -> head) were seen now, where a head is new: the

@@ -204,6 +204,10 @@ class KafkaSource(JsonSchemaSource):
     def describe(self) -> str:
         return f"kafka topic {self.topic!r} (connection {self.conn_id!r})"
 
+    @property
+    def identity(self) -> str:
+        return f"{self.kind}:{self.conn_id}"
+
     # -- where the topic is ----------------------------------------------------------------
     def _admin(self, config: Mapping[str, Any]):
         try:
@@ -282,7 +286,7 @@ class KafkaSource(JsonSchemaSource):
         """What the broker lost: a sentence per pipeline and partition whose committed offset
         is past the end offset (or whose partition is gone), each with the fix."""
         out = []
-        for pipeline, done in committed_by_pipeline(cur, self.topic).items():
+        for pipeline, done in committed_by_pipeline(cur, self.topic, self.identity).items():
             fix = (f"Nothing is read or committed until the broker holds them again; to go on "
                    f"from what it holds now: onceflow reset --pipeline {pipeline} "
                    "--force-from-start (records counted before are kept)")
@@ -321,7 +325,8 @@ class KafkaSource(JsonSchemaSource):
         if not partitions:
             raise self._no_topic(config)
         with conn.cursor() as cur:
-                read = {p for done in committed_by_pipeline(cur, self.topic).values() for p in done}
+            read = {p for done in committed_by_pipeline(cur, self.topic, self.identity).values()
+                    for p in done}
         conn.rollback()
         gone = sorted(read - set(partitions))
         if gone:
