@@ -39,7 +39,11 @@ and ``airflow-phases`` read the JSON lines only and run with ``landing-json``. S
 Streaming reads the equivalent files: JSON lines for ``landing-json``, CSV and Parquet for
 the landing folders of those; for ``table``, ``pglog`` and ``segments`` it reads the same
 events from the JSON lines files (the output says so). Each database-held source (table,
-log, segments) is filled in a fresh database before its system's clock starts. Every
+log, segments) is filled in a fresh database before its system's clock starts. ``kafka``
+reads the JSON payloads from a topic of 2 partitions on a Kafka-protocol broker the run
+starts (onceflow.dev.tansu), produced once before the first clock, decoded as read
+(``json_schema``); Structured Streaming is no peer there (its Kafka connector jar cannot be
+installed on these machines: the output says so). Every
 result is checked against the ground truth. The local session's systems share one JVM and
 the Spark Connect server's runs one server, in the order of the tables: the first run of
 each warms its JVM for the next (``--rounds 2`` measures warm figures on both sides).
@@ -110,8 +114,9 @@ class CpuClock:
 
 
 JSON_SOURCES = ("segments", "landing-json", "table", "pglog")  # SS reads the JSON lines
-HELD = ("segments", "table", "pglog")  # kept in the database: filled before the clock
-SOURCE_NAMES = ("segments", "landing-json", "landing-csv", "landing-parquet", "table", "pglog")
+HELD = ("segments", "table", "pglog", "kafka")  # filled before the clock
+SOURCE_NAMES = ("segments", "landing-json", "landing-csv", "landing-parquet", "table", "pglog",
+                "kafka")
 # Per source: what it is, and what Structured Streaming reads for it
 ABOUT = {
     "segments": "file segments (Parquet, produced into the log's index; payloads decoded as "
@@ -122,7 +127,14 @@ ABOUT = {
     "table": "a PostgreSQL table (the events as rows, an identity key; rows decoded as "
              "read, json_schema)",
     "pglog": "the PostgreSQL log (the JSON payloads, decoded as read, json_schema)",
+    "kafka": "a Kafka topic of 2 partitions on a Kafka-protocol broker this run starts (Tansu, "
+             "memory storage; the JSON payloads decoded as read, json_schema)",
 }
+# Structured Streaming reads Kafka only with Spark's Kafka connector (spark-sql-kafka and the
+# Kafka client jars), which cannot be installed on these machines: no peer for that source.
+NO_KAFKA_PEER = ("Structured Streaming is no peer here: its Kafka connector jar "
+                 "(spark-sql-kafka) cannot be installed on this machine")
+KAFKA_PARTITIONS = 2
 SS_READS = {"landing-csv": "the same CSV files", "landing-parquet": "the same Parquet files",
             "landing-json": "the same JSON lines files"}
 # the form of the events each source needs on disk (beyond the JSON lines)
@@ -211,6 +223,8 @@ def fill(dsn: str, sources: list[str], files: list[Path], folder: Path) -> float
                             cur.copy_expert(sql.SQL(
                                 "COPY {} ({}) FROM STDIN (FORMAT csv, HEADER true)").format(
                                 table, columns).as_string(cur), rows)
+            if source == "kafka":  # the topic outlives the database: produced once a run
+                produce_kafka(pipeline, files)
             register(conn, pipeline, create_source=True)
             if source == "pglog":
                 pipeline.source.append(conn, read_payloads(files), chunk_size=200_000)
@@ -218,6 +232,76 @@ def fill(dsn: str, sources: list[str], files: list[Path], folder: Path) -> float
                 shutil.rmtree(pipeline.source.root() / pipeline.topic, ignore_errors=True)
                 pipeline.source.append(conn, read_payloads(files), chunk_size=1_000_000)
     return time.perf_counter() - started
+
+
+def kafka_broker(folder: Path):
+    """A Kafka-protocol broker for the kafka source (onceflow.dev.tansu: Tansu, memory
+    storage), the pipelines' connection kafka_default; stopped by the caller."""
+    from onceflow.dev.tansu import Tansu
+
+    broker = Tansu(folder / "tansu.log").start()
+    os.environ["AIRFLOW_CONN_KAFKA_DEFAULT"] = broker.conn_json()  # Airflow's tasks inherit it
+    print(f"Kafka: a Tansu broker on {broker.bootstrap} (memory storage, stopped at the end)",
+          flush=True)
+    return broker
+
+
+def produce_kafka(pipeline, files: list[Path]) -> None:
+    """The events of ``files`` produced to ``pipeline``'s topic (made with KAFKA_PARTITIONS
+    partitions), round-robin, unless it holds them already. Batched, but the last event of
+    each partition goes alone in its batch: Tansu's end offset is the last batch's base
+    offset + 1 (onceflow.dev.tansu), exact only when that batch holds one record."""
+    from confluent_kafka import Producer
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    from onceflow.dev.tansu import ONE_PER_BATCH
+    from onceflow.sources.kafka import kafka_config
+
+    source, config = pipeline.source, kafka_config(pipeline.source.conn_id)
+    events = sum(1 for _ in read_payloads(files))
+    admin = AdminClient(config)
+    if source.topic in admin.list_topics(timeout=30).topics:
+        held = sum(p.head for p in source.positions(None).values())
+        if held == events:
+            return
+        raise RuntimeError(f"Kafka topic {source.topic!r} holds {held} events, not {events}")
+    for future in admin.create_topics([NewTopic(source.topic, KAFKA_PARTITIONS, 1)]).values():
+        future.result(30)
+    started = time.perf_counter()
+    errors: list[str] = []
+
+    def delivered(error, _message) -> None:
+        if error is not None:
+            errors.append(str(error))
+
+    bulk = Producer({**config, "linger.ms": 20, "batch.num.messages": 10_000,
+                     "queue.buffering.max.messages": 500_000, "enable.idempotence": False})
+    tails = []  # the last event of each partition, sent alone after the others
+    for i, payload in enumerate(read_payloads(files)):
+        if i >= events - KAFKA_PARTITIONS:
+            tails.append((i, payload))
+            continue
+        while True:
+            try:
+                bulk.produce(source.topic, payload.encode(), partition=i % KAFKA_PARTITIONS,
+                             on_delivery=delivered)
+                break
+            except BufferError:  # the client's queue is full: let it send
+                bulk.poll(0.1)
+        if i % 10_000 == 0:
+            bulk.poll(0)
+    bulk.flush(600)
+    alone = Producer({**config, **ONE_PER_BATCH})
+    for i, payload in tails:
+        alone.produce(source.topic, payload.encode(), partition=i % KAFKA_PARTITIONS,
+                      on_delivery=delivered)
+    alone.flush(60)
+    held = sum(p.head for p in source.positions(None).values())
+    if errors or held != events:
+        raise RuntimeError(f"Kafka topic {source.topic!r}: {held} of {events} events held "
+                           f"after producing ({errors[:3]})")
+    print(f"Kafka: {events} events produced to {source.topic!r} in "
+          f"{time.perf_counter() - started:.1f}s (before the clock)", flush=True)
 
 
 def onceflow_loop(spark, dsn: str, pipeline, batches: int, in_flight: int = 1) -> dict:
@@ -334,6 +418,17 @@ def main(argv: list[str] | None = None) -> int:
                      + f"; give a comma list of {', '.join(SOURCE_NAMES)}, or all")
     sources = list(SOURCE_NAMES) if "all" in asked else \
         [s for s in SOURCE_NAMES if s in asked]
+    broker = kafka_broker(args.folder) if "kafka" in sources else None
+    try:
+        return run(args, systems, sources)
+    finally:
+        if broker is not None:
+            broker.stop()
+
+
+def run(args, systems: list[str], sources: list[str]) -> int:
+    """Every system asked for on every source asked for, then the report (see the module
+    docstring); 0 when every result was exact."""
     json_lines = "landing-json" in sources  # the systems that read the JSON lines only
 
     server, _ = server_dsn()
@@ -597,7 +692,8 @@ def report(results: dict, acker: dict, jvm_s: float | None, sources: list[str],
         if not rows:
             continue
         reads = SS_READS.get(source, "the same events from the JSON lines files")
-        print(f"\nsource {source}: {ABOUT[source]}; Structured Streaming reads {reads}")
+        peer = NO_KAFKA_PEER if source == "kafka" else f"Structured Streaming reads {reads}"
+        print(f"\nsource {source}: {ABOUT[source]}; {peer}")
         print(header)
         ss = next((r["seconds"] for name, r in rows.items()
                    if name.startswith(SS_NAME) and name != SS_JSON_NAME), None)
@@ -768,6 +864,8 @@ def summary(results: dict, sources: list[str], events: int) -> None:
         lib = results.get((source, LIBRARY_NAME))
         air = results.get((source, AIRFLOW_NAME))
         raw = results.get((form, RAW_NAME))
+        if source == "kafka":  # neither reads Kafka here (NO_KAFKA_PEER)
+            ss = raw = None
         if not (ss or lib or air):
             continue
         raw_text = f"{raw['seconds']:.1f} ({cell(raw, 'cpu')})" if raw else "-"
@@ -775,6 +873,8 @@ def summary(results: dict, sources: list[str], events: int) -> None:
         print(f"| {source} | {cell(ss, 'cpu')} | {cell(lib, 'cpu')} | {cell(air, 'cpu')} | "
               f"{cell(ss, 'wall')} | {cell(lib, 'wall')} | {cell(air, 'wall')} | {raw_text} | "
               f"{load} |")
+    if "kafka" in sources:
+        print(f"kafka: {NO_KAFKA_PEER}; nor can the raw Spark job (the same connector)")
 
 
 if __name__ == "__main__":

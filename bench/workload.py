@@ -18,7 +18,8 @@ bench/peers.py (tweets_example.topology.parse).
   PostgreSQL table (``TABLE``, keyed by an identity column), each row's JSON decoded as it is
   read (``json_schema``: its url column); ``pglog`` reads the JSON payloads from the
   PostgreSQL log, ``segments`` from file segments (under ``SEGMENTS``), both decoding them
-  as they are read (``json_schema``, as ``W``'s landing folder does).
+  as they are read (``json_schema``, as ``W``'s landing folder does); ``kafka`` from a
+  Kafka topic (the connection kafka_default), decoded the same way.
   A row form holds a malformed event as a row without a url: counted nowhere, as the JSON
   form's rejected event is.
 
@@ -36,6 +37,7 @@ from onceflow import (
     ANCHORS,
     SPOUT,
     FileSegments,
+    KafkaSource,
     LandingFolder,
     Pipeline,
     PostgresLog,
@@ -187,6 +189,10 @@ SOURCES = {
     "pglog": _variant("bench_w_pglog", PostgresLog(
         topic="bench_w_pglog", partitions=2, json_schema=TWEET),
         "workload:topology", "wl_", "from the PostgreSQL log"),
+    # its broker and connection (kafka_default) are bench/compare.py's
+    "kafka": _variant("bench_w_kafka", KafkaSource(
+        topic="bench_w_kafka", json_schema=TWEET), "workload:topology", "wk_",
+        "from a Kafka topic"),
 }
 
 PIPELINES = (W, W_PHASES, W_IDNA, *(p for p in SOURCES.values() if p is not W))
