@@ -6,7 +6,7 @@ The whole story, a fresh virtualenv (no system site-packages, no checkout on the
 the wheel and an outside package installed from a lock file, running that package's
 pipeline through its Airflow DAG, a crash in its commit included, then on Spark Connect, in
 each cell of the version matrix (``CELLS``: the oldest versions onceflow supports,
-constraints-oldest.txt; the newest, constraints.txt; and the minors between), takes minutes
+constraints-oldest.txt; constraints.txt's; and every other supported minor), takes minutes
 per cell (pip installs Airflow and pyspark): it is marked ``fresh_venv`` and left out of the
 default run. .ci/run runs the oldest cell (the default run tests the newest versions, and
 the wheel's jar installed elsewhere above); bench/matrix.py runs every cell:
@@ -171,16 +171,19 @@ def test_run_sh_registers_the_examples_for_the_demo_only(tmp_path):
 # The two ends of the version ranges pyproject.toml declares: the newest versions (run.sh and
 # the suite run them) and the oldest (Airflow 3.1.0, pyspark 4.0.0 and the libraries of their
 # day).
-LOCKS = {"newest": "constraints.txt", "oldest": "constraints-oldest.txt"}
+LOCKS = {"newest": "constraints.txt", "oldest": "constraints-oldest.txt",
+         "airflow3.2": "bench/constraints-airflow3.2.txt"}  # a matrix cell's
 # The version matrix (bench/matrix.py runs each cell, one at a time): every supported
 # pyspark minor and Airflow minor at least once, each cell a lock and what it changes in it
-# (the newest lock's libraries with another Airflow or pyspark; pip resolves what these
-# pins leave open, Airflow's own packages of that release).
+# (another Airflow or pyspark; pip resolves what these pins leave open, Airflow's own
+# packages of that release).
 CELLS = {
     "oldest": ("oldest", {}),  # Airflow 3.1.0, pyspark 4.0.0
-    # no lock: the newest lock's libraries conflict with Airflow 3.2.2's (aiosqlite, for one)
-    "airflow3.2-pyspark4.1": (None, {"apache-airflow": "3.2.2", "pyspark": "4.1.4"}),
+    # Airflow 3.2.2 with the libraries of its day (the newest lock's, or none, break it)
+    "airflow3.2-pyspark4.1": ("airflow3.2", {}),  # pyspark 4.1.4
     "newest": ("newest", {}),  # Airflow 3.3.2, pyspark 4.2.0
+    # the newest lock's libraries meet pyspark 4.3.0's (grpcio 1.76, py4j below 0.10.9.10)
+    "airflow3.3-pyspark4.3": ("newest", {"pyspark": "4.3.0"}),
 }
 # Airflow's distributions of one release, which an Airflow of another release replaces
 AIRFLOW_OWN = ("apache-airflow", "apache-airflow-core", "apache-airflow-task-sdk")
