@@ -22,13 +22,11 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import ClassVar
 
-import psycopg2
-
 from onceflow.core.errors import Permanent
 from onceflow.core.planner import PartitionRange
 from onceflow.core.source import Position, require_partitions, require_topic
 from onceflow.sources import catalog
-from onceflow.sources.json_records import JsonRecords, JsonSchemaSource
+from onceflow.sources.json_records import JsonSchemaSource
 
 CHUNK_SCHEMA = "chunk int, partition int, start long, end long"
 DEFAULT_CHUNK = 100_000
@@ -72,70 +70,6 @@ def chunk_ranges(ranges: Iterable[PartitionRange], chunk: int = DEFAULT_CHUNK
         for start in range(r.start, r.end, chunk):
             pieces.append((r.partition, start, min(r.end, start + chunk)))
     return pieces
-
-
-def copy_records(cur, statement: str):
-    """In a Spark task: run one ``COPY (SELECT partition, offset, payload ...) TO STDOUT
-    (FORMAT csv)`` and parse its CSV with Arrow. The records as an Arrow table, None when
-    there are none."""
-    import pyarrow as pa  # lazy: `import onceflow` loads no pyarrow
-    from pyarrow import csv as pacsv  # lazy: `import onceflow` loads no pyarrow
-
-    buf = io.BytesIO()
-    cur.copy_expert(statement, buf)
-    if not buf.tell():
-        return None
-    buf.seek(0)
-    types = {"partition": pa.int32(), "offset": pa.int64(), "payload": pa.string()}
-    return pacsv.read_csv(
-        buf,
-        read_options=pacsv.ReadOptions(column_names=list(types)),
-        parse_options=pacsv.ParseOptions(newlines_in_values=True),
-        convert_options=pacsv.ConvertOptions(column_types=types, strings_can_be_null=False,
-                                             quoted_strings_can_be_null=False),
-    )
-
-
-def copied_batches(table, records: JsonRecords | None, max_bytes: int) -> Iterator:
-    """The record batches a reader task yields for one COPY's records (``copy_records``):
-    as read, or with ``records`` their payloads decoded (JsonRecords.decode_batches)."""
-    if table is None:
-        return iter(())
-    return table.to_batches() if records is None else records.decode_batches(table, max_bytes)
-
-
-def _copy_reader(dsn: str, topic: str, records: JsonRecords | None, max_bytes: int):
-    """The Spark task: each chunk row's records, read by COPY, checked whole (a shortfall
-    fails the task), decoded with ``records`` (see copied_batches)."""
-
-    def read(batches: Iterator) -> Iterator:
-        conn = psycopg2.connect(dsn, application_name="onceflow-reader")
-        try:
-            with conn.cursor() as cur:
-                for batch in batches:
-                    cols = batch.to_pydict()
-                    for partition, start, end in zip(cols["partition"], cols["start"], cols["end"],
-                                                     strict=True):
-                        query = cur.mogrify(
-                            """COPY (SELECT partition, "offset", payload FROM source_log
-                                     WHERE topic = %s AND partition = %s
-                                       AND "offset" >= %s AND "offset" < %s)
-                               TO STDOUT (FORMAT csv)""",
-                            (topic, partition, start, end),
-                        ).decode()
-                        table = copy_records(cur, query)
-                        rows = 0 if table is None else table.num_rows
-                        if rows != end - start:
-                            raise RuntimeError(
-                                f"SourceShortfall: topic {topic!r} partition {partition} "
-                                f"offsets [{start}, {end}) returned {rows} of {end - start} "
-                                "records: records were deleted under a planned batch")
-                        yield from copied_batches(table, records, max_bytes)
-            conn.rollback()
-        finally:
-            conn.close()
-
-    return read
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -185,8 +119,10 @@ class PostgresLog(JsonSchemaSource):
         # No repartition: the local rows are already spread over the default parallelism (the
         # cores), and each reader task takes its chunks one after the other.
         chunks = spark.createDataFrame(rows, CHUNK_SCHEMA)
+        from onceflow.sources.copy_read import log_reader  # pyarrow: where a batch is read
+
         return chunks.mapInArrow(
-            _copy_reader(dsn, self.topic, self.records, self.max_record_bytes), self.read_ddl)
+            log_reader(dsn, self.topic, self.records, self.max_record_bytes), self.read_ddl)
 
     def payloads(self, conn, ranges: Iterable[PartitionRange]
                  ) -> Iterator[tuple[int, int, str]]:

@@ -17,8 +17,8 @@ import pyarrow.compute as pc
 from pyarrow import csv as pacsv
 
 from onceflow.core.source import PROBLEM
+from onceflow.sources.copy_read import copied_batches, copy_records
 from onceflow.sources.json_records import CORRUPT, JsonRecords, arrow_type
-from onceflow.sources.pglog import copied_batches, copy_records
 from onceflow.sources.table.check import Declared
 
 CHUNK_SCHEMA = "chunk int, copy string"
@@ -44,7 +44,7 @@ def copies_reader(dsn: str, each):
 
 def copy_reader(dsn: str, records: JsonRecords | None, max_bytes: int):
     """The Spark task: each chunk's CSV parsed by Arrow, decoded with ``records``
-    (pglog.copied_batches)."""
+    (copy_read.copied_batches)."""
     return copies_reader(dsn, lambda cur, copy: copied_batches(
         copy_records(cur, copy), records, max_bytes))
 
