@@ -24,13 +24,14 @@ from pyspark.sql import DataFrame, SparkSession
 from onceflow.core import backflow, txlog
 from onceflow.core import stateful as stateful_steps
 from onceflow.core.db import connect, transaction
-from onceflow.core.errors import Fenced, SourceChanged
+from onceflow.core.errors import Fenced, Permanent, SourceChanged
 from onceflow.core.lease import AttemptLease
 from onceflow.core.pipeline import Pipeline
 from onceflow.core.staging import Staged, stage_group
 from onceflow.core.topology import StateContext
 from onceflow.core.txlog import TransactionAttempt, TxState
 from onceflow.kvstate import DELETED, open_checked_provider
+from onceflow.sources.kafka import KafkaDataLost
 from onceflow.sources.landing.files import REPAIR_HINT
 from onceflow.spark.collected import DELTA, REJECT
 from onceflow.spark.records import batch_records, replayed_records
@@ -134,15 +135,25 @@ def read_claimed(spark: SparkSession, conn, pipeline: Pipeline, txid: int, group
             {(p, o): payload for p, o, payload, _ in rows})
 
 
-def _source_changed(error: BaseException) -> str | None:
-    """What a Spark failure says of a landed file that changed under the batch (the line a
-    reader refused it with, onceflow.sources.landing), if that is what failed: a SourceChanged
-    then fails the task at once (retries read the same bytes) and names the file in the
-    transaction's failure, which a Spark error's repr would not."""
+# The permanent errors a source's reader raises in Spark's executors: they reach the driver as
+# Spark's own error, holding the Python traceback's text, so they are found there by name.
+EXECUTOR_PERMANENT: tuple[type[Permanent], ...] = (KafkaDataLost,)
 
+
+def _permanent(error: BaseException) -> Permanent | None:
+    """The permanent error a Spark failure carries, if any: a landed file that changed under
+    the batch (the line a reader refused it with, onceflow.sources.landing) or a reader's
+    EXECUTOR_PERMANENT error. It then fails the task at once (retries read the same bytes, or
+    the same empty broker) with its own text in the transaction's failure, which a Spark
+    error's repr would bury."""
     for line in str(error).splitlines():
         if REPAIR_HINT in line:
-            return line[line.find("landed file"):] if "landed file" in line else line.strip()
+            return SourceChanged(line[line.find("landed file"):] if "landed file" in line
+                                 else line.strip())
+        for kind in EXECUTOR_PERMANENT:
+            marker = f"{kind.__name__}: "
+            if marker in line:
+                return kind(line[line.find(marker) + len(marker):].strip())
     return None
 
 
@@ -203,10 +214,10 @@ def process_batch(spark: SparkSession, dsn: str, pipeline: Pipeline, ta: Transac
                                    shapes={spec.source_name: spec.shape()
                                            for spec in pipeline.typed_states()}).collect()
             except Exception as error:
-                refusal = _source_changed(error)
-                if refusal is None:
+                permanent = _permanent(error)
+                if permanent is None:
                     raise
-                raise SourceChanged(refusal) from error
+                raise permanent from error
             eden_failed = [(p, o) for p, o, again in out.failed if not again]
             with transaction(conn) as cur:
                 payloads = pipeline.source.payloads_at(cur, eden_failed) if eden_failed else {}

@@ -179,9 +179,9 @@ def test_a_broker_restarted_empty_mid_batch_is_refused_through_the_dag(
     dr = dag.test(logical_date=base + timedelta(seconds=1))
     said = " ".join(task_logs(airflow_db, dag.dag_id, capfd).split())
     assert restarted == [1]
-    # the reader's error comes back from Spark's executors as Spark's error, not as the
-    # KafkaDataLost it was raised as: Airflow retries the task once, which fails the same way
-    assert tries == [1, 2]
+    # the reader's KafkaDataLost, found in Spark's error, fails the task at once: no retry
+    # could read what the broker no longer holds
+    assert tries == [1]
     assert str(dr.state) == "failed"
     states = {ti.task_id: str(ti.state) for ti in dr.get_task_instances()}
     assert states["process"] == "failed" and states["commit"] == "upstream_failed"
@@ -190,6 +190,10 @@ def test_a_broker_restarted_empty_mid_batch_is_refused_through_the_dag(
     assert committed_offsets(conn) == {0: 50, 1: 50, 2: 50}
     assert table(conn, "SELECT txid, state FROM transactions WHERE pipeline = 'kafka_views' "
                        "ORDER BY txid") == [(1, "committed"), (2, "failed")]
+    [(permanent, reason)] = table(conn, "SELECT permanent, reason FROM transaction_attempts "
+                                        "WHERE pipeline = 'kafka_views' AND txid = 2")
+    assert permanent and reason.startswith("process failed in run ") \
+        and "KafkaDataLost: Kafka topic 'page_views' partition " in reason, reason
     assert_exact(conn, [r for r in produced if r[1] < 50])  # the first run's records only
     status = cli("status", "--pipeline", "kafka_views")
     assert status.returncode == 1, status.stdout + status.stderr  # stalled until someone acts
