@@ -92,39 +92,40 @@ def main() -> None:
     history(conn, log.with_settings(max_pending=args.txids, attempt_lease_s=86_400), args.txids,
             100)
 
-    folder = Path(tempfile.mkdtemp(prefix="onceflow-bench-landing-"))
-    for i in range(args.files):
-        path = folder / f"f{i:05d}.jsonl"
-        path.write_text("".join(json.dumps({"n": n}) + "\n" for n in range(10)))
-        os.utime(path, (time.time() - 60, time.time() - 60))
-    tweets = get_pipeline("tweets", batch_size=10 * args.files, keep_up=True)
-    landed = tweets.with_settings(  # tables of its own: two pipelines never share one
-        name="tweets_landed", source=LandingFolder(topic="landed", path=str(folder)),
-        states=tuple(dataclasses.replace(s, name=f"landed_{s.name}", source=s.source_name)
-                     for s in tweets.states))
-    register(conn, landed, create_source=True)
-    begin(conn, landed, "index")  # indexes every file, plans them all
-    with conn.cursor() as cur:
-        cur.execute("UPDATE transactions SET state = 'committed' WHERE pipeline = %s",
-                    (landed.name,))
-        cur.execute("""INSERT INTO partition_offsets (pipeline, instance_id, topic, partition,
-                                                      "offset", txid)
-                       SELECT b.pipeline, p.instance_id, b.topic, b.partition, b.end_offset,
-                              b.txid
-                       FROM batch_ranges b JOIN pipelines p ON p.name = b.pipeline
-                       WHERE b.pipeline = %s""", (landed.name,))
-    conn.commit()
+    with tempfile.TemporaryDirectory(prefix="onceflow-bench-landing-") as name:
+        folder = Path(name)
+        for i in range(args.files):
+            path = folder / f"f{i:05d}.jsonl"
+            path.write_text("".join(json.dumps({"n": n}) + "\n" for n in range(10)))
+            os.utime(path, (time.time() - 60, time.time() - 60))
+        tweets = get_pipeline("tweets", batch_size=10 * args.files, keep_up=True)
+        landed = tweets.with_settings(  # tables of its own: two pipelines never share one
+            name="tweets_landed", source=LandingFolder(topic="landed", path=str(folder)),
+            states=tuple(dataclasses.replace(s, name=f"landed_{s.name}", source=s.source_name)
+                         for s in tweets.states))
+        register(conn, landed, create_source=True)
+        begin(conn, landed, "index")  # indexes every file, plans them all
+        with conn.cursor() as cur:
+            cur.execute("UPDATE transactions SET state = 'committed' WHERE pipeline = %s",
+                        (landed.name,))
+            cur.execute("""INSERT INTO partition_offsets (pipeline, instance_id, topic, partition,
+                                                          "offset", txid)
+                           SELECT b.pipeline, p.instance_id, b.topic, b.partition, b.end_offset,
+                                  b.txid
+                           FROM batch_ranges b JOIN pipelines p ON p.name = b.pipeline
+                           WHERE b.pipeline = %s""", (landed.name,))
+        conn.commit()
 
-    conn.autocommit = True  # what autovacuum does to a long-running pipeline's tables
-    with conn.cursor() as cur:
-        cur.execute("VACUUM ANALYZE")
-    for what, pipeline in ((f"PostgreSQL log, {args.txids} committed txids", log),
-                           (f"landing folder, {args.files} indexed files", landed)):
-        looks, client_ms, server_ms = measure(dsn, pipeline, args.seconds)
-        per_minute = 30 * (client_ms + server_ms) / 1000
-        print(f"{what}: {looks / args.seconds:.0f} looks/s; per look {client_ms:.2f} ms "
-              f"CPU in the watcher, {server_ms:.2f} ms in PostgreSQL; a look every 2 s: "
-              f"{per_minute:.3f} CPU s per minute")
+        conn.autocommit = True  # what autovacuum does to a long-running pipeline's tables
+        with conn.cursor() as cur:
+            cur.execute("VACUUM ANALYZE")
+        for what, pipeline in ((f"PostgreSQL log, {args.txids} committed txids", log),
+                               (f"landing folder, {args.files} indexed files", landed)):
+            looks, client_ms, server_ms = measure(dsn, pipeline, args.seconds)
+            per_minute = 30 * (client_ms + server_ms) / 1000
+            print(f"{what}: {looks / args.seconds:.0f} looks/s; per look {client_ms:.2f} ms "
+                  f"CPU in the watcher, {server_ms:.2f} ms in PostgreSQL; a look every 2 s: "
+                  f"{per_minute:.3f} CPU s per minute")
     print(f"load average {os.getloadavg()[0]:.2f}")
     conn.close()
 

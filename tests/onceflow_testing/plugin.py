@@ -65,6 +65,14 @@ def pytest_configure(config) -> None:
     if not os.environ.get("ONCEFLOW_SEGMENTS_DIR"):
         os.environ["ONCEFLOW_SEGMENTS_DIR"] = tempfile.mkdtemp(prefix="onceflow-segments-")
         made.append(os.environ["ONCEFLOW_SEGMENTS_DIR"])
+    # Spark's scratch folders (spark-*, blockmgr-*, pyspark-*) of every JVM the run starts, in
+    # a folder of the run's own: a JVM the fault tests kill never deletes its own, and
+    # SparkSubmit and Spark Connect put some under java.io.tmpdir whatever the local dirs.
+    scratch = tempfile.mkdtemp(prefix="onceflow-spark-")
+    os.environ["SPARK_LOCAL_DIRS"] = scratch
+    os.environ["SPARK_SUBMIT_OPTS"] = " ".join(
+        filter(None, [os.environ.get("SPARK_SUBMIT_OPTS"), f"-Djava.io.tmpdir={scratch}"]))
+    made.append(scratch)
     apply_env(airflow_env(root, server))
     # One template per run: runs may overlap on one server.
     _state.update(server=server, how=how, home=home, root=root, made=made,
@@ -76,8 +84,8 @@ def pytest_configure(config) -> None:
 
 
 def pytest_unconfigure(config) -> None:
-    """The run leaves nothing of its own behind: its temporary folders, and the private
-    PostgreSQL cluster if this process started it."""
+    """The run leaves nothing of its own behind: its temporary folders (Spark's scratch
+    folder among them), and the private PostgreSQL cluster if this process started it."""
     for folder in _state.get("made", ()):
         shutil.rmtree(folder, ignore_errors=True)
     if _state.get("started_pg"):
