@@ -11,6 +11,7 @@ the one on 127.0.0.1:5432) and a database of its own (onceflow_bench), dropped a
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 from benchkit import need_examples, recreate_database, server_dsn
@@ -50,7 +51,8 @@ def main() -> None:
 
     t = time.monotonic()
     spark = get_spark("onceflow-bench")
-    spark.sparkContext.setLogLevel("ERROR")
+    if not os.environ.get("SPARK_REMOTE"):  # a Spark Connect session has no SparkContext
+        spark.sparkContext.setLogLevel("ERROR")
     print(f"Spark session start: {time.monotonic() - t:.1f}s (not counted below)")
 
     total_proc = total_commit = 0.0
