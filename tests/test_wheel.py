@@ -8,8 +8,9 @@ pipeline through its Airflow DAG, a crash in its commit included, then on Spark 
 each cell of the version matrix (``CELLS``: the oldest versions onceflow supports,
 constraints-oldest.txt; constraints.txt's; and every other supported minor), takes minutes
 per cell (pip installs Airflow and pyspark): it is marked ``fresh_venv`` and left out of the
-default run. .ci/run runs the oldest cell (the default run tests the newest versions, and
-the wheel's jar installed elsewhere above); bench/matrix.py runs every cell:
+default run. .ci/run runs the two ends, the oldest cell and the newest pyspark's (the default
+run tests constraints.txt's versions, and the wheel's jar installed elsewhere above);
+bench/matrix.py runs every cell:
 
     bash run.sh test tests/test_wheel.py -m fresh_venv -k "fresh_virtualenv and [oldest]" -n 0
     python bench/matrix.py     # every cell, one at a time
