@@ -35,15 +35,7 @@ def test_begin_refuses_a_missing_topic_no_bootstrap_servers_and_fewer_partitions
     assert transactions(conn) == []  # no empty txid planned from nothing
 
     broker.create_topic(TOPIC, 3)
-    with conn.cursor() as cur:  # as if partition 2 had been read up to 5
-        cur.execute("""INSERT INTO partition_offsets (pipeline, instance_id, topic, partition,
-                           "offset", txid)
-                       SELECT name, instance_id, topic, 2, 5, 1 FROM pipelines
-                       WHERE name = 'kafka_views'""")
-    conn.commit()
-    broker.kill()
-    broker.start()
-    broker.create_topic(TOPIC, 2)
+    test_kafka_source.shrink_after_a_read(broker, conn)
     with pytest.raises(KafkaDataLost, match=r"pipeline 'kafka_views', Kafka topic "
                                             r"'page_views' on 'kafka_default': the broker lost "
                                             r"committed records \(partition 2 is gone "

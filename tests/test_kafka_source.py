@@ -151,6 +151,20 @@ def transactions(conn) -> list[tuple]:
                        "ORDER BY txid")
 
 
+def shrink_after_a_read(broker, conn) -> None:
+    """As if kafka_views had read partition 2 up to offset 5, then the topic (memory storage,
+    the broker restarted) made again with two partitions."""
+    with conn.cursor() as cur:
+        cur.execute("""INSERT INTO partition_offsets (pipeline, instance_id, topic, partition,
+                           "offset", txid)
+                       SELECT name, instance_id, topic, 2, 5, 1 FROM pipelines
+                       WHERE name = 'kafka_views'""")
+    conn.commit()
+    broker.kill()
+    broker.start()
+    broker.create_topic(TOPIC, 2)
+
+
 def register_views(conn, pipeline):
     from onceflow.core.registration import register
 
@@ -301,15 +315,7 @@ def test_bad_input_is_refused_with_the_field_and_the_fix(broker, dsn, monkeypatc
 
         broker.create_topic(TOPIC, 3)
         assert cli("init", "--pipeline", "kafka_views").returncode == 0
-        conn.cursor().execute(
-            """INSERT INTO partition_offsets (pipeline, instance_id, topic, partition,
-                   "offset", txid)
-               SELECT name, instance_id, topic, 2, 5, 1 FROM pipelines
-               WHERE name = 'kafka_views'""")
-        conn.commit()
-        broker.kill()
-        broker.start()
-        broker.create_topic(TOPIC, 2)
+        shrink_after_a_read(broker, conn)
         shrunk = cli("init", "--pipeline", "kafka_views")
         assert shrunk.returncode == 2
         assert "has 2 partitions now, but partitions [2] were read before" in shrunk.stderr
