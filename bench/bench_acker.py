@@ -63,7 +63,6 @@ def make_data(events: int, seed: int) -> Path:
 def run_mode(spark, path: Path, pipeline, events: int, batch: int, acker: bool) -> float:
     from pyspark.sql import functions as F
 
-    from onceflow.spark.processing import collect_output
     from onceflow.spark.runner import run_topology
     from tweets_example.topology import topology
 
@@ -77,9 +76,9 @@ def run_mode(spark, path: Path, pipeline, events: int, batch: int, acker: bool) 
                     F.lit(False).alias("replayed"))
         started = time.monotonic()
         out = run_topology(topology(pipeline), src, attempt=1, acker=acker)
-        collected = collect_output(out, "bench")
+        collected = out.collect()
         total += time.monotonic() - started
-        failed += collected.failed
+        failed += len(collected.failed)
     rate = events / total
     print(f"acker {'on ' if acker else 'off'}: {events:,} events in {total:.1f}s = "
           f"{rate:,.0f} events/s ({failed} failed roots handed to the backflow)")
