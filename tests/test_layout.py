@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -211,3 +212,18 @@ def test_the_version_ranges_are_the_two_locks():
     assert "test" not in project["optional-dependencies"]
     assert "pytest==9.1.1" in tomllib.loads((ROOT / "pyproject.toml").read_text())[
         "dependency-groups"]["test"]
+
+
+def test_every_repository_path_a_comment_names_exists():
+    """A comment that points a reader at a file of the checkout points at one that is there
+    (a module moved leaves its old path behind in the comments that named it)."""
+    named = re.compile(r"\b(?:spark_tasks|plugins/onceflow|sql|dags|examples|bench|docs|tests)"
+                       r"/[A-Za-z0-9_./-]+\.(?:py|java|sql|md|toml|yml)\b")
+    missing = set()
+    for folder in ("plugins", "spark_tasks", "bench", "tests", "dags", "sql"):
+        for path in sorted((ROOT / folder).rglob("*")):
+            if path.suffix in (".py", ".java", ".sql") and "__pycache__" not in path.parts:
+                missing |= {f"{path.relative_to(ROOT)}: {name}"
+                            for name in named.findall(path.read_text())
+                            if not (ROOT / name).exists()}
+    assert not missing, "\n".join(sorted(missing))

@@ -11,7 +11,7 @@ import org.apache.spark.sql.util.CaseInsensitiveStringMap;
 
 /**
  * Chunks of JSON-lines files read in the JVM: the landing folder's reader when Spark has
- * onceflow's jar (spark_tasks/jvm.py). One option, {@code spec}: a JSON object with
+ * onceflow's jar (plugins/onceflow/sources/jvm.py). One option, {@code spec}: a JSON object with
  * {@code chunks} ([path, size, mtime, first_offset, byte_start, byte_end, partition] each, one
  * Spark task per chunk), {@code wanted} ([partition, start, end]: the offsets to keep),
  * {@code columns} ([name, type] pairs: decode each line by onceflow's rules, see
