@@ -3,6 +3,10 @@ one task; on real Airflow (dag.test()), the warm Spark and PostgreSQL."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -132,6 +136,61 @@ def test_a_spark_submit_connection_fails_the_run_at_once_naming_the_fix(
     assert table(conn, "SELECT state FROM transactions WHERE txid = 1") == [("failed",)]
     (reason,) = table(conn, "SELECT reason FROM transaction_attempts WHERE txid = 1")[0]
     assert "is not of type spark_connect" in reason and "dag_shape='phases'" in reason
+
+
+# In a fresh interpreter: a one-task transaction whose begin plans at once, refused after
+# its plan (a spark-submit connection), then one whose begin waits for a place until it gives
+# up; which of onceflow's Spark modules each left imported.
+BEGIN_FIRST = """
+import json, sys
+from onceflow.airflow.operators import TransactionOperator
+from onceflow.core.begin import begin
+from onceflow.core.db import connection
+from onceflow.core.registry import get_pipeline
+
+SPARK = ("onceflow.spark.session", "onceflow.spark.processing")
+out = {}
+op = TransactionOperator(task_id="transaction", pipeline="tweets_single")
+try:
+    op.execute({"params": {}, "run_id": "planned-at-once"})
+except Exception as error:
+    out["refused"] = str(error)
+out["at_once"] = [m for m in SPARK if m in sys.modules]
+pipeline = get_pipeline("tweets_single", batch_size=10)
+with connection() as conn:
+    for n in range(pipeline.max_pending - 1):
+        begin(conn, pipeline, f"open-{n}")
+op = TransactionOperator(task_id="transaction", pipeline="tweets_single", wait_for_slot=0.5,
+                         poll_interval=0.1)
+try:
+    op.execute({"params": {"batch_size": 10}, "run_id": "waits"})
+except Exception as error:
+    out["skipped"] = type(error).__name__
+out["waited"] = [m for m in SPARK if m in sys.modules]
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.timeout(300)
+def test_a_begin_that_plans_at_once_imports_no_spark_client_first(single, conn, dsn,
+                                                                   spark_submit):
+    """The txid is planned before the Spark client is imported (it would hold the GIL and the
+    declaration check's lock); a begin that waits for a place imports it meanwhile."""
+    pipeline, _ = single
+    produce(conn, pipeline.topic, generate(100, seed=3))
+    tests = str(Path(__file__).resolve().parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        filter(None, [tests, os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-c", BEGIN_FIRST], env=env, capture_output=True,
+                          text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.splitlines()[-1])
+    assert "is not of type spark_connect" in out["refused"]
+    assert table(conn, "SELECT txid, run_id FROM transactions ORDER BY txid")[0] == \
+        (1, "planned-at-once")
+    assert out["at_once"] == []
+    assert out["skipped"] == "AirflowSkipException"  # max_pending, no place within 0.5 s
+    assert out["waited"] == ["onceflow.spark.session", "onceflow.spark.processing"]
 
 
 def test_the_shape_is_checked_by_name():

@@ -48,7 +48,9 @@ class Begins(PipelineTask):
         self.wait_for_slot = seconds_setting("wait_for_slot", wait_for_slot, "begin_wait_s")
         self.poll_interval = poll_interval
 
-    def _begin(self, context) -> list[dict[str, Any]]:
+    def _begin(self, context, waiting=None) -> list[dict[str, Any]]:
+        """Plan the run's batch (onceflow.core.begin); ``waiting()``, if given, is called
+        when the begin starts to wait for a place among max_pending."""
         try:
             with airflow_outcomes():
                 form = context.get("params") or {}
@@ -69,7 +71,7 @@ class Begins(PipelineTask):
                     ensure_ready(conn, pipeline)
                     batch = self._begin_when_free(pipeline, lambda: begin(
                         conn, pipeline, context["run_id"], txid=txid,
-                        lease_s=self._first_lease(pipeline), skip_empty=skip_empty))
+                        lease_s=self._first_lease(pipeline), skip_empty=skip_empty), waiting)
         except AirflowSkipException as skip:  # max_pending, or nothing to read
             why = str(skip)
             run_note(context, lambda notes: notes.nothing_planned(self.pipeline, why))
@@ -100,10 +102,11 @@ class Begins(PipelineTask):
         process tasks (TransactionOperator goes on in the same task: the pipeline's)."""
         return pipeline.handoff_lease_s
 
-    def _begin_when_free(self, pipeline, attempt):
+    def _begin_when_free(self, pipeline, attempt, waiting=None):
         """``attempt()`` (begin); while it finds ``max_pending`` transactions open, wait for
         a commit (LISTEN on the announcements, a look every poll_interval) and try again,
-        for up to ``wait_for_slot`` seconds; then MaxPendingReached goes up (a skip)."""
+        for up to ``wait_for_slot`` seconds; then MaxPendingReached goes up (a skip).
+        ``waiting()`` is called once, when the wait starts."""
 
         until = time.monotonic() + self.wait_for_slot
         started, listener = time.monotonic(), None
@@ -120,6 +123,8 @@ class Begins(PipelineTask):
                         # named, so that a run that carries on leaves the place to it
                         listener = TurnListener(self._dsn(),
                                                 txlog.begin_waiter_name(pipeline.name))
+                        if waiting is not None:
+                            waiting()
                         continue
                     listener.wait(min(self.poll_interval, max(0.0, until - time.monotonic())))
                     continue

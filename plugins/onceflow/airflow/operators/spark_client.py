@@ -1,12 +1,14 @@
 """Reaching Spark from a task: spark-submit's entry point and settings, the Spark Connect URL
 of a connection, and the Spark client imported in a thread while a one-task transaction
-begins (never beside a topology being built)."""
+waits for a place (never beside a topology being built)."""
 
 from __future__ import annotations
 
 import importlib.util
+import logging
 import sys
 import threading
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -14,6 +16,8 @@ from airflow.providers.apache.spark.hooks.spark_connect import SparkConnectHook
 from airflow.sdk import BaseHook
 
 from onceflow.spark.conf import processing_conf
+
+log = logging.getLogger(__name__)
 
 # The spark-submit application: the installed onceflow.spark package's entry point file.
 PROCESS_ENTRY_POINT = str(
@@ -43,6 +47,7 @@ def build_checked(pipeline) -> None:
 
 
 def _import_spark_layer() -> None:
+    started = time.monotonic()
     try:
         with SPARK_IMPORTS:
             for module in ("onceflow.spark.session", "onceflow.spark.localspark",
@@ -50,21 +55,32 @@ def _import_spark_layer() -> None:
                 importlib.import_module(module)
     except Exception:  # noqa: S110 (imported again where used, which then says what is wrong)
         pass
+    else:
+        log.debug("the Spark client and onceflow's Spark layer imported in %.2fs",
+                  time.monotonic() - started)
 
 
 @contextmanager
 def spark_client_loading():
-    """Import the Spark client and onceflow's Spark layer in a thread while the block runs:
-    a one-task transaction needs them right after its begin, which may wait for a place
-    among max_pending, so the imports are off the path to its commit. The thread is joined
-    before the task ends."""
+    """Yields ``start()``, which imports the Spark client and onceflow's Spark layer in a
+    thread (once, however often it is called). A one-task transaction calls it when its
+    begin starts to wait for a place among max_pending, so the imports are off the path to
+    its commit; a begin that plans at once leaves them to its processing: beside the begin
+    they would only delay the plan (the thread holds the GIL, and the declaration check
+    waits for SPARK_IMPORTS). The thread is joined before the block ends, so that the
+    processing never imports pyspark beside it."""
     thread = threading.Thread(target=_import_spark_layer, name="onceflow-spark-import",
                               daemon=True)
-    thread.start()
+
+    def start() -> None:
+        if thread.ident is None:
+            thread.start()
+
     try:
-        yield
+        yield start
     finally:
-        thread.join()
+        if thread.ident is not None:
+            thread.join()
 
 
 def module_root(ref: str | None) -> str | None:

@@ -107,24 +107,26 @@ class TransactionOperator(Begins, Processes, Commits, BaseOperator):
 
     def execute(self, context) -> dict[str, Any]:
         self._earlier: list[tuple[int, dict[str, int], list[str]]] = []
-        with spark_client_loading():
-            self.batch = self._begin(context)
-            with airflow_outcomes():
-                pipeline, dsn = self._pipeline(), self._dsn()
-            while True:
-                ta = attempt_of(self.batch)
-                self._may_carry_on = started_by_watcher(context) \
-                    and len(self._earlier) + 1 < CARRY_ON_TXIDS
-                with self._holding(pipeline, dsn, ta, handoff=False):
-                    out = self._transact(context, pipeline, dsn, ta)
-                following = self._carry_on(context, dsn) \
-                    if self._may_carry_on and out["status"] == "committed" else None
-                if following is None:
-                    if self._may_carry_on and out["status"] == "committed":
-                        run_note(context, self._unsaid)
-                    return out
-                self._earlier.append(self._events)
-                self.batch = following
+        # a begin that waits for a place imports the Spark client meanwhile; one that plans
+        # at once leaves it to the processing
+        with spark_client_loading() as load_spark:
+            self.batch = self._begin(context, waiting=load_spark)
+        with airflow_outcomes():
+            pipeline, dsn = self._pipeline(), self._dsn()
+        while True:
+            ta = attempt_of(self.batch)
+            self._may_carry_on = started_by_watcher(context) \
+                and len(self._earlier) + 1 < CARRY_ON_TXIDS
+            with self._holding(pipeline, dsn, ta, handoff=False):
+                out = self._transact(context, pipeline, dsn, ta)
+            following = self._carry_on(context, dsn) \
+                if self._may_carry_on and out["status"] == "committed" else None
+            if following is None:
+                if self._may_carry_on and out["status"] == "committed":
+                    run_note(context, self._unsaid)
+                return out
+            self._earlier.append(self._events)
+            self.batch = following
 
     def _carry_on(self, context, dsn: str) -> list[dict[str, Any]] | None:
         """The next batch of a keep-up run that just committed (see the class docstring), or
