@@ -57,9 +57,10 @@ def main() -> None:
     from onceflow.sources.landing import files as landing_files
     from onceflow.sources.landing import read as landing_read
     from onceflow.sources.landing import scan as landing_scan
+    from onceflow.sources.landing import storage as landing_storage
 
     path = landed_file(args.lines)
-    filesystem, _ = landing_files.open_filesystem(str(path))
+    filesystem, _ = landing_storage.open_filesystem(str(path))
     scan = landing_scan.scan_text(filesystem, str(path), 0, path.stat().st_size,
                                    args.chunk_bytes, header=False, limit=64 << 10, tail=False)
     chunks = [landing_files.Chunk(str(path), None, None, first, start, end, count, 0, crc, None)

@@ -120,11 +120,12 @@ def warm_spark_connect(folder: Path) -> tuple[int, str]:
     before any clock starts (its start and warm-up printed apart). (port, url); stop it with
     onceflow.spark.localspark.stop(port, folder=folder)."""
     from onceflow.spark import localspark  # pyspark's: only the scripts that start a server
+    from onceflow.spark.warm_up import warm_up  # (the same)
 
     port, started = free_port(), time.monotonic()
     url = localspark.start(port, folder=folder).url
     print(f"Spark Connect server up and warmed up in "
-          f"{time.monotonic() - started + localspark.warm_up(url):.1f}s", flush=True)
+          f"{time.monotonic() - started + warm_up(url):.1f}s", flush=True)
     return port, url
 
 

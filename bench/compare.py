@@ -514,12 +514,13 @@ def run(args, systems: list[str], sources: list[str]) -> int:
     if not url and ({"connect", "airflow", "airflow-phases"} & set(systems)
                     or args.acker_events or args.steps):
         from onceflow.spark import localspark
+        from onceflow.spark.warm_up import warm_up
 
         ours = not localspark.status(folder=args.folder / "spark-connect").running
         url = localspark.start(folder=args.folder / "spark-connect").url
         # a long-lived server, as a user's is: warmed up before any clock starts (what
         # `onceflow spark start` does in the background)
-        print(f"Spark Connect server warmed up in {localspark.warm_up(url):.1f}s", flush=True)
+        print(f"Spark Connect server warmed up in {warm_up(url):.1f}s", flush=True)
     warm_ok, split = True, None
     try:
         if args.server_warm_up and {"connect", "airflow", "airflow-phases"} & set(systems):

@@ -659,8 +659,8 @@ def test_a_landed_chunks_checksum_is_the_crc32_of_its_bytes(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from onceflow.sources.landing.files import open_filesystem
     from onceflow.sources.landing.scan import scan_parquet, scan_text
+    from onceflow.sources.landing.storage import open_filesystem
 
     data = b"".join(b'{"n": %d, "pad": "%s"}\n' % (i, b"x" * (i % 97)) for i in range(5000))
     path = tmp_path / "a.jsonl"
@@ -705,8 +705,8 @@ def test_the_index_cuts_a_file_into_whole_lines(tmp_path_factory, lines, last_ne
     records its bytes hold, each with the CRC-32 of its bytes, each marked clean (up to
     ``limit`` bytes a line, no NUL, UTF-8) exactly when it is. A file indexed when only its
     first ``cut`` bytes were written, then again from where that stopped, is cut the same."""
-    from onceflow.sources.landing.files import open_filesystem
     from onceflow.sources.landing.scan import scan_text, split_lines
+    from onceflow.sources.landing.storage import open_filesystem
 
     data = b"\n".join(lines) + (b"\n" if last_newline and lines else b"")
     path = tmp_path_factory.mktemp("index") / "f.jsonl"

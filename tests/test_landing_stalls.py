@@ -252,8 +252,8 @@ def test_the_index_cuts_csv_into_whole_records(tmp_path_factory, records, crlf, 
     on from where that stopped, holds the same records."""
     import zlib
 
-    from onceflow.sources.landing.files import open_filesystem
     from onceflow.sources.landing.scan import _csv_records, csv_array, scan_csv
+    from onceflow.sources.landing.storage import open_filesystem
 
     ends = ["\r\n" if i < len(crlf) and crlf[i] and r != "\r" else "\n"
             for i, r in enumerate(records)]

@@ -54,6 +54,8 @@ from onceflow.core.planner import PartitionRange
 
 # The column in which a reader says why the spout refuses a record (too large, NUL).
 PROBLEM = "_problem"
+# A decoding source's column for a line that does not decode (Spark's PERMISSIVE name).
+CORRUPT = "_corrupt_record"
 
 if TYPE_CHECKING:  # pyspark is imported only where a batch is read
     from pyspark.sql import DataFrame, SparkSession
@@ -168,7 +170,7 @@ class Source(ABC):
         partition and offset) of replayed backflow items ``(partition, offset, payload,
         replays)``: the payload, or its decoded columns and ``_problem``. A source whose
         records carry more than their payload adds those columns."""
-        import pyarrow as pa  # lazy: `import onceflow` loads no pyarrow
+        import pyarrow as pa  # the Spark side calls this; a DAG parse imports this module
 
         payloads = [r[2] for r in rows]
         if self.records is None:

@@ -114,7 +114,7 @@ def embedded_env(*, warm_spark: bool = True, wait_spark: bool = True) -> str:
     and set up the Airflow environment of the project folder (idempotent). Returns the DSN.
     ONCEFLOW_SPARK=submit chooses spark-submit instead of the warm Spark. ``wait_spark``
     False: return while the server's JVM starts; ``spark_ready()`` then waits for it, and no
-    warm-up follows (localspark.warm_up): the caller's own batches come at once, and a
+    warm-up follows (onceflow.spark.warm_up): the caller's own batches come at once, and a
     warm-up would only compete with them for the CPU."""
     global _launched
     from onceflow.dev.localpg import ensure_postgres  # localpg is the checkout's own

@@ -42,7 +42,6 @@ from onceflow.core.db import transaction
 from onceflow.core.errors import ConfigError
 from onceflow.core.pipeline import Pipeline
 from onceflow.ops import bookkeeping
-from onceflow.sources import landing_repair
 from onceflow.sources.landing import LandingFolder
 from onceflow.sources.landing.files import SET_ASIDE_FIX
 
@@ -253,6 +252,7 @@ def _check_bookkeeping(cur, name: str, report: RepairReport) -> None:
 def _landed(conn, pipeline: Pipeline, report: RepairReport, accept: list[str],
             skip: list[str]) -> None:
     """The landing folder's changed files (see the module docstring)."""
+    from onceflow.sources import landing_repair  # pyarrow at its top: not for the CLI's start
 
     source = pipeline.source
     with transaction(conn) as cur:

@@ -15,6 +15,7 @@ import psycopg2
 import pyarrow as pa
 from pyarrow import csv as pacsv
 
+from onceflow.sources import json_arrow
 from onceflow.sources.json_records import JsonRecords
 
 
@@ -39,10 +40,12 @@ def copy_records(cur, statement: str):
 
 def copied_batches(table, records: JsonRecords | None, max_bytes: int) -> Iterator:
     """The record batches a reader task yields for one COPY's records (``copy_records``):
-    as read, or with ``records`` their payloads decoded (JsonRecords.decode_batches)."""
+    as read, or with ``records`` their payloads decoded (json_arrow.decode_batches)."""
     if table is None:
         return iter(())
-    return table.to_batches() if records is None else records.decode_batches(table, max_bytes)
+    if records is None:
+        return table.to_batches()
+    return json_arrow.decode_batches(records.columns, table, max_bytes)
 
 
 def log_reader(dsn: str, topic: str, records: JsonRecords | None, max_bytes: int):

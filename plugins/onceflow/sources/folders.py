@@ -24,20 +24,19 @@ class FolderNotVisible(ConfigError):
     """A source's folder is missing on the machine that reads it."""
 
 
-def require_folder(folder: str, filesystem=None, *, field: str | None = None) -> None:
-    """FolderNotVisible unless ``folder`` is a folder here. ``filesystem``: a pyarrow file
-    system to look in (default: the local one); ``field``: the setting that names the
-    folder, put before the message (e.g. ``source.path``)."""
-    if filesystem is None:
-        visible = os.path.isdir(folder)
-    else:
-        from pyarrow import fs  # lazy: `import onceflow` loads no pyarrow
+def require_folder(folder: str, *, field: str | None = None) -> None:
+    """FolderNotVisible unless ``folder`` is a folder here; ``field``: the setting that
+    names the folder, put before the message (e.g. ``source.path``). A folder in another
+    file system: onceflow.sources.landing.storage.require_folder."""
+    if not os.path.isdir(folder):
+        raise not_visible(folder, field=field)
 
-        visible = filesystem.get_file_info(folder).type == fs.FileType.Directory
-    if not visible:
-        where = f"{field}={folder!r}: " if field else ""
-        raise FolderNotVisible(f"{where}the folder {folder!r} is not visible here (host "
-                               f"{socket.gethostname()}): {SHARED}; create or mount it")
+
+def not_visible(folder: str, *, field: str | None = None) -> FolderNotVisible:
+    """The error for a source's folder this machine does not see."""
+    where = f"{field}={folder!r}: " if field else ""
+    return FolderNotVisible(f"{where}the folder {folder!r} is not visible here (host "
+                            f"{socket.gethostname()}): {SHARED}; create or mount it")
 
 
 def require_roots(paths, levels: int = 1) -> None:

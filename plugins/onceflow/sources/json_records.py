@@ -8,7 +8,8 @@ then reach the topology as typed columns instead of a ``payload`` string: the bo
 are read, in the Spark task that reads them: in the JVM when the session has onceflow's jar
 and the source has a JVM reader (spark_tasks/java: Jackson's streaming parser under these
 rules, ``onceflow.spark.LineDecoder``), else in a Python worker with msgspec (a JSON decoder
-written in C that checks types as it parses; this module). The two are held equal by tests
+written in C that checks types as it parses; onceflow.sources.json_arrow, which this
+module's declarations do not import: a DAG parse loads no pyarrow). The two are held equal by tests
 (tests/test_jvm_reader.py), and both cost well under Spark's ``from_json`` on the same lines.
 
 **The rules** (one definition; ``reference_decode`` states it in plain Python and a property
@@ -39,19 +40,12 @@ import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from operator import attrgetter
-from typing import Annotated, Any
-
-import msgspec
 
 from onceflow.core.errors import ConfigError
-from onceflow.core.source import PROBLEM, Source
+from onceflow.core.source import CORRUPT, PROBLEM, Source
 from onceflow.core.topology import TopologyError, column_types
 
-CORRUPT = "_corrupt_record"
-
-# Spark type -> (Python type msgspec checks, Arrow type name, integer bounds or None)
-_INTS = {"tinyint": 8, "smallint": 16, "int": 32, "bigint": 64}
+_INTS = {"tinyint": 8, "smallint": 16, "int": 32, "bigint": 64}  # a column's bits
 _ALIASES = {"long": "bigint", "integer": "int", "short": "smallint", "byte": "tinyint",
             "bool": "boolean", "real": "float"}
 TYPES = ("string", "boolean", *_INTS, "float", "double")
@@ -98,92 +92,19 @@ class JsonRecords:
     def names(self) -> list[str]:
         return [name for name, _ in self.columns]
 
-    def arrow_schema(self):
-        import pyarrow as pa  # lazy: `import onceflow` loads no pyarrow
-
-        return pa.schema([*(pa.field(name, arrow_type(kind)) for name, kind in self.columns),
-                          pa.field(CORRUPT, pa.string())])
+    @property
+    def float_columns(self) -> list[str]:
+        """The float and double columns (NaN and the infinities have no JSON form)."""
+        return [name for name, kind in self.columns if kind in ("float", "double")]
 
     def decode(self, lines: Sequence[bytes], max_bytes: int | None = None):
-        """``lines`` (UTF-8 bytes, no line ends) as Arrow arrays: the declared columns and
-        ``_corrupt_record`` (a dict by name), and ``_problem``, why the spout refuses a line:
-        over ``max_bytes`` bytes (then nothing is decoded), or a NUL byte (PostgreSQL text
-        cannot keep its payload; such a line is never valid JSON)."""
-        import pyarrow as pa  # lazy: `import onceflow` loads no pyarrow
+        """``lines`` (UTF-8 bytes, no line ends) as Arrow arrays by these rules: the declared
+        columns and ``_corrupt_record`` (a dict by name), and ``_problem``, why the spout
+        refuses a line (onceflow.sources.json_arrow.decode, which the Spark side's readers
+        call directly)."""
+        from onceflow.sources import json_arrow  # pyarrow's: a DAG parse declares the schema only
 
-        decode, empty = _decoder(self.columns)
-        errors = (msgspec.DecodeError, UnicodeDecodeError, RecursionError)
-        rows: list[Any] = []
-        corrupt: dict[int, bytes] = {}
-        problems: dict[int, str] = {}
-        if max_bytes is not None and lines and max(map(len, lines)) > max_bytes:
-            oversized = [i for i, line in enumerate(lines) if len(line) > max_bytes]
-            for i in oversized:
-                problems[i] = (f"oversized record ({len(lines[i])} bytes, over "
-                               f"max_record_bytes={max_bytes})")
-            kept = set(oversized)
-            lines = [b"null" if i in kept else line for i, line in enumerate(lines)]
-
-        def refuse(i: int, line: bytes) -> None:
-            if b"\x00" in line:
-                problems[i] = "payload holds a NUL character, which PostgreSQL text cannot store"
-            else:
-                corrupt[i] = line
-
-        # The lines are decoded by map in C; a line that fails stops it, is noted, and the
-        # next map carries on after it, on the same iterator.
-        remaining = iter(lines)
-        while True:
-            try:
-                rows.extend(map(decode, remaining))
-                break
-            except errors:
-                i = len(rows)
-                rows.append(empty)
-                if i not in problems:
-                    refuse(i, lines[i])
-        # msgspec checks UTF-8 only in what it decodes: invalid bytes inside a field the
-        # schema skips pass, where Spark's reader calls the whole line corrupt. One check of
-        # the batch's bytes, and of each line only when that fails.
-        try:
-            b"\n".join(lines).decode("utf-8")
-        except UnicodeDecodeError:
-            for i, line in enumerate(lines):
-                if i in problems or i in corrupt:
-                    continue
-                try:
-                    line.decode("utf-8")
-                except UnicodeDecodeError:
-                    rows[i] = empty
-                    refuse(i, line)
-        out = {}
-        for n, (name, kind) in enumerate(self.columns):
-            values = list(map(attrgetter(f"f{n}"), rows))
-            if kind == "string":  # pyarrow builds large_string from Python str faster
-                out[name] = pa.array(values, pa.large_string()).cast(pa.string())
-            else:
-                out[name] = pa.array(values, arrow_type(kind))
-        out[CORRUPT] = _sparse(len(rows), {i: line.decode("utf-8", "replace")
-                                           for i, line in corrupt.items()})
-        return out, _sparse(len(rows), problems)
-
-    def decode_batches(self, table, max_bytes: int | None = None, max_rows: int = 32_768):
-        """``table`` (Arrow: partition, offset, payload) as record batches of ``max_rows``
-        rows at most: partition, offset, the payloads decoded (the declared columns and
-        ``_corrupt_record``) and ``_problem`` (see ``decode``): what a decoding source's
-        reader task yields."""
-        import pyarrow as pa  # lazy: `import onceflow` loads no pyarrow
-
-        for piece in table.to_batches(max_chunksize=max_rows):
-            payloads = piece.column("payload")
-            lines = payloads.cast(pa.binary()).to_pylist()
-            if payloads.null_count:  # (none where onceflow keeps them: a null one is corrupt)
-                lines = [line or b"" for line in lines]
-            columns, problems = self.decode(lines, max_bytes)
-            columns[PROBLEM] = problems
-            yield pa.RecordBatch.from_arrays(
-                [piece.column("partition"), piece.column("offset"), *columns.values()],
-                names=["partition", "offset", *columns])
+        return json_arrow.decode(self.columns, lines, max_bytes)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -209,44 +130,6 @@ class JsonSchemaSource(Source):
     @property
     def record_ddl(self) -> str:
         return self.records.record_ddl if self.records else super().record_ddl
-
-
-def arrow_type(kind: str):
-    """The Arrow type a declared column of Spark type ``kind`` is decoded into."""
-    import pyarrow as pa  # lazy: `import onceflow` loads no pyarrow
-
-    return {"string": pa.string(), "boolean": pa.bool_(), "tinyint": pa.int8(),
-            "smallint": pa.int16(), "int": pa.int32(), "bigint": pa.int64(),
-            "float": pa.float32(), "double": pa.float64()}[kind]
-
-
-def _sparse(n: int, values: dict[int, str]):
-    """A string array of ``n`` nulls but at ``values``' positions."""
-    import pyarrow as pa  # lazy: `import onceflow` loads no pyarrow
-
-    if not values:
-        return pa.nulls(n, pa.string())
-    column: list[str | None] = [None] * n
-    for i, value in values.items():
-        column[i] = value
-    return pa.array(column, pa.string())
-
-
-@functools.lru_cache(maxsize=32)
-def _decoder(columns: tuple[tuple[str, str], ...]):
-    """(decode(line) -> a row with fields f0, f1, ..., the row of a corrupt line) for
-    ``columns``: a msgspec Struct type built once per process (fields f<n>, renamed to the
-    JSON names, which need not be Python identifiers)."""
-    def typed(kind: str):
-        if kind in _INTS:
-            bits = _INTS[kind]
-            return Annotated[int, msgspec.Meta(ge=-(2 ** (bits - 1)), le=2 ** (bits - 1) - 1)]
-        return {"string": str, "boolean": bool, "float": float, "double": float}[kind]
-
-    fields = [(f"f{n}", typed(kind) | None, None) for n, (_, kind) in enumerate(columns)]
-    renamed = {f"f{n}": name for n, (name, _) in enumerate(columns)}
-    row = msgspec.defstruct("Record", fields, rename=renamed)
-    return msgspec.json.Decoder(row).decode, row()
 
 
 # --- the rules in plain Python (the property tests' reference) -----------------------------

@@ -24,6 +24,9 @@ Either runs in one PostgreSQL transaction holding the rows of every pipeline of 
 the topic's partitions (as retention does), so no batch is planned or committed meanwhile; a
 crash anywhere leaves nothing done, and a second repair finds the file repaired (or skipped)
 and does nothing.
+
+pyarrow is imported here at the top (the files are read again): onceflow.ops.repair imports
+this module only when a repair runs, so the CLI and a DAG parse load no pyarrow.
 """
 
 from __future__ import annotations
@@ -32,13 +35,17 @@ import logging
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
+import pyarrow.parquet as pq
+from pyarrow import fs
+
 from onceflow.core import offsets, txlog
 from onceflow.core.errors import ConfigError
 from onceflow.sources.landing import LandingFolder
 from onceflow.sources.landing import index as indexing
-from onceflow.sources.landing.files import Chunk, open_filesystem
+from onceflow.sources.landing.files import Chunk
 from onceflow.sources.landing.index import Look, Work
 from onceflow.sources.landing.scan import crc_of, parquet_footer, row_group_bytes, scan_parquet
+from onceflow.sources.landing.storage import open_filesystem
 
 log = logging.getLogger(__name__)
 
@@ -178,8 +185,6 @@ def _check(source: LandingFolder, chunks: list[Chunk], known_legacy: bool) -> tu
         size = f.size()
         meta = None
         if source.format == "parquet" and chunks[0].crc is not None:
-            import pyarrow.parquet as pq  # lazy: `import onceflow` loads no pyarrow
-
             footer, _ = parquet_footer(f)
             if f"{footer:08x}" != chunks[0].checksum:
                 return 0, "its footer (metadata) is not the one indexed"
@@ -312,8 +317,6 @@ def accept(cur, source: LandingFolder, change: ChangedFile) -> int:
     heads = dict(cur.fetchall())
     known = indexing.known_files(source, cur, [change.path])[change.path]
     filesystem, _ = open_filesystem(source.path)
-    from pyarrow import fs  # lazy: `import onceflow` loads no pyarrow
-
     info = filesystem.get_file_info(change.path)
     if info.type != fs.FileType.File:
         raise ConfigError(f"--accept-changed {change.path}: the file is gone; --skip-changed "

@@ -1,5 +1,6 @@
-"""What the landing folder's modules share: its file system, a chunk as the manifest holds it,
-and the fixes its refusals name."""
+"""What the landing folder's modules share, its declaration and status included: a chunk as the
+manifest holds it, and the fixes its refusals name (no pyarrow: its file system is
+onceflow.sources.landing.storage)."""
 
 from __future__ import annotations
 
@@ -12,15 +13,6 @@ REPAIR_HINT = "`onceflow repair` says what changed and how to go on"
 # What to do with a file set aside at indexing (status and repair say it).
 SET_ASIDE_FIX = ("land a copy that matches source.schema under a new name (this file is "
                  "never read), or declare the schema it has")
-
-
-def open_filesystem(path: str):
-    # imported here: pyarrow is heavy: it loads only where files are read or written
-    from pyarrow import fs
-
-    if "://" in path:
-        return fs.FileSystem.from_uri(path)
-    return fs.LocalFileSystem(), path
 
 
 class Chunk(NamedTuple):

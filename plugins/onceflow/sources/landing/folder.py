@@ -1,6 +1,10 @@
 """The landing folder as a Source (LandingFolder): its declaration, checked, and what the
 transactions ask of it; its indexing is onceflow.sources.landing.index, its reads
-onceflow.sources.landing.read (see onceflow.sources.landing)."""
+onceflow.sources.landing.read (see onceflow.sources.landing).
+
+Those modules import pyarrow at their top; this one does not import them at its own: a DAG
+parse (in every task process, issue 52) declares the folder and needs neither, so the methods
+that list, index or read the folder import them where they run."""
 
 from __future__ import annotations
 
@@ -15,10 +19,7 @@ from onceflow.core.planner import PartitionRange
 from onceflow.core.source import Position, Source, require_topic
 from onceflow.sources import catalog
 from onceflow.sources.json_records import JsonRecords
-from onceflow.sources.landing import index as indexing
-from onceflow.sources.landing import read as reading
 from onceflow.sources.landing.files import SET_ASIDE_FIX
-from onceflow.sources.landing.read import float_columns
 
 FORMATS = ("jsonl", "csv", "parquet")
 
@@ -112,10 +113,14 @@ class LandingFolder(Source):
     def index(self, cur, enough=None) -> int:
         """Index what landed since the last look; returns how many files were looked at
         (see onceflow.sources.landing.index.index)."""
-        return indexing.index(self, cur, enough)
+        from onceflow.sources.landing import index  # pyarrow at its top: not for a DAG parse
+
+        return index.index(self, cur, enough)
 
     def ensure(self, conn, *, create: bool = False) -> None:
-        indexing.list_files(self)  # the folder must exist
+        from onceflow.sources.landing import index  # pyarrow at its top: not for a DAG parse
+
+        index.list_files(self)  # the folder must exist
         catalog.ensure_topic(conn, self.topic, self.partitions, create=create)
 
     def positions(self, cur) -> dict[int, Position]:
@@ -133,7 +138,9 @@ class LandingFolder(Source):
         times; no file is read): new files and files that grew, as records at the bytes per
         record indexed so far (a first file: 1), and the oldest one's modification time.
         Changed files wait for `onceflow repair` and count for nothing."""
-        _, listing = indexing.list_files(self)
+        from onceflow.sources.landing import index  # pyarrow at its top: not for a DAG parse
+
+        _, listing = index.list_files(self)
         if not listing:
             return 0, None
         cur.execute(
@@ -197,7 +204,7 @@ class LandingFolder(Source):
         a typed one only when it has a float column)."""
         ranges = [r for r in ranges if r.size > 0]
         if self.format == "parquet":  # typed: only a float column's NaN or infinity
-            return self.records is None or bool(float_columns(self.records))
+            return self.records is None or bool(self.records.float_columns)
         if not ranges:
             return False
         cur.execute(
@@ -231,11 +238,15 @@ class LandingFolder(Source):
         return {p: (lo, hi) for p, lo, hi in cur.fetchall()}
 
     def read(self, spark, dsn: str, ranges: Iterable[PartitionRange]):
-        return reading.read(self, spark, dsn, ranges)
+        from onceflow.sources.landing import read  # pyarrow at its top: not for a DAG parse
+
+        return read.read(self, spark, dsn, ranges)
 
     def payloads(self, conn, ranges: Iterable[PartitionRange]
                  ) -> Iterator[tuple[int, int, str]]:
-        return reading.payloads(self, conn, ranges)
+        from onceflow.sources.landing import read  # pyarrow at its top: not for a DAG parse
+
+        return read.payloads(self, conn, ranges)
 
     notices_heading: ClassVar[str] = "source files that need something"  # (status)
 

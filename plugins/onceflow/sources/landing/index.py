@@ -1,7 +1,8 @@
 """Indexing a landing folder: each look lists the folder, reads what is new (new files, the new
 complete lines of files that grew), and records it in the manifest (landing_files,
 landing_chunks) under the partitions' locks; a file whose indexed bytes changed is marked,
-not indexed further (see onceflow.sources.landing)."""
+not indexed further (see onceflow.sources.landing). pyarrow at the top: see
+onceflow.sources.landing.scan."""
 
 from __future__ import annotations
 
@@ -12,11 +13,14 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from typing import NamedTuple
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pyarrow.types as t
+from pyarrow import fs
+
 from onceflow.core import timings
 from onceflow.core.errors import ConfigError
 from onceflow.core.topology import column_types
-from onceflow.sources.folders import require_folder
-from onceflow.sources.landing.files import open_filesystem
 from onceflow.sources.landing.scan import (
     Scan,
     parquet_footer,
@@ -24,6 +28,7 @@ from onceflow.sources.landing.scan import (
     scan_parquet,
     scan_text,
 )
+from onceflow.sources.landing.storage import open_filesystem, require_folder
 
 log = logging.getLogger("onceflow.sources.landing")
 
@@ -85,9 +90,6 @@ class Look(NamedTuple):
 
 def list_files(folder):
     """(Listed) every landed file, oldest first; settling ones left out."""
-    # imported here: pyarrow is heavy: it loads only where files are read or written
-    from pyarrow import fs
-
     filesystem, root = open_filesystem(folder.path)
     require_folder(root, filesystem, field="source.path")
     now = datetime.now(UTC).timestamp()
@@ -108,8 +110,6 @@ def _check_schema(folder, filesystem, path: str) -> str | None:
     """Why a Parquet file does not match the declared schema (None: it does)."""
     if folder.format != "parquet" or not folder.schema:
         return None
-    # imported here: pyarrow is heavy: it loads only where files are read or written
-    import pyarrow.parquet as pq
 
     with filesystem.open_input_file(path) as f:
         have = {field.name: field.type for field in pq.ParquetFile(f).schema_arrow}
@@ -336,10 +336,6 @@ def _reads_as(arrow_type, declared: str) -> bool:
     type, each value as it is (a narrower integer or float widened, a decimal of the same
     scale and no more digits); a type Spark would refuse, or convert to other values (an
     integer read as a date, a wider integer cut), is not. Nested types are left to Spark."""
-    # imported here: pyarrow is heavy: it loads only where files are read or written
-    import pyarrow as pa
-    import pyarrow.types as t
-
     if declared.startswith(("array", "map", "struct")):
         return True
     if t.is_dictionary(arrow_type):  # (pandas' categoricals): read as their values

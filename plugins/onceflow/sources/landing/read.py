@@ -1,6 +1,7 @@
 """Reading a landing folder's planned ranges: the manifest's chunks that hold them, read by one
 Spark task per chunk (or the JVM reader, or Spark's Parquet reader), each chunk's bytes checked
-against its CRC-32 as it is read: a changed or removed file is refused by name."""
+against its CRC-32 as it is read: a changed or removed file is refused by name. pyarrow at the
+top: see onceflow.sources.landing.scan."""
 
 from __future__ import annotations
 
@@ -11,15 +12,21 @@ import zlib
 from collections.abc import Iterable, Iterator
 from functools import reduce
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+from pyarrow import fs
+
 from onceflow.core.db import connection, transaction
 from onceflow.core.errors import SourceChanged, SourceShortfall
 from onceflow.core.planner import PartitionRange
+from onceflow.core.source import CORRUPT, PROBLEM
 from onceflow.core.tables import SPARK_JSON
-from onceflow.sources.folders import require_folder
-from onceflow.sources.json_records import CORRUPT, PROBLEM, JsonRecords
+from onceflow.sources import json_arrow
+from onceflow.sources.json_records import JsonRecords
 from onceflow.sources.jvm import READER as JVM_READER
 from onceflow.sources.jvm import jvm_reader
-from onceflow.sources.landing.files import REPAIR_HINT, Chunk, open_filesystem
+from onceflow.sources.landing.files import REPAIR_HINT, Chunk
 from onceflow.sources.landing.scan import (
     crc_of,
     csv_array,
@@ -28,6 +35,7 @@ from onceflow.sources.landing.scan import (
     parquet_footer,
     row_group_bytes,
 )
+from onceflow.sources.landing.storage import open_filesystem, require_folder
 
 
 def chunks_of(folder, cur, ranges: Iterable[PartitionRange]) -> list[Chunk]:
@@ -127,7 +135,7 @@ def _read_parquet(folder, spark, ranges: list[PartitionRange], chunks: list[Chun
             # NaN and the infinities have no JSON form: such a row could not come back
             # from its payload the same, so it is refused as a record over size is
             problem = F.lit(None).cast("string")
-            for name in reversed(float_columns(folder.records)):
+            for name in reversed(folder.records.float_columns):
                 value = F.col(f"`{name}`")
                 problem = F.when(F.isnan(value) | (F.abs(value) == float("inf")), F.lit(
                     f"column {name} holds NaN or an infinity, which the record's payload "
@@ -158,10 +166,6 @@ def payloads(folder, conn, ranges: Iterable[PartitionRange]
             if any(r.partition == chunk.partition and r.start <= offset < r.end
                    for r in ranges):
                 yield chunk.partition, offset, payload
-
-
-def float_columns(records: JsonRecords) -> list[str]:
-    return [name for name, kind in records.columns if kind in ("float", "double")]
 
 
 def _spark_path(root: str, path: str) -> str:
@@ -214,13 +218,7 @@ def _removed(path: str, filesystem) -> RuntimeError:
 
 def _read_chunk(filesystem, fmt: str, chunk: Chunk):
     """The payloads of one chunk (an Arrow string array), its bytes checked."""
-    # imported here: pyarrow is heavy: it loads only where files are read or written
-    import pyarrow as pa
-
     if fmt == "parquet":
-        # imported here: pyarrow is heavy: it loads only where files are read or written
-        import pyarrow.parquet as pq
-
         _check_parquet(filesystem, [chunk])
         with filesystem.open_input_file(chunk.path) as f:
             table = pq.ParquetFile(f).read_row_group(chunk.start)  # start: the row group
@@ -255,9 +253,6 @@ def _chunk_bytes(filesystem, chunk: Chunk) -> bytes:
 def _check_parquet(filesystem, chunks: list[Chunk]) -> None:
     """A Parquet file's footer and the row groups of ``chunks`` (all of one file) are the
     bytes indexed."""
-    # imported here: pyarrow is heavy: it loads only where files are read or written
-    import pyarrow.parquet as pq
-
     first = chunks[0]
     if first.crc is None:
         _check_unchanged(filesystem, first)
@@ -282,9 +277,6 @@ def _check_parquet(filesystem, chunks: list[Chunk]) -> None:
 
 def _check_unchanged(filesystem, chunk: Chunk) -> None:
     """A chunk indexed before chunk checksums: its file's size and modification time."""
-    # imported here: pyarrow is heavy: it loads only where files are read or written
-    from pyarrow import fs
-
     info = filesystem.get_file_info(chunk.path)
     if info.type != fs.FileType.File:
         raise _removed(chunk.path, filesystem)
@@ -302,12 +294,6 @@ def chunk_reader(fmt: str, header: bool, root: str, chunks: list[Chunk],
     With ``records`` each line is decoded (its columns, ``_corrupt_record`` and the spout's
     ``_problem``, see JsonRecords.decode) instead of being a payload."""
     def read(batches):
-        # imported here: numpy is heavy: it loads only with the Arrow data it serves
-        import numpy as np
-
-        # imported here: pyarrow is heavy: it loads only where files are read or written
-        import pyarrow as pa
-
         filesystem, _ = open_filesystem(root)
         for batch in batches:
             for index in batch.column("id").to_pylist():
@@ -317,7 +303,7 @@ def chunk_reader(fmt: str, header: bool, root: str, chunks: list[Chunk],
                     columns = {"payload": _read_chunk(filesystem, fmt, chunk)}
                 else:
                     lines = line_bytes(_chunk_bytes(filesystem, chunk))
-                    columns, problems = records.decode(lines, max_bytes)
+                    columns, problems = json_arrow.decode(records.columns, lines, max_bytes)
                     columns[PROBLEM] = problems
                 count = len(next(iter(columns.values())))
                 offsets = np.arange(first, first + count, dtype=np.int64)

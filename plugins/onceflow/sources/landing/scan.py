@@ -1,12 +1,21 @@
 """Reading a landed file's bytes at indexing: cut into chunks at record boundaries (lines, CSV
 records, Parquet row groups), each with its CRC-32 and how far its records are clean; and
-the same cutting for the read path (split_lines, line_array, csv_array)."""
+the same cutting for the read path (split_lines, line_array, csv_array).
+
+pyarrow is imported here at the top, as in the other modules that list, index and read the
+folder: the declaration (LandingFolder) reaches them only when a transaction asks, so a DAG
+parse loads no pyarrow (onceflow.sources.landing.folder)."""
 
 from __future__ import annotations
 
 import re
 import zlib
 from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from onceflow.core.source import MAX_RECORD_BYTES
 
@@ -188,10 +197,6 @@ def _csv_records(data: bytes) -> list[bytes]:
 def csv_array(data: bytes):
     """``_csv_records(data)`` as an Arrow string array, bytes that are not UTF-8 replaced
     (U+FFFD); without a quote the records are the non-empty lines, cut in C++."""
-    # imported here: pyarrow is heavy: it loads only where files are read or written
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
     if b'"' not in data:
         lines = line_array(data)
         return lines.filter(pc.not_equal(pc.binary_length(lines), 0))
@@ -324,9 +329,6 @@ def scan_parquet(filesystem, path: str) -> Scan:
     number), each with the CRC-32 of its column chunks' bytes; the file's footer's CRC-32
     is its checksum. (One read of the file: Parquet files are written whole, but a rewrite
     in place under the same size and time would otherwise go unseen.)"""
-    # imported here: pyarrow is heavy: it loads only where files are read or written
-    import pyarrow.parquet as pq
-
     with filesystem.open_input_file(path) as f:
         footer, size = parquet_footer(f)
         meta = pq.ParquetFile(f).metadata
@@ -368,13 +370,6 @@ def line_array(data: bytes):
     Equal to ``split_lines``: LF occurs in UTF-8 only as itself, so cutting bytes is cutting text;
     a CR before an LF can only end a line, so replacing CRLF by LF strips exactly one CR per
     line; a CR at the very end ends a last line that has no LF."""
-    # imported here: numpy is heavy: it loads only with the Arrow data it serves
-    import numpy as np
-
-    # imported here: pyarrow is heavy: it loads only where files are read or written
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
     if not data:
         return pa.array([], pa.string())
     whole = data

@@ -15,6 +15,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from onceflow.core.planner import PartitionRange
+from onceflow.sources import json_arrow
 from onceflow.sources.json_records import JsonRecords
 from onceflow.sources.segments import write
 
@@ -66,6 +67,7 @@ def decoding_reader(segments: list[tuple[str, int]], ranges: list[PartitionRange
                 path, partition = segments[index]
                 mine = [r for r in ranges if r.partition == partition]
                 table = read_ranges(path, mine, ["partition", "offset", "payload"])
-                yield from records.decode_batches(table, max_bytes, write.ROW_GROUP_ROWS)
+                yield from json_arrow.decode_batches(records.columns, table, max_bytes,
+                                                      write.ROW_GROUP_ROWS)
 
     return read

@@ -16,9 +16,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pyarrow import csv as pacsv
 
-from onceflow.core.source import PROBLEM
+from onceflow.core.source import CORRUPT, PROBLEM
 from onceflow.sources.copy_read import copied_batches, copy_records
-from onceflow.sources.json_records import CORRUPT, JsonRecords, arrow_type
+from onceflow.sources.json_arrow import arrow_type, decode_batches
+from onceflow.sources.json_records import JsonRecords
 from onceflow.sources.table.check import Declared
 
 CHUNK_SCHEMA = "chunk int, copy string"
@@ -96,7 +97,7 @@ def direct_reader(dsn: str, records: JsonRecords, fields: tuple[Declared, ...],
         yield from clean(table.filter(pc.invert(judged))).to_batches()
         flagged = table.filter(judged)
         if flagged.num_rows:
-            yield from records.decode_batches(
-                flagged.select(["partition", "offset", "payload"]), max_bytes)
+            yield from decode_batches(
+                records.columns, flagged.select(["partition", "offset", "payload"]), max_bytes)
 
     return copies_reader(dsn, read)
