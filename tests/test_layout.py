@@ -192,10 +192,9 @@ def test_every_import_inside_a_function_says_why():
     assert not offenders, "\n".join(offenders)
 
 
-# The function-level pyarrow imports left, each saying why on its line: the Source base's
-# replays (core reaches no module above it), and the Kafka source's (to move to a module of
-# its own, as the landing folder's and file segments' did).
-ARROW_INSIDE_FUNCTIONS = {"plugins/onceflow/core/source.py", "plugins/onceflow/sources/kafka.py"}
+# The function-level pyarrow import left, saying why on its line: the Source base's replays
+# (core reaches no module above it).
+ARROW_INSIDE_FUNCTIONS = {"plugins/onceflow/core/source.py"}
 
 
 def test_pyarrow_is_imported_at_the_top_where_it_is_used():

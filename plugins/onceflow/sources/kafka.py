@@ -30,119 +30,53 @@ connections: the metadata database, a secrets backend, or ``AIRFLOW_CONN_KAFKA_D
 resolved where the batch is planned and travels to the Spark tasks with the reader, like the
 coordinator's DSN.
 
-confluent-kafka (the client the provider uses) is imported only here, inside functions: a
-team without Kafka installs nothing more (``pip install onceflow[kafka]`` brings it).
+The modules: this one declares the source and plans its batches (a DAG file's parse
+imports it); onceflow.sources.kafka_client resolves the connection and makes the
+confluent-kafka clients (the client the provider uses, imported inside functions: a team
+without Kafka installs nothing more, ``pip install onceflow[kafka]`` brings it);
+onceflow.sources.kafka_read reads the ranges, in Spark's tasks and in Python.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, ClassVar
 
-from onceflow.core.errors import ConfigError, OnceflowError, Permanent, SourceShortfall
+from onceflow.core.errors import ConfigError, OnceflowError
 from onceflow.core.offsets import committed_by_pipeline
 from onceflow.core.planner import PartitionRange
 from onceflow.core.source import PROBLEM, Position, require_topic
-from onceflow.sources.json_records import JsonRecords, JsonSchemaSource
+from onceflow.sources.json_records import JsonSchemaSource
+from onceflow.sources.kafka_client import (
+    DEFAULT_CONN_ID,
+    KafkaDataLost,
+    KafkaUnreachable,  # noqa: F401 (where the source's errors are imported from)
+    admin,
+    consumer,
+    kafka_config,
+    servers,
+    text,
+    unreachable,
+)
 from onceflow.sources.pglog import chunk_ranges
 
 log = logging.getLogger(__name__)
 
-DEFAULT_CONN_ID = "kafka_default"
 CHUNK_SCHEMA = "chunk int, partition int, start long, end long"
 # The record's own fields, besides its value (``payload`` or the decoded columns).
 META_DDL = "kafka_key string, kafka_timestamp timestamp, kafka_headers string"
 META_COLUMNS = ("kafka_key", "kafka_timestamp", "kafka_headers")
-# Client options onceflow sets itself on every consumer it makes.
-_READER = {"enable.auto.commit": False, "enable.auto.offset.store": False,
-           "enable.partition.eof": True, "auto.offset.reset": "error",
-           "isolation.level": "read_committed"}
-# Options that name Python callables: they cannot travel to Spark's executors as text.
-_CALLBACKS = ("error_cb", "throttle_cb", "stats_cb", "log_cb", "oauth_cb", "on_commit")
 
 
-class KafkaUnreachable(OnceflowError, ConnectionError):
-    """The broker did not answer within the source's ``timeout_s`` (retried by Airflow)."""
+def _reading():
+    """onceflow.sources.kafka_read, where records are read: it imports pyarrow at its top."""
+    # a DAG file's parse imports this declaration and must load no pyarrow
+    from onceflow.sources import kafka_read
 
-
-class KafkaDataLost(Permanent):
-    """The broker holds less than what was committed: refused until a person decides."""
-
-
-def _missing_extra() -> ConfigError:
-    return ConfigError(
-        "the Kafka source needs confluent-kafka and Airflow's Kafka provider: "
-        "pip install 'onceflow[kafka]' (with -c constraints.txt)")
-
-
-def kafka_config(conn_id: str = DEFAULT_CONN_ID, *, setting: str = "source.conn_id"
-                 ) -> dict[str, Any]:
-    """The client configuration of the Airflow connection ``conn_id`` (its ``extra``),
-    through the Kafka provider's hook, checked: ``bootstrap.servers`` set, no callback."""
-    try:  # the Kafka provider: the optional `kafka` extra
-        from airflow.providers.apache.kafka.hooks.base import KafkaBaseHook
-    except ImportError:
-        raise _missing_extra() from None
-    try:
-        conn = KafkaBaseHook.get_connection(conn_id)
-    except Exception as error:  # the SDK raises its own not-found type
-        raise ConfigError(
-            f"{setting}={conn_id!r}: no such connection ({error}). Create the Airflow "
-            f"connection of type kafka, e.g. export AIRFLOW_CONN_{conn_id.upper()}="
-            "'{\"conn_type\": \"kafka\", \"extra\": {\"bootstrap.servers\": "
-            "\"host:9092\"}}'") from None
-    config = dict(conn.extra_dejson or {})
-    if not config.get("bootstrap.servers"):
-        raise ConfigError(
-            f"{setting}={conn_id!r}: the connection's extra has no 'bootstrap.servers' (it "
-            f"has {sorted(config) or 'nothing'}): set the client's configuration as the "
-            "connection's extra, e.g. {\"bootstrap.servers\": \"host:9092\"}")
-    given = [key for key in _CALLBACKS if key in config]
-    if given:
-        raise ConfigError(
-            f"{setting}={conn_id!r}: the connection's extra sets {', '.join(given)}, which "
-            "names a Python callable; the Kafka source's readers run in Spark's executors "
-            "and take text options only: use the client's own options (e.g. "
-            "sasl.mechanism with sasl.username / sasl.password)")
-    return config
-
-
-def _servers(config: Mapping[str, Any]) -> str:
-    return str(config.get("bootstrap.servers"))
-
-
-def _short_timeout(config: Mapping[str, Any], timeout_s: float) -> dict[str, Any]:
-    """Client options bounding how long a request to a broker that is down may take."""
-    ms = max(1000, int(timeout_s * 1000))
-    return {"socket.timeout.ms": ms, "socket.connection.setup.timeout.ms": ms,
-            **({} if "reconnect.backoff.max.ms" in config else
-               {"reconnect.backoff.max.ms": 1000})}
-
-
-def consumer(config: Mapping[str, Any], timeout_s: float, group_id: str | None = None):
-    """A consumer that reads by assignment only (no group membership, no offset commits)."""
-    try:
-        # confluent_kafka: the optional `kafka` extra
-        from confluent_kafka import Consumer
-    except ImportError:
-        raise _missing_extra() from None
-    options = {**config, **_short_timeout(config, timeout_s), **_READER}
-    options["group.id"] = group_id or config.get("group.id") or "onceflow-reader"
-    options.setdefault("logger", logging.getLogger("onceflow.kafka.client"))
-    return Consumer(options)
-
-
-def _unreachable(config: Mapping[str, Any], conn_id: str, what: str, error: object,
-                 timeout_s: float) -> KafkaUnreachable:
-    return KafkaUnreachable(
-        f"Kafka broker {_servers(config)} (connection {conn_id!r}) did not answer {what} "
-        f"within {timeout_s:g}s ({error}): check that the broker is up and reachable from "
-        "here; the task is retried")
+    return kafka_read
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -210,13 +144,7 @@ class KafkaSource(JsonSchemaSource):
 
     # -- where the topic is ----------------------------------------------------------------
     def _admin(self, config: Mapping[str, Any]):
-        try:
-            # confluent_kafka: the optional `kafka` extra
-            from confluent_kafka.admin import AdminClient
-        except ImportError:
-            raise _missing_extra() from None
-        return AdminClient({**config, **_short_timeout(config, self.timeout_s),
-                            "logger": logging.getLogger("onceflow.kafka.client")})
+        return admin(config, self.timeout_s)
 
     def _partitions(self, admin, config) -> list[int] | None:
         """The topic's partitions, None when the broker does not know the topic."""
@@ -227,14 +155,14 @@ class KafkaSource(JsonSchemaSource):
             # every topic's metadata: a request naming the topic may make a broker create it
             metadata = admin.list_topics(timeout=self.timeout_s)
         except KafkaException as error:
-            raise _unreachable(config, self.conn_id, "a metadata request", error.args[0],
+            raise unreachable(config, self.conn_id, "a metadata request", error.args[0],
                                self.timeout_s) from None
         found = metadata.topics.get(self.topic)
         if found is None or (found.error is not None and found.error.code() in (
                 KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC)):
             return None
         if found.error is not None:
-            raise _unreachable(config, self.conn_id, "a metadata request", found.error,
+            raise unreachable(config, self.conn_id, "a metadata request", found.error,
                                self.timeout_s)
         return sorted(found.partitions)
 
@@ -253,7 +181,7 @@ class KafkaSource(JsonSchemaSource):
             try:
                 out[name] = {tp.partition: f.result().offset for tp, f in futures.items()}
             except KafkaException as error:
-                raise _unreachable(config, self.conn_id, "a list-offsets request",
+                raise unreachable(config, self.conn_id, "a list-offsets request",
                                    error.args[0], self.timeout_s) from None
         return {p: Position(out["earliest"][p], out["latest"][p]) for p in partitions}
 
@@ -278,7 +206,7 @@ class KafkaSource(JsonSchemaSource):
 
     def _no_topic(self, config: Mapping[str, Any]) -> ConfigError:
         return ConfigError(
-            f"source.topic={self.topic!r}: the Kafka broker {_servers(config)} (connection "
+            f"source.topic={self.topic!r}: the Kafka broker {servers(config)} (connection "
             f"{self.conn_id!r}) has no such topic. Check the name, or create the topic "
             "(onceflow does not create topics in your cluster)")
 
@@ -347,7 +275,7 @@ class KafkaSource(JsonSchemaSource):
                 [TopicPartition(self.topic, partition, int(when.timestamp() * 1000))],
                 timeout=self.timeout_s)
         except KafkaException as error:
-            raise _unreachable(config, self.conn_id, "a find-offset-by-time request",
+            raise unreachable(config, self.conn_id, "a find-offset-by-time request",
                                error.args[0], self.timeout_s) from None
         finally:
             reader.close()
@@ -397,12 +325,12 @@ class KafkaSource(JsonSchemaSource):
             try:
                 answered = committer.commit(offsets=wanted, asynchronous=False)
             except KafkaException as error:
-                raise _unreachable(config, self.conn_id, f"an offset commit for group "
+                raise unreachable(config, self.conn_id, f"an offset commit for group "
                                    f"{group!r}", error.args[0], self.timeout_s) from None
             refused = [tp for tp in answered or [] if tp.error is not None]
             if refused:  # e.g. a group whose members consume: give the pipeline its own
                 raise OnceflowError(
-                    f"Kafka broker {_servers(config)} refused the offsets of group {group!r} "
+                    f"Kafka broker {servers(config)} refused the offsets of group {group!r} "
                     f"(partition {refused[0].partition}: {refused[0].error}): set "
                     "source.group_id to a group no consumer uses")
         finally:
@@ -416,37 +344,27 @@ class KafkaSource(JsonSchemaSource):
         if len(rows) > 1:  # the chunks spread over as many Spark tasks (by hash)
             chunks = chunks.repartition(len(rows), "chunk")
         return chunks.mapInArrow(
-            _reader(self.config(), self.conn_id, self.topic, self.records,
-                    self.max_record_bytes, self.timeout_s), self.read_ddl)
+            _reading().reader(self.config(), self.conn_id, self.topic, self.records,
+                              self.max_record_bytes, self.timeout_s), self.read_ddl)
 
     def _records(self, ranges: Iterable[PartitionRange], *, missing_ok: bool = False
                  ) -> Iterator[tuple]:
-        config = self.config()
-        reader = consumer(config, self.timeout_s)
-        try:
-            for r in ranges:
-                if r.size > 0:
-                    yield from read_range(reader, config, self.conn_id, self.topic,
-                                          r.partition, r.start, r.end, self.timeout_s,
-                                          missing_ok=missing_ok)
-        finally:
-            reader.close()
+        return _reading().records(self.config(), self.conn_id, self.topic, self.timeout_s,
+                                  ranges, missing_ok=missing_ok)
 
     def payloads(self, conn, ranges: Iterable[PartitionRange]
                  ) -> Iterator[tuple[int, int, str]]:
         for p, o, value, *_ in self._records(list(ranges)):
-            yield p, o, _text(value)
+            yield p, o, text(value)
 
     def payloads_at(self, cur, positions: Iterable[tuple[int, int]]
                     ) -> dict[tuple[int, int], str]:
         ranges = [PartitionRange(p, o, o + 1) for p, o in sorted(set(positions))]
-        return {(p, o): _text(value) for p, o, value, *_ in self._records(ranges)}
+        return {(p, o): text(value) for p, o, value, *_ in self._records(ranges)}
 
     def replay_columns(self, rows: Sequence[tuple[int, int, str, int]]):
         """A replayed record's value comes from the backflow; its key, timestamp and headers
         are read again from the broker (null where retention deleted the record since)."""
-        import pyarrow as pa  # lazy: `import onceflow` loads no pyarrow
-
         body = super().replay_columns(rows)
         wanted = sorted({(r[0], r[1]) for r in rows})
         found = {}
@@ -459,166 +377,5 @@ class KafkaSource(JsonSchemaSource):
                         self.topic, len(wanted) - len(found))
         meta = [found.get((r[0], r[1]), (None, None, None)) for r in rows]
         problem = {PROBLEM: body.pop(PROBLEM)} if PROBLEM in body else {}
-        return {**body, **_meta_arrays(meta, pa), **problem}  # in read_ddl's order
-
-
-def _text(value: bytes | None) -> str:
-    return "" if value is None else value.decode("utf-8", "replace")
-
-
-def _meta_arrays(meta: Sequence[tuple], pa) -> dict[str, Any]:
-    """The kafka_key, kafka_timestamp and kafka_headers columns of ``meta`` rows."""
-    return {
-        "kafka_key": pa.array([m[0] for m in meta], pa.string()),
-        "kafka_timestamp": pa.array([m[1] for m in meta], pa.timestamp("ms", tz="UTC")).cast(
-            pa.timestamp("us", tz="UTC")),
-        "kafka_headers": pa.array([None if not m[2] else json.dumps(m[2]) for m in meta],
-                                  pa.string()),
-    }
-
-
-def read_range(reader, config: Mapping[str, Any], conn_id: str, topic: str, partition: int,
-               start: int, end: int, timeout_s: float, *, missing_ok: bool = False
-               ) -> Iterator[tuple]:
-    """The records of ``[start, end)`` of one partition as (partition, offset, value, key,
-    timestamp ms, headers), read by ``reader`` assigned and positioned at ``start`` until
-    its position reaches ``end``. Offsets without a record are skipped; a range that cannot
-    be read whole fails, naming why (``missing_ok``: gives nothing instead)."""
-    # confluent_kafka: the optional `kafka` extra
-    from confluent_kafka import KafkaError, KafkaException, TopicPartition
-
-    # The broker's log start and high watermark first: a range it no longer holds whole is
-    # named now (some brokers answer a fetch past their end with silence, not an error).
-    try:
-        low, high = reader.get_watermark_offsets(TopicPartition(topic, partition),
-                                                 timeout=timeout_s, cached=False)
-    except KafkaException as error:
-        code = error.args[0].code()
-        if code not in (KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_PARTITION,
-                        KafkaError._UNKNOWN_TOPIC):
-            raise _unreachable(config, conn_id, f"a list-offsets request for partition "
-                               f"{partition}", error.args[0], timeout_s) from None
-        if missing_ok:
-            return
-        raise KafkaDataLost(
-            f"Kafka topic {topic!r} partition {partition} is gone from the broker "
-            f"({error.args[0].str()}) with the planned range [{start}, {end}): the broker lost "
-            "the topic (a restart without its storage?). Nothing of this batch is "
-            "committed") from None
-    if missing_ok and (start < low or end > high):
-        return
-    if end > high:
-        raise KafkaDataLost(
-            f"Kafka topic {topic!r} partition {partition} ends at offset {high}, below the "
-            f"planned end {end} of [{start}, {end}): the broker lost records of a planned "
-            "batch (a restart without its storage?). Nothing of this batch is committed")
-    if start < low:
-        raise SourceShortfall(
-            f"SourceShortfall: Kafka topic {topic!r} partition {partition} offsets [{start}, "
-            f"{end}): the log starts at {low}: retention deleted records of a planned batch; "
-            "the next attempt re-plans from the log start and records the gap")
-    reader.assign([TopicPartition(topic, partition, start)])
-    position, quiet_since = start, time.monotonic()
-    try:
-        while position < end:
-            messages = reader.consume(num_messages=min(10_000, end - position), timeout=1.0)
-            if messages:
-                quiet_since = time.monotonic()
-            elif time.monotonic() - quiet_since > timeout_s:
-                raise _unreachable(config, conn_id, f"a fetch of partition {partition} at "
-                                   f"offset {position}", "no records and no end of partition",
-                                   timeout_s)
-            for m in messages:
-                error = m.error()
-                if error is None:
-                    offset = m.offset()
-                    if offset >= end:
-                        position = end
-                        break
-                    if offset >= position:
-                        headers = [(k, None if v is None else v.decode("utf-8", "replace"))
-                                   for k, v in (m.headers() or [])]
-                        key = m.key()
-                        yield (partition, offset, m.value(),
-                               None if key is None else key.decode("utf-8", "replace"),
-                               m.timestamp()[1] if m.timestamp()[0] else None, headers)
-                        position = offset + 1
-                    continue
-                code = error.code()
-                if code == KafkaError._PARTITION_EOF:
-                    if m.offset() < end:
-                        raise KafkaDataLost(
-                            f"Kafka topic {topic!r} partition {partition} ends at offset "
-                            f"{m.offset()}, below the planned end {end} of [{start}, {end}): "
-                            "the broker lost records of a planned batch (a restart without "
-                            "its storage?). Nothing of this batch is committed")
-                    position = end  # every record below the end was delivered before it
-                elif code in (KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC,
-                              KafkaError._UNKNOWN_PARTITION):
-                    raise KafkaDataLost(
-                        f"Kafka topic {topic!r} partition {partition} is gone from the broker "
-                        f"({error.str()}) with the planned range [{start}, {end}): the broker "
-                        "lost the topic (a restart without its storage?). Nothing of this "
-                        "batch is committed")
-                elif code in (KafkaError.OFFSET_OUT_OF_RANGE, KafkaError._AUTO_OFFSET_RESET):
-                    low, high = reader.get_watermark_offsets(
-                        TopicPartition(topic, partition), timeout=timeout_s, cached=False)
-                    if position >= high:
-                        raise KafkaDataLost(
-                            f"Kafka topic {topic!r} partition {partition} ends at offset "
-                            f"{high}, below the planned end {end} of [{start}, {end}): the "
-                            "broker lost records of a planned batch (a restart without its "
-                            "storage?). Nothing of this batch is committed")
-                    raise SourceShortfall(
-                        f"SourceShortfall: Kafka topic {topic!r} partition {partition} "
-                        f"offsets [{start}, {end}): offset {position} is out of range (the "
-                        f"log starts at {low}): retention deleted records of a planned batch; "
-                        "the next attempt re-plans from the log start and records the gap")
-                elif error.fatal() or not (error.retriable() or code in (
-                        KafkaError._TRANSPORT, KafkaError._ALL_BROKERS_DOWN,
-                        KafkaError._TIMED_OUT, KafkaError._RESOLVE)):
-                    raise _unreachable(config, conn_id, f"a fetch of partition {partition}",
-                                       error.str(), timeout_s)
-    finally:
-        reader.unassign()
-
-
-def _reader(config: dict[str, Any], conn_id: str, topic: str, records: JsonRecords | None,
-            max_bytes: int, timeout_s: float):
-    """The Spark task: each chunk row's records, read whole (see read_range), decoded with
-    ``records`` when the source declares a schema."""
-
-    def read(batches: Iterator) -> Iterator:
-        import pyarrow as pa  # lazy: `import onceflow` loads no pyarrow
-
-        kafka = consumer(config, timeout_s)
-        try:
-            for batch in batches:
-                cols = batch.to_pydict()
-                for partition, start, end in zip(cols["partition"], cols["start"], cols["end"],
-                                                 strict=True):
-                    rows = list(read_range(kafka, config, conn_id, topic, partition, start,
-                                           end, timeout_s))
-                    for piece in range(0, len(rows), 32_768):
-                        yield _batch(rows[piece:piece + 32_768], records, max_bytes, pa)
-        finally:
-            kafka.close()
-
-    return read
-
-
-def _batch(rows: list[tuple], records: JsonRecords | None, max_bytes: int, pa):
-    """Arrow record batch of read_range rows, in the source's read_ddl order."""
-    keys = {"partition": pa.array([r[0] for r in rows], pa.int32()),
-            "offset": pa.array([r[1] for r in rows], pa.int64())}
-    values = [r[2] for r in rows]
-    if records is None:
-        body: dict[str, Any] = {"payload": pa.array([_text(v) for v in values], pa.string())}
-        problem: dict[str, Any] = {}
-    else:
-        body, problems = records.decode([v or b"" for v in values], max_bytes)
-        problem = {PROBLEM: problems}
-    meta = _meta_arrays([(r[3], r[4], r[5]) for r in rows], pa)
-    columns = {**keys, **body, **meta, **problem}
-    return pa.RecordBatch.from_arrays(list(columns.values()), names=list(columns))
+        return {**body, **_reading().meta_arrays(meta), **problem}  # in read_ddl's order
 
