@@ -363,3 +363,45 @@ def test_a_kafka_topic_named_as_a_log_topic_is_checked_against_its_own_pipelines
     status = cli("status", "--pipeline", "kafka_views")
     assert status.returncode == 0, status.stdout + status.stderr
     assert "lost" not in status.stdout
+
+
+def test_a_begin_looks_at_the_broker_with_one_lookup_and_one_client_of_each_kind(
+        broker, dsn, conn, monkeypatch):
+    """A begin on a topic of 8 partitions with a timestamp start policy: the connection is
+    looked up once, one admin client and one consumer are made (the offsets by time of all
+    partitions in one request), and the plan starts at each partition's first record at or
+    after T. Counted at the Airflow hook and at the source's client factories (every
+    confluent-kafka client it makes is made there)."""
+    import dataclasses
+
+    from airflow.providers.apache.kafka.hooks.base import KafkaBaseHook
+
+    from onceflow.sources import kafka
+
+    broker.create_topic("events", 8)
+    broker.produce("events", [json.dumps({"n": i}) for i in range(16)], partitions=8)
+    time.sleep(1.2)
+    when = datetime.now(UTC)
+    time.sleep(0.2)
+    after = broker.produce("events", [json.dumps({"n": i}) for i in range(16)], partitions=8)
+    made: list[str] = []
+
+    def counted(name, real):
+        def make(*args, **kwargs):
+            made.append(name)
+            return real(*args, **kwargs)
+        return make
+
+    lookup = KafkaBaseHook.get_connection
+    with outside_pipeline(monkeypatch, "pageviews.kafka:EVENTS", conn, "events") as pipeline:
+        pipeline = dataclasses.replace(pipeline, start_policy=f"timestamp:{when.isoformat()}")
+        monkeypatch.setattr(KafkaBaseHook, "get_connection", classmethod(
+            lambda cls, conn_id: made.append("lookup") or lookup(conn_id)))
+        monkeypatch.setattr(kafka, "consumer", counted("Consumer", kafka.consumer))
+        monkeypatch.setattr(kafka, "admin", counted("AdminClient", kafka.admin))
+        batch = begin(conn, pipeline, "r1")
+    assert sorted(made) == ["AdminClient", "Consumer", "lookup"]
+    assert batch.records == 16
+    assert sorted((r.partition, r.start, r.end) for r, _ in batch.ranges) == \
+        [(p, min(o for q, o, _ in after if q == p), ends(after)[p]) for p in range(8)]
+

@@ -62,7 +62,8 @@ def begin(conn, pipeline: Pipeline, run_id: str, *, txid: int | None = None,
     new transaction without records to read (NothingToPlan). ``carry_on``: the run committed
     its txid and asks for the next batch, planned only if a full start of one waits."""
     lease = (lease_s or pipeline.lease_s, this_process())
-    with timings.begin_split() as split, transaction(conn) as cur:
+    with timings.begin_split() as split, pipeline.source.planning(), \
+            transaction(conn) as cur:
         with timings.phase("lock_wait"):
             coordinator = txlog.lock_pipeline(cur, pipeline.name)
         cur.execute("UPDATE pipelines SET begins = begins + 1 WHERE name = %s",

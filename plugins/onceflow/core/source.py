@@ -16,6 +16,7 @@ spout, Spark's ``Source``). The planner, the partition offsets, the commit and v
   (the verify oracle and retention use it).
 - ``positions_until(cur, enough)``: positions, looking only as far as a begin needs
   (optional: by default, positions);
+- ``planning()``: a context a begin's looks at the source share (one client), optional;
 - ``held_back(cur, starts)``: per partition, an offset from which a batch planned from
   ``starts`` may not read for now (records the source knows it would refuse: a landed file
   that changed), optional;
@@ -45,6 +46,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, ClassVar
@@ -134,6 +136,12 @@ class Source(ABC):
         looking once ``enough(positions)`` holds (what a begin needs to plan its batch);
         the rest is found by a later look. This default looks at everything."""
         return self.positions(cur)
+
+    def planning(self) -> AbstractContextManager:
+        """Open while a begin looks at the source (positions, start policies): a source whose
+        looks each cost a connection (a Kafka broker's) keeps one for the whole begin. This
+        default: nothing."""
+        return nullcontext()
 
     def held_back(self, cur, starts: Mapping[int, int]) -> dict[int, int]:
         """Per partition, an offset at or after its start in ``starts`` from which a batch

@@ -41,6 +41,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, ClassVar
@@ -69,6 +71,10 @@ CHUNK_SCHEMA = "chunk int, partition int, start long, end long"
 # The record's own fields, besides its value (``payload`` or the decoded columns).
 META_DDL = "kafka_key string, kafka_timestamp timestamp, kafka_headers string"
 META_COLUMNS = ("kafka_key", "kafka_timestamp", "kafka_headers")
+# What a begin's look at the broker resolved and made (KafkaSource.planning): the
+# connection's configuration, one admin client, one consumer, the partitions and the
+# offsets found by time; None outside a begin.
+_planning: ContextVar[dict | None] = ContextVar("onceflow_kafka_planning", default=None)
 
 
 def _reading():
@@ -133,7 +139,42 @@ class KafkaSource(JsonSchemaSource):
         return f"{super().record_ddl}, {META_DDL}"
 
     def config(self) -> dict[str, Any]:
-        return kafka_config(self.conn_id)
+        """The connection's client configuration: looked up once in a begin (planning),
+        else at each call, so a long-lived process (the watcher) sees a changed one."""
+        return self._kept("config", lambda: kafka_config(self.conn_id))
+
+    def _kept(self, what: str, make):
+        """``make()``, made once per begin (see planning) for this connection and topic."""
+        kept = _planning.get()
+        if kept is None:
+            return make()
+        key = (what, self.conn_id, self.topic, self.timeout_s)
+        if key not in kept:
+            kept[key] = make()
+        return kept[key]
+
+    def _keep(self, what: str, value) -> None:
+        kept = _planning.get()
+        if kept is not None:
+            kept[(what, self.conn_id, self.topic, self.timeout_s)] = value
+
+    @contextmanager
+    def planning(self) -> Iterator[None]:
+        """A begin's requests to the broker share the connection's configuration, looked up
+        once, and one admin client and one consumer, closed when the begin ends (a client
+        per request would connect to the broker for each)."""
+        if _planning.get() is not None:
+            yield
+            return
+        kept: dict = {}
+        token = _planning.set(kept)
+        try:
+            yield
+        finally:
+            _planning.reset(token)
+            for (what, *_), client in kept.items():
+                if what == "consumer":
+                    client.close()
 
     def describe(self) -> str:
         return f"kafka topic {self.topic!r} (connection {self.conn_id!r})"
@@ -144,7 +185,7 @@ class KafkaSource(JsonSchemaSource):
 
     # -- where the topic is ----------------------------------------------------------------
     def _admin(self, config: Mapping[str, Any]):
-        return admin(config, self.timeout_s)
+        return self._kept("admin", lambda: admin(config, self.timeout_s))
 
     def _partitions(self, admin, config) -> list[int] | None:
         """The topic's partitions, None when the broker does not know the topic."""
@@ -191,6 +232,7 @@ class KafkaSource(JsonSchemaSource):
         config = self.config()
         admin = self._admin(config)
         partitions = self._partitions(admin, config)
+        self._keep("partitions", partitions)
         return {} if not partitions else self._watermarks(admin, config, partitions)
 
     def positions_until(self, cur, enough) -> dict[int, Position]:
@@ -265,22 +307,33 @@ class KafkaSource(JsonSchemaSource):
                 "new name (or `onceflow reset --force-from-start`)")
 
     def first_at(self, cur, partition: int, when: datetime, position: Position) -> int:
+        """In a begin, one find-offset-by-time request answers every partition positions
+        found, asked for the first of them; the others take their answer from it."""
+        ms = int(when.timestamp() * 1000)
+        found = self._kept(f"times {ms}", lambda: {})
+        if partition not in found:
+            known = self._kept("partitions", lambda: None) or []
+            found.update(self._offsets_for_times(sorted({partition, *known}), ms))
+        offset = found[partition]
+        return offset if offset >= 0 else position.head
+
+    def _offsets_for_times(self, partitions: list[int], ms: int) -> dict[int, int]:
         # confluent_kafka: the optional `kafka` extra
         from confluent_kafka import KafkaException, TopicPartition
 
         config = self.config()
-        reader = consumer(config, self.timeout_s)
+        kept = _planning.get() is not None
+        reader = self._kept("consumer", lambda: consumer(config, self.timeout_s))
         try:
             found = reader.offsets_for_times(
-                [TopicPartition(self.topic, partition, int(when.timestamp() * 1000))],
-                timeout=self.timeout_s)
+                [TopicPartition(self.topic, p, ms) for p in partitions], timeout=self.timeout_s)
         except KafkaException as error:
             raise unreachable(config, self.conn_id, "a find-offset-by-time request",
-                               error.args[0], self.timeout_s) from None
+                              error.args[0], self.timeout_s) from None
         finally:
-            reader.close()
-        offset = found[0].offset
-        return offset if offset >= 0 else position.head
+            if not kept:
+                reader.close()
+        return {tp.partition: tp.offset for tp in found}
 
     # -- the consumer group (commit_to_kafka) ------------------------------------------------
     def group_of(self, pipeline: str) -> str:
