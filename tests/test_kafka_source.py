@@ -405,3 +405,26 @@ def test_a_begin_looks_at_the_broker_with_one_lookup_and_one_client_of_each_kind
     assert sorted((r.partition, r.start, r.end) for r, _ in batch.ranges) == \
         [(p, min(o for q, o, _ in after if q == p), ends(after)[p]) for p in range(8)]
 
+
+def test_status_names_a_kafka_txids_planned_count_offsets(broker, dsn, conn, monkeypatch):
+    """A Kafka txid's planned count is of offsets (a commit marker takes one and holds no
+    record): `onceflow status` heads that column "offsets", a PostgreSQL log's "records"."""
+    from onceflow.core.planner import PartitionRange
+    from onceflow.ops.status import pipeline_status, render
+
+    broker.create_topic("events", 2)
+    produced = broker.produce("events", [json.dumps({"n": i}) for i in range(6)],
+                              partitions=2, transactional_id="events-tx")
+    with outside_pipeline(monkeypatch, "pageviews.kafka:EVENTS", conn, "events") as pipeline:
+        batch = begin(conn, pipeline, "r1")
+        with conn.cursor() as cur:
+            lines = render(pipeline_status(cur, pipeline.source, "events"))
+        conn.rollback()
+        read = list(pipeline.source.payloads(conn, [PartitionRange(r.partition, r.start, r.end)
+                                                   for r, _ in batch.ranges]))
+    offsets = sum(end + 1 for end in ends(produced).values())  # each partition's marker
+    assert batch.records == offsets == 8 and len(read) == len(produced) == 6
+    header = next(line for line in lines if line.lstrip().startswith("txid"))
+    assert header.split()[5] == "offsets"
+    assert any(line.split()[:3] == ["1", "1", "planned"] and line.split()[5] == "8"
+               for line in lines)

@@ -98,6 +98,10 @@ class Source(ABC):
     """
 
     kind: ClassVar[str]
+    # What a txid's planned count (transactions.records, batch_size) counts: its records,
+    # or "offsets" for a log whose offsets may hold no record (Kafka's transaction markers
+    # and compacted records), where the records read are fewer.
+    planned_counts: ClassVar[str] = "records"
     # A decoded source's JsonRecords (None: its records are payload strings)
     records: ClassVar = None
     topic: str

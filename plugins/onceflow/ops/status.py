@@ -61,6 +61,7 @@ class PipelineStatus:
     problems: list[str] = field(default_factory=list)  # damaged bookkeeping: onceflow repair
     source: list[dict[str, str]] = field(default_factory=list)  # what the source holds up
     source_heading: str = "the source needs something"  # what its notices are, in its words
+    counts: str = "records"  # what a txid's planned count counts (Source.planned_counts)
     # arrival to commit over the last transactions, and the lag now (onceflow.core.freshness)
     freshness: dict[str, Any] = field(default_factory=dict)
     # a keep-up pipeline's source watcher (onceflow.core.keepup.watcher_state); {}: none
@@ -206,6 +207,7 @@ def pipeline_status(cur, source, pipeline: str, limit: int = 20, dead_letters: i
     status = PipelineStatus(pipeline, coordinator[0], coordinator[1], coordinator[2], rows,
                             _stuck(pipeline, open_rows, coordinator[1],
                                    progress(cur, pipeline), lease_s))
+    status.counts = source.planned_counts
     committed = offsets.committed(cur, pipeline)
     positions = source.positions(cur)
     for partition, position in sorted(positions.items()):
@@ -345,7 +347,7 @@ def render(status: PipelineStatus) -> list[str]:
            f"{status.last_committed}, next txid {status.next_txid}"]
     out.append("transactions (commit order):")
     out.append(f"{'txid':>6} {'att':>3} {'state':<10} {'committed':<14} {'waited':>7} "
-               f"{'records':>9} {'replay':>6} {'failed':>6} {'rows':>8}  run")
+               f"{status.counts:>9} {'replay':>6} {'failed':>6} {'rows':>8}  run")
     out += [_tx_line(r) for r in status.transactions] or ["  (none yet)"]
     if status.stuck:
         out.append("open transactions, what holds them and what frees them:")

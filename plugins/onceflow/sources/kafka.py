@@ -102,6 +102,7 @@ class KafkaSource(JsonSchemaSource):
     """
 
     kind: ClassVar[str] = "kafka"
+    planned_counts: ClassVar[str] = "offsets"  # markers and compacted records hold none
     conn_id: str = DEFAULT_CONN_ID
     read_chunk: int = 200_000
     timeout_s: float = 30.0

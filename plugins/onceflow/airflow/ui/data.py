@@ -174,6 +174,7 @@ def pipeline_view(pipeline, *, timeline: int = TIMELINE, dead_letters: int = DEA
         topic=status.topic,
         last_committed=status.last_committed,
         next_txid=status.next_txid,
+        counts=status.counts,  # what a txid's planned count counts (Kafka: offsets)
         transactions=transactions,
         max_wait_s=max(waits, default=0.0),
         open=open_txs,
