@@ -24,6 +24,7 @@ from onceflow.core.errors import ConfigError, NothingToPlan
 from onceflow.core.keepup import Look, Runs, Watch
 from onceflow.core.registration import register
 from onceflow.core.registry import clear_cache, get_pipeline
+from onceflow.ops import drain
 from onceflow.ops.status import pipeline_status, render
 from onceflow.sources.landing import LandingFolder
 from onceflow.sources.segments import FileSegments, produce_segments
@@ -205,6 +206,16 @@ def test_the_watcher_drains_a_backlog_with_max_pending_in_flight():
     clock.now += 2
     assert watch.decide(_sight(0, open_=1, begins=4)) is None
     assert watch.fired == 4
+
+
+def test_the_drain_figures_of_a_backlog_planned_at_once():
+    # (txid, records, planned_at, committed_at, taken up): one transaction took the whole
+    # backlog, then two planned together; records waited no time unplanned
+    one = drain.figures([(1, 500, 100.0, 104.0, 99.5)], 100, 2.0)
+    assert (one["in_flight_waiting"], one["in_flight_drain"]) == (1.0, 1.0), one
+    two = drain.figures([(1, 500, 100.0, 104.0, 99.5), (2, 500, 100.0, 102.0, 99.5)], 100, 2.0)
+    assert (two["in_flight_waiting"], two["in_flight_drain"]) == (2.0, 1.5), two
+    assert two["commit_to_plan_max_s"] is None and two["records"] == 1000, two
 
 
 def test_with_the_dags_runs_the_watcher_keeps_a_place_waiting_behind_max_pending():

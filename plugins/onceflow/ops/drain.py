@@ -37,7 +37,11 @@ def spans(cur, pipeline: str, after: int = 0) -> list[Span]:
 
 
 def in_flight(done: list[Span], start: float, end: float) -> float:
-    """The transactions open on average between ``start`` and ``end``."""
+    """The transactions open on average between ``start`` and ``end``; when they are one
+    instant (a drain planned at once), the transactions open at it."""
+    if end <= start:
+        return float(sum(1 for _, _, planned, committed, _ in done
+                         if planned <= start < committed))
     open_s = sum(max(0.0, min(end, committed) - max(start, planned))
                  for _, _, planned, committed, _ in done)
     return open_s / (end - start)
