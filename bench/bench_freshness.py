@@ -13,12 +13,13 @@ PRODUCED}`` (its production time, seconds since the epoch). Then:
   scheduler with Airflow's stock LocalExecutor, DAG processor, triggerer; a PostgreSQL
   metadata database of its own) starts every run: its source watcher in the triggerer, no
   run started by hand; processing on a local Spark Connect server (started and warmed up
-  before any clock, as `onceflow spark start` does). Freshness is onceflow's own figure
-  (onceflow.core.freshness, as `onceflow status` shows it): each record's wait from its
-  arrival in the log (its ``produced_at``, the start of the producer's COPY: the chunk's
-  production time within milliseconds) to its transaction's commit, p50 / p95 / max over
-  the records of the rate's transactions. One Airflow serves every rate: a rate's DAG is
-  unpaused for its phase only (so one watcher runs), the others are paused.
+  before any clock, as `onceflow spark start` does; or a running one, --spark-connect).
+  Freshness is onceflow's own figure (onceflow.core.freshness, as `onceflow status` shows
+  it): each record's wait from its arrival in the log (its ``produced_at``, the start of the
+  producer's COPY: the chunk's production time within milliseconds) to its transaction's
+  commit, p50 / p95 / max over the records of the rate's transactions. One Airflow serves
+  every rate: a rate's DAG is unpaused for its phase only (so one watcher runs), the others
+  are paused.
 - **Structured Streaming**: the producer writes each chunk as a JSON-lines file into a
   folder (a hidden temp name, then renamed: no half-written file is read); a query reads it
   with Spark's JSON source and ``trigger(processingTime=--trigger s)``, and a
@@ -64,7 +65,14 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from benchkit import free_port, loadavg, recreate_database, server_dsn, warm_spark_connect
+from benchkit import (
+    free_port,
+    loadavg,
+    local_connect_port,
+    recreate_database,
+    server_dsn,
+    warm_spark_connect,
+)
 
 from onceflow.airflow.dag_file import TEXT as DAG_FILE
 
@@ -340,7 +348,8 @@ def run_onceflow(args, server: str, spec: dict) -> tuple[list[dict], dict | None
         for rate in args.rates:
             register(conn, get_pipeline(freshness_pipelines.name(rate)), create_source=True)
     spark_dir = args.folder / "spark-connect"
-    port, url = warm_spark_connect(spark_dir)
+    port = (local_connect_port(args.spark_connect) if args.spark_connect
+            else warm_spark_connect(spark_dir)[0])
     airflow = Deployment(Path(tempfile.mkdtemp(prefix="airflow-", dir=args.folder)), meta, dsn,
                          port, spec)
     results, quiet = [], None
@@ -361,7 +370,8 @@ def run_onceflow(args, server: str, spec: dict) -> tuple[list[dict], dict | None
             print(idle_line(quiet), flush=True)
     finally:
         airflow.stop()
-        localspark.stop(port, folder=spark_dir)
+        if not args.spark_connect:
+            localspark.stop(port, folder=spark_dir)
     return results, quiet
 
 
@@ -557,6 +567,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-delay", type=float, default=6.0, help="seconds (default 6)")
     parser.add_argument("--folder", type=Path, default=Path("/var/tmp/onceflow-bench-freshness"),
                         help="work folder, emptied at the start")
+    parser.add_argument("--spark-connect", metavar="URL", default=None,
+                        help="onceflow's processing on this running, warm Spark Connect server "
+                             "(sc://127.0.0.1:PORT); default: a local one this run starts, "
+                             "warms up and stops")
     args = parser.parse_args(argv)
     try:
         args.rates = [int(r) for r in args.rate.split(",") if r.strip()]

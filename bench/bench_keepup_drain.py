@@ -9,7 +9,8 @@ in the JVM only, a one-task DAG, a PostgreSQL log of two partitions) with ``max_
 ``watch_interval`` --watch-interval (2 s, the default). An Airflow of separate processes (API
 server, scheduler with Airflow's stock LocalExecutor, DAG processor, triggerer; a PostgreSQL
 metadata database of its own) starts every run: the source watcher in the triggerer, no run
-started by hand; processing on a local Spark Connect server, started and warmed up first.
+started by hand; processing on a local Spark Connect server, started and warmed up first (or a
+running one, --spark-connect).
 
 Once the watcher runs, --records records are appended to the log at once (the backlog), and
 the benchmark waits until every one is committed. The figures come from the transactions'
@@ -38,7 +39,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchkit import loadavg, recreate_database, server_dsn, warm_spark_connect
+from benchkit import (
+    loadavg,
+    local_connect_port,
+    recreate_database,
+    server_dsn,
+    warm_spark_connect,
+)
 
 RATE = 1000  # the name of the pipeline (fresh_<RATE>); the sizes are given, not derived
 
@@ -62,7 +69,8 @@ def run(args, server: str, spec: dict) -> dict:
     with connection(dsn) as conn:  # `onceflow init`
         register(conn, pipeline, create_source=True)
     spark_dir = args.folder / "spark-connect"
-    port, url = warm_spark_connect(spark_dir)
+    port = (local_connect_port(args.spark_connect) if args.spark_connect
+            else warm_spark_connect(spark_dir)[0])
     airflow = Deployment(Path(tempfile.mkdtemp(prefix="airflow-", dir=args.folder)), meta, dsn,
                          port, spec)
     try:
@@ -99,7 +107,8 @@ def run(args, server: str, spec: dict) -> dict:
         runs = airflow.runs(dag_id)
     finally:
         airflow.stop()
-        localspark.stop(port, folder=spark_dir)
+        if not args.spark_connect:
+            localspark.stop(port, folder=spark_dir)
     figures = drain.figures(spans, pipeline.batch_start_records, pipeline.watch_interval)
     return {**figures, "ok": counts == expected_counts(args.records), "runs": runs,
             "load": (load_before, load_after), "max_pending": pipeline.max_pending,
@@ -123,13 +132,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--records", type=int, default=1_000_000, help="the backlog (1000000)")
-    parser.add_argument("--batch-size", type=int, default=20_000, help="(default 20000)")
-    parser.add_argument("--min-records", type=int, default=8_000, help="(default 8000)")
+    parser.add_argument("--batch-size", type=int, default=20_000,
+                        help="(default 20000; 2500 at least)")
+    parser.add_argument("--min-records", type=int, default=8_000,
+                        help="(default 8000; 1000 at least)")
     parser.add_argument("--max-pending", type=int, default=3, help="(default 3)")
     parser.add_argument("--watch-interval", type=float, default=2.0, help="seconds (2)")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds (3600)")
     parser.add_argument("--folder", type=Path, default=Path("/var/tmp/onceflow-bench-drain"),
                         help="work folder, emptied at the start")
+    parser.add_argument("--spark-connect", metavar="URL", default=None,
+                        help="processing on this running, warm Spark Connect server "
+                             "(sc://127.0.0.1:PORT); default: a local one this run starts, "
+                             "warms up and stops")
     args = parser.parse_args(argv)
     if args.records < 1 or args.max_pending < 1 or not 0 < args.min_records <= args.batch_size:
         parser.error("--records and --max-pending must be 1 or more, --min-records above 0 "
@@ -140,6 +155,13 @@ def main(argv: list[str] | None = None) -> int:
             "watch_interval": args.watch_interval, "max_pending": args.max_pending}
     os.environ["BENCH_FRESHNESS"] = json.dumps(spec)  # this process declares it as Airflow does
     os.environ["ONCEFLOW_PIPELINES"] = "freshness_pipelines:PIPELINES"
+    import freshness_pipelines  # (after BENCH_FRESHNESS: it declares the pipeline at import)
+
+    least = freshness_pipelines.sizing(RATE, {"min_s": 0, "batch_s": 0})
+    if freshness_pipelines.sizing(RATE, spec) != (args.min_records, args.batch_size):
+        parser.error(f"--min-records {args.min_records} and --batch-size {args.batch_size}: "
+                     f"the pipeline's are at least {least[0]} and {least[1]} "
+                     "(freshness_pipelines.sizing)")
     shutil.rmtree(args.folder, ignore_errors=True)
     args.folder.mkdir(parents=True)
 

@@ -49,7 +49,8 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lines", type=int, default=1_000_000)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--chunk-bytes", type=int, default=32 << 20)
+    parser.add_argument("--chunk-bytes", type=int, default=32 << 20,
+                        help="bytes of a chunk at most, as the index cuts them (32 MiB)")
     args = parser.parse_args()
 
     import pyarrow as pa
@@ -67,6 +68,7 @@ def main() -> None:
               for first, start, end, count, _, crc in scan.chunks]
     print(f"{path}: {path.stat().st_size / 1e6:.0f} MB, {scan.records:,} lines, "
           f"{len(chunks)} chunks")
+    assert scan.records == args.lines, (scan.records, args.lines)  # every line indexed
     wanted = [(0, 0, scan.records)]
 
     read = landing_read.chunk_reader("jsonl", False, str(path), chunks, wanted)

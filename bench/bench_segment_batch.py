@@ -23,7 +23,8 @@ record their longest payload; before, a batch always looked); and
 topology, collect, staging in PostgreSQL), as a transaction's process step runs it.
 Then ``--loop-rounds`` rounds of whole loops (begin, process, commit of every event of the
 folder in batches of ``--events``, as compare.py's library path runs them), each source
-in turn, each in a fresh database, checked against the folder's ground truth.
+in turn, each in a fresh database, checked against the folder's ground truth (exit 1 when one
+is wrong).
 Best of ``--repeat``, after one untimed round: wall seconds, and the JVM's CPU seconds (its
 own and its Python workers'; a Spark Connect server's with ``--server-pid``), which move less
 with a shared machine's load.
@@ -251,7 +252,7 @@ def main() -> int:
         session.__exit__(None, None, None)
     else:
         spark.stop()
-    return 0
+    return 0 if all(ok for *_, ok in looped) else 1
 
 
 if __name__ == "__main__":

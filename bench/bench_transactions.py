@@ -4,14 +4,17 @@ directly with one warm SparkSession, on a fresh database.
     python bench/bench_transactions.py --events 1000000 --batch-size 250000
 
 Prints the Spark session start apart, then per transaction and overall: events/s of the
-processing phase, commit seconds, and end-to-end events/s. Uses ONCEFLOW_PG_DSN's server (or
+processing phase, commit seconds, and end-to-end events/s; with --verify, the committed state
+against a recount of the events (exit 1 when they differ). Uses ONCEFLOW_PG_DSN's server (or
 the one on 127.0.0.1:5432) and a database of its own (onceflow_bench), dropped at the start.
+With SPARK_REMOTE set, the session is that Spark Connect server's.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 
 from benchkit import need_examples, recreate_database, server_dsn
@@ -28,12 +31,14 @@ need_examples()  # the examples' code and pipelines (bench/README.md)
 from tweets_example.data import generate  # noqa: E402
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--events", type=int, default=1_000_000)
     parser.add_argument("--batch-size", type=int, default=250_000)
-    parser.add_argument("--verify", action="store_true", help="run verify at the end")
+    parser.add_argument("--verify", action="store_true",
+                        help="recount the committed state at the end (onceflow verify "
+                             "--recount); exit 1 when it differs")
     args = parser.parse_args()
 
     server, how = server_dsn()
@@ -75,11 +80,15 @@ def main() -> None:
     print(f"processing phase: {done / total_proc:,.0f} events/s; commit total {total_commit:.2f}s;"
           f" end to end {done / (total_proc + total_commit):,.0f} events/s over {txid} "
           "transactions")
+    ok = True
     if args.verify:
         t = time.monotonic()
-        print(verify(conn, pipeline).line(), f"({time.monotonic() - t:.1f}s)")
+        report = verify(conn, pipeline)
+        print(report.line(), f"({time.monotonic() - t:.1f}s)")
+        ok = report.ok
     spark.stop()
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -115,6 +115,16 @@ def timed(fn):
     return time.perf_counter() - started, result
 
 
+def local_connect_port(url: str) -> int:
+    """The port of ``url``, a running Spark Connect server on this machine
+    (``sc://127.0.0.1:PORT``), which a benchmark's Airflow tasks reach there."""
+    host, _, port = url.removeprefix("sc://").partition("/")[0].partition(":")
+    if host not in ("127.0.0.1", "localhost") or not port.isdigit():
+        raise SystemExit(f"--spark-connect {url!r}: give sc://127.0.0.1:PORT, a server on "
+                         "this machine")
+    return int(port)
+
+
 def warm_spark_connect(folder: Path) -> tuple[int, str]:
     """A local Spark Connect server on a free port, keeping its files in ``folder``, warmed up
     before any clock starts (its start and warm-up printed apart). (port, url); stop it with

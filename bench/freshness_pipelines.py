@@ -38,8 +38,10 @@ def sizing(rate: int, spec: dict = SPEC) -> tuple[int, int]:
     run takes under ``max_pending * min_s`` seconds. A batch of ``batch_s`` seconds (more
     than ``min_s``) lets a backlog left by a slow run drain in larger batches, each run's
     fixed cost spread over more records."""
-    return (max(1000, int(rate * spec["min_s"])),
-            max(2500, int(rate * spec["batch_s"])))
+    # round: bench_keepup_drain.py gives sizes as seconds of a rate (1001 / 1000 * 1000 is
+    # 1000.9999999999999)
+    return (max(1000, round(rate * spec["min_s"])),
+            max(2500, round(rate * spec["batch_s"])))
 
 
 def pipeline(rate: int, spec: dict = SPEC) -> Pipeline:

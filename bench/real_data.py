@@ -6,21 +6,24 @@ measures.
 
 - ``table``: an ``orders`` table of --rows rows (loaded by COPY first), read by TableSource
   with 1, 2 and 4 Spark tasks (read_chunk = rows / tasks): rows/s of the read alone (Spark's
-  noop sink);
+  noop sink; local[4], or with SPARK_REMOTE set, that Spark Connect server);
 - ``landing``: the same orders as Parquet files (1M rows each) in a landing folder: indexing
   (SHA-256, row groups) and reading by Spark's Parquet reader, rows/s;
 - ``commit``: the orders example's revenue state (key merchant text + day date; measures
   numeric sum, count, max): --keys distinct keys staged by COPY and applied by the commit's
   SQL, first as inserts then as updates of every key, rows/s; and the append table.
 
-Uses a database of its own (onceflow_bench_real, dropped first) and a folder under .run/.
-Say the load average with every figure (printed): the machine must be quiet.
+Every read is counted on the way (an observed metric of the same job) and every commit's rows
+written: each against the rows made (the check; exit 1 when one differs). Uses a database of
+its own (onceflow_bench_real, dropped first) and a folder under .run/. Say the load average
+with every figure (printed): the machine must be quiet.
 """
 
 from __future__ import annotations
 
 import argparse
 import io
+import os
 import shutil
 import sys
 import time
@@ -52,7 +55,24 @@ def orders_csv(rows: int, start: int = 0) -> io.StringIO:
     return buf
 
 
-def bench_table(spark, dsn: str, rows: int) -> None:
+def noop_rows(frame) -> int:
+    """Write ``frame`` to Spark's noop sink (every column computed, nothing kept), counting its
+    rows on the way; the count."""
+    from pyspark.sql import Observation
+    from pyspark.sql import functions as F
+
+    seen = Observation("rows")
+    frame.observe(seen, F.count(F.lit(1)).alias("rows")).write.format("noop") \
+        .mode("overwrite").save()
+    return seen.get["rows"]
+
+
+def checked(what: str, got: int, want: int, wrong: list[str]) -> None:
+    if got != want:
+        wrong.append(f"{what}: {got} rows, not {want}")
+
+
+def bench_table(spark, dsn: str, rows: int, wrong: list[str]) -> None:
     from onceflow.core import db
     from onceflow.core.planner import PartitionRange
     from onceflow.sources.table import TableSource
@@ -74,14 +94,14 @@ def bench_table(spark, dsn: str, rows: int) -> None:
             source.ensure(conn)
             head = source.positions(cur)[0].head
         started = time.monotonic()
-        source.read(spark, dsn, [PartitionRange(0, 1, head)]).write.format("noop") \
-            .mode("overwrite").save()
+        read = noop_rows(source.read(spark, dsn, [PartitionRange(0, 1, head)]))
         took = time.monotonic() - started
+        checked(f"table read with {tasks} task(s)", read, rows, wrong)
         say(f"table: read {rows} rows with {tasks} task(s) in {took:.1f}s: "
             f"{rows / took:,.0f} rows/s")
 
 
-def bench_landing(spark, dsn: str, rows: int, folder: Path) -> None:
+def bench_landing(spark, dsn: str, rows: int, folder: Path, wrong: list[str]) -> None:
     from onceflow.core import db
     from onceflow.core.planner import PartitionRange
     from onceflow.sources.landing import LandingFolder
@@ -108,13 +128,14 @@ def bench_landing(spark, dsn: str, rows: int, folder: Path) -> None:
     say(f"landing: indexed {files} files (SHA-256, row groups) in {took:.1f}s")
     ranges = [PartitionRange(p, pos.log_start, pos.head) for p, pos in positions.items()]
     started = time.monotonic()
-    source.read(spark, dsn, ranges).write.format("noop").mode("overwrite").save()
+    read = noop_rows(source.read(spark, dsn, ranges))
     took = time.monotonic() - started
+    checked("landing read", read, rows, wrong)
     say(f"landing: read {rows} Parquet rows (offsets, JSON payloads) in {took:.1f}s: "
         f"{rows / took:,.0f} rows/s")
 
 
-def bench_commit(dsn: str, keys: int) -> None:
+def bench_commit(dsn: str, keys: int, wrong: list[str]) -> None:
     from psycopg2 import sql
 
     from onceflow.core import db, tables
@@ -153,6 +174,7 @@ def bench_commit(dsn: str, keys: int) -> None:
                 tables.staged_batch("orders", revenue.shape(), 1),
                 {"txid": ta.txid, "attempt": ta.attempt})
             applied = time.monotonic() - started
+        checked(f"commit of {what}", written, keys, wrong)
         say(f"commit: {keys} composite keys x 3 measures ({what}): staging COPY "
             f"{keys / copied:,.0f} rows/s, apply {written / applied:,.0f} rows/s "
             f"({applied:.1f}s)")
@@ -170,6 +192,7 @@ def bench_commit(dsn: str, keys: int) -> None:
                                      tables.staged_batch("orders", large.shape(), 1),
                                      {"txid": 3, "attempt": 1})
         applied = time.monotonic() - started
+    checked("append table", written, keys, wrong)
     say(f"commit: append table, {written} rows in {applied:.1f}s: "
         f"{written / applied:,.0f} rows/s")
 
@@ -193,21 +216,26 @@ def main(argv: list[str] | None = None) -> int:
 
     dsn = fresh_database("onceflow_bench_real")
     say(f"real-data bench: {args.rows} rows, {args.keys} keys, parts {', '.join(parts)}")
-    spark = get_spark("onceflow-bench-real", master="local[4]") \
+    remote = bool(os.environ.get("SPARK_REMOTE"))
+    spark = get_spark("onceflow-bench-real", master=None if remote else "local[4]") \
         if {"table", "landing"} & set(parts) else None
-    if spark is not None:
+    if spark is not None and not remote:  # a Spark Connect session has no SparkContext
         spark.sparkContext.setLogLevel("ERROR")
+    wrong: list[str] = []
     try:
         if "table" in parts:
-            bench_table(spark, dsn, args.rows)
+            bench_table(spark, dsn, args.rows, wrong)
         if "landing" in parts:
-            bench_landing(spark, dsn, args.rows, project_dir() / ".run" / "bench-landing")
+            bench_landing(spark, dsn, args.rows, project_dir() / ".run" / "bench-landing",
+                          wrong)
         if "commit" in parts:
-            bench_commit(dsn, args.keys)
+            bench_commit(dsn, args.keys, wrong)
     finally:
         if spark is not None:
             spark.stop()
-    return 0
+    print(f"check: {'; '.join(wrong) if wrong else 'OK'} (every read and commit counted "
+          "against the rows made)")
+    return 1 if wrong else 0
 
 
 if __name__ == "__main__":

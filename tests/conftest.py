@@ -16,12 +16,13 @@ import pytest
 # Test files by their tests' total time in CI, longest first; the rest keep their order after
 # them. (A file left out only runs later: nothing depends on this order.) The keep-up and UI
 # files go first: each runs whole on one worker (an Airflow of its own, a browser), the
-# longest stretches that cannot be shared out at the end.
+# longest stretches that cannot be shared out at the end. Then the benchmarks' tiny runs,
+# whose longest (an Airflow each, minutes) come first in their file.
 LONGEST_FIRST = (
-    "test_keepup_airflow.py", "test_ui.py", "test_kafka_source.py", "test_celery_cluster.py",
-    "test_dag_failures.py", "test_spark_connect.py",
+    "test_keepup_airflow.py", "test_ui.py", "test_bench.py", "test_kafka_source.py",
+    "test_celery_cluster.py", "test_dag_failures.py", "test_spark_connect.py",
     "test_faults.py", "test_cluster.py", "test_stateful.py", "test_faults_outside.py",
-    "test_bench.py", "test_orders.py", "test_table_source.py", "test_commit.py",
+    "test_orders.py", "test_table_source.py", "test_commit.py",
     "test_dags.py", "test_single_task_dag.py", "test_outside_pipeline.py",
     "test_commit_wait.py", "test_topology.py", "test_landing.py", "test_backflow.py",
 )

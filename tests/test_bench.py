@@ -1,15 +1,19 @@
 """The benchmarks stay runnable by a user: every script in bench/ answers --help where nothing
 of onceflow's checkout imports (onceflow.dev, the tests' helpers), and runs at a tiny size there
 (the figures mean nothing at these sizes; the full runs are in bench/RESULTS.md), every
-system's result checked against its ground truth by the benchmark itself."""
+system's result checked against its ground truth by the benchmark itself. matrix.py, which
+builds a virtualenv per cell, answers --help only."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -51,6 +55,41 @@ def _installed_env(folder: Path, *, examples: bool = True, **extra: str) -> dict
     return {**env, "PYTHONPATH": os.pathsep.join(path), **extra}
 
 
+# The two that start a whole Airflow (minutes on a loaded machine) come first in this file:
+# tests are handed out in collection order (conftest.py), the longest first. Their processing
+# runs on the run's warm Spark Connect server (--spark-connect), as a user's would.
+def test_a_kept_up_pipeline_drains_a_backlog_through_airflow(tmp_path, dsn,
+                                                             spark_connect_server):
+    # the smallest sizes the pipeline takes (freshness_pipelines.sizing): two batches
+    out = _bench("bench_keepup_drain.py", [
+        "--records", "5000", "--batch-size", "2500", "--min-records", "1000",
+        "--folder", str(tmp_path / "drain"), "--timeout", "300",
+        "--spark-connect", f"sc://127.0.0.1:{spark_connect_server}"], tmp_path, dsn)
+    result = json.loads(out.splitlines()[-1])
+    assert result["ok"] and result["records"] == 5000, out
+    assert result["transactions"] == 2 and result["in_flight_drain"] > 0, out
+    assert "transactions in" in out and "counts exact" in out, out
+
+
+def test_freshness_through_airflow_beside_structured_streaming(tmp_path, dsn,
+                                                               spark_connect_server):
+    # one rate, a few hundred records (one batch, after max_delay), a short idle watch
+    out = _bench("bench_freshness.py", [
+        "--rate", "100", "--seconds", "2", "--warm-up", "0", "--idle", "3", "--trigger", "1",
+        "--max-delay", "1", "--folder", str(tmp_path / "freshness"),
+        "--spark-connect", f"sc://127.0.0.1:{spark_connect_server}"], tmp_path, dsn)
+    # the report's table: per system, rate, made/s, batches, ..., check (its counts against
+    # a recount of what was produced, every record's freshness measured)
+    table = out[out.index("\nsystem "):].splitlines()
+    rows = {line[:36].strip(): line[36:].split() for line in table
+            if line.startswith(("onceflow keep-up ", "Structured Streaming, trigger 1 s "))}
+    assert set(rows) == {"onceflow keep-up", "Structured Streaming, trigger 1 s"}, out
+    for cells in rows.values():
+        assert cells[0] == "100" and int(cells[2]) >= 1 and cells[-1] == "OK", out
+    assert re.search(r"^idle 3s \(fresh_100, watcher running: True\): .*runs started 0, "
+                     r"transactions planned 0;", out, re.M), out
+
+
 def test_the_scripts_use_nothing_of_the_checkout_and_the_readme_lists_each():
     readme = (BENCH / "README.md").read_text()
     for path in sorted(BENCH.glob("*.py")):
@@ -61,6 +100,9 @@ def test_the_scripts_use_nothing_of_the_checkout_and_the_readme_lists_each():
     assert len(SCRIPTS) >= 13, SCRIPTS
     listed = set(re.findall(r"^\| `([a-z_]+\.py)` \|", readme, re.M))
     assert set(SCRIPTS) <= listed, set(SCRIPTS) - listed
+    # each has a tiny run below, but matrix.py (a virtualenv per cell)
+    tiny = set(re.findall(r'_bench\("([a-z_]+\.py)"', Path(__file__).read_text()))
+    assert set(SCRIPTS) - tiny == {"matrix.py"}, set(SCRIPTS) - tiny
 
 
 def test_every_script_answers_help_where_only_the_package_is_installed(tmp_path):
@@ -105,19 +147,47 @@ def _bench_databases(server_dsn: str, prefix: str) -> set[str]:
         conn.close()
 
 
-def _bench(script: str, args: list[str], tmp_path: Path, dsn: str) -> str:
-    """Run a benchmark as a user of the package would; the databases it made on the server
-    are dropped afterwards (named apart from any other run's on the server:
-    ONCEFLOW_BENCH_DB)."""
+def _running_in(folder: Path) -> dict[int, str]:
+    """The processes working in ``folder`` or below it (their current directory): what a
+    benchmark run there started, Airflow's components and Spark's servers among them."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cwd = Path(os.readlink(entry / "cwd"))
+            if cwd == folder or folder in cwd.parents:
+                found[int(entry.name)] = (entry / "cmdline").read_bytes().replace(
+                    b"\0", b" ").decode(errors="replace")[:200]
+        except OSError:  # gone, or a zombie
+            continue
+    return found
+
+
+def _bench(script: str, args: list[str], tmp_path: Path, dsn: str, **extra: str) -> str:
+    """Run a benchmark as a user of the package would (``extra``: more of its environment);
+    the databases it made on the server are dropped afterwards (named apart from any other
+    run's on the server: ONCEFLOW_BENCH_DB), and it leaves no process behind (none working in
+    ``tmp_path`` that was not before). Its temporary files go under ``tmp_path`` (TMPDIR)."""
     server = db.with_database(dsn, "postgres")
     prefix = f"onceflow_bench_t{uuid.uuid4().hex[:8]}"
-    before = _bench_databases(server, prefix)
+    before, running = _bench_databases(server, prefix), set(_running_in(tmp_path))
     env = _installed_env(tmp_path, ONCEFLOW_HOME=str(tmp_path), ONCEFLOW_BENCH_DB=prefix,
-                         ONCEFLOW_SPARK_CONNECT_PORT=str(_free_port()), ONCEFLOW_PG_DSN=dsn)
+                         ONCEFLOW_SPARK_CONNECT_PORT=str(_free_port()), ONCEFLOW_PG_DSN=dsn,
+                         TMPDIR=str(tmp_path), **extra)
+    proc = subprocess.Popen([sys.executable, str(BENCH / script), *args], cwd=tmp_path,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        done = subprocess.run([sys.executable, str(BENCH / script), *args],
-                              cwd=tmp_path, env=env, capture_output=True, text=True,
-                              timeout=900)
+        out, err = proc.communicate(timeout=900)
+    except subprocess.TimeoutExpired:
+        # SIGINT, so that its finally blocks stop what it started (Airflow, Spark)
+        proc.send_signal(signal.SIGINT)
+        try:
+            out, err = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        err += f"\n{script} ran over 900 s"
     finally:
         admin = psycopg2.connect(server)
         admin.autocommit = True
@@ -126,8 +196,21 @@ def _bench(script: str, args: list[str], tmp_path: Path, dsn: str) -> str:
                 cur.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
                     sql.Identifier(name)))
         admin.close()
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return done.stdout
+    def started() -> dict[int, str]:  # (not the test's own, e.g. a Redis server)
+        return {pid: line for pid, line in _running_in(tmp_path).items() if pid not in running}
+
+    left, deadline = started(), time.monotonic() + 15
+    while left and time.monotonic() < deadline:
+        time.sleep(0.5)
+        left = started()
+    for pid in left:  # reported below, but not left running
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert proc.returncode == 0, out[-3000:] + err[-3000:]
+    assert not left, f"{script} left processes running: {left}"
+    return out
 
 
 def test_the_peer_comparison_runs_every_system_and_checks_it(tmp_path, dsn, monkeypatch,
@@ -190,6 +273,20 @@ def test_the_peer_comparison_runs_every_system_and_checks_it(tmp_path, dsn, monk
     assert "load average before" in out and "load average after" in out, out
     assert "acker (tweets topology" in out, out
 
+    # bench_segment_batch.py reads what compare.py left in its folder: one batch of the two
+    # files' events, each step, then one round of whole loops checked against the truth
+    url = f"sc://127.0.0.1:{spark_connect_server}"
+    out = _bench("bench_segment_batch.py", ["--folder", str(tmp_path / "bench"), "--events",
+                                            "10000", "--repeat", "1", "--loop-rounds", "1",
+                                            "--spark-connect", url], tmp_path, dsn)
+    steps = [line.split() for line in out.splitlines()
+             if line.startswith(("segments, ", "landing-json, json_schema "))]
+    names = {" ".join(cells[:-3]) for cells in steps}
+    for step in ("scan offsets", "+ from_json", "read + decode", "process_batch"):
+        assert any(name.endswith(step) for name in names), (step, out)
+    loops = [cells for cells in steps if cells[-1] in ("OK", "WRONG")]
+    assert len(loops) == 3 and {cells[-1] for cells in loops} == {"OK"}, out
+
 
 # Each script once at a tiny size, where only the package and its examples are installed: the
 # asserts inside each benchmark (rows read, counts against the generated data) are its check.
@@ -224,3 +321,68 @@ def test_the_scaling_parts(tmp_path, dsn):
                  "commit ms"):
         assert part in out, (part, out)
     assert "WRONG" not in out, out
+
+
+def test_whole_transactions_on_a_warm_session(tmp_path, dsn, spark_connect_server):
+    out = _bench("bench_transactions.py", ["--events", "1000", "--batch-size", "500",
+                                           "--verify"], tmp_path, dsn,
+                 SPARK_REMOTE=f"sc://127.0.0.1:{spark_connect_server}")
+    assert len(re.findall(r"^txid \d+: \d+ events, begin .* commit ", out, re.M)) >= 2, out
+    assert re.search(r"^processing phase: .* events/s over \d+ transactions$", out, re.M), out
+    # the committed state against a recount of the events produced
+    assert "verify tweets (recount): OK: 1000 source records = " in out, out
+
+
+def test_the_sources_then_the_segment_layouts(tmp_path, dsn, spark_connect_server):
+    # bench_segment_layout.py rewrites the segments bench_sources.py --kinds files --import
+    # left (two partitions of 500 records here) in each layout
+    remote = {"SPARK_REMOTE": f"sc://127.0.0.1:{spark_connect_server}"}
+    out = _bench("bench_sources.py", ["--kinds", "postgres,files", "--import", "--partitions",
+                                      "2", "--events", "1000", "--batch-size", "1000"],
+                 tmp_path, dsn, **remote)
+    for kind in ("postgres", "files"):
+        # (each batch's records read again by Spark and by payloads(), checked equal)
+        assert f"[{kind}] batch of 1,000: " in out, out
+        assert f"[{kind}] processing phase: 1,000 events in " in out, out
+    out = _bench("bench_segment_layout.py", ["--start", "100", "--per-partition", "200",
+                                             "--repeat", "1", "--layouts",
+                                             "one,rg128,rg128+pages"], tmp_path, dsn, **remote)
+    assert "2 segments, 500 rows each; ranges [100, 300) of every partition" in out, out
+    layouts = [line.split(":")[0].strip() for line in out.splitlines()
+               if "; Spark read " in line and "pyarrow read " in line]
+    assert layouts == ["one", "rg128", "rg128+pages"], out
+
+
+def test_the_landing_folders_readers(tmp_path, dsn):
+    # a local session: the JVM reader's CPU seconds are its JVM's
+    out = _bench("bench_landing_reader.py", ["--lines", "500", "--rounds", "1",
+                                             "--chunk-bytes", "16384"], tmp_path, dsn)
+    chunks = re.search(r": 0 MB, 500 lines, (\d+) chunks$", out, re.M)
+    assert chunks and int(chunks[1]) > 1, out
+    assert re.search(r"^Python reader: [\d.]+ CPU s per pass", out, re.M), out
+    assert re.search(r"^JVM reader: [\d.]+ JVM CPU s, [\d.]+ s wall per pass", out, re.M), out
+
+
+def test_the_ackers_cost(tmp_path, dsn, spark_connect_server):
+    out = _bench("bench_acker.py", ["--events", "2000", "--batch-size", "1000", "--modes",
+                                    "off,on"], tmp_path, dsn,
+                 SPARK_REMOTE=f"sc://127.0.0.1:{spark_connect_server}")
+    failing = re.search(r"^check: OK \(with the acker on, (\d+) events fail a first try\)$",
+                        out, re.M)
+    assert failing and int(failing[1]) > 0, out
+    # without the acker no failure is routed; with it, each failing event's root
+    for mode, roots in (("off", "0"), ("on ", failing[1])):
+        assert re.search(rf"^acker {mode}: 2,000 events in .* \({roots} failed roots ", out,
+                         re.M), out
+    assert "the acker costs " in out, out
+
+
+def test_real_data(tmp_path, dsn, spark_connect_server):
+    out = _bench("real_data.py", ["--rows", "2000", "--keys", "200"], tmp_path, dsn,
+                 SPARK_REMOTE=f"sc://127.0.0.1:{spark_connect_server}")
+    for part in ("table: read 2000 rows with 4 task(s) in ", "landing: indexed 1 files",
+                 "landing: read 2000 Parquet rows", "commit: 200 composite keys x 3 measures "
+                 "(updates)", "commit: append table, 200 rows in "):
+        assert part in out, (part, out)
+    # every read counted and every commit's rows against the rows made
+    assert "check: OK (every read and commit counted against the rows made)" in out, out
