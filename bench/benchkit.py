@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 import psycopg2
-from psycopg2 import sql
 
 from onceflow.core import db, settings
 
@@ -75,20 +74,7 @@ def recreate_database(server: str, name: str, *, migrate: bool = True) -> str:
         if not name.startswith("onceflow_bench"):
             raise ValueError(f"{name!r}: a benchmark's database is named onceflow_bench...")
         name = DB + name[len("onceflow_bench"):]
-    admin = psycopg2.connect(db.with_database(server, "postgres"))
-    admin.autocommit = True
-    try:
-        with admin.cursor() as cur:
-            cur.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
-                sql.Identifier(name)))
-            cur.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    finally:
-        admin.close()
-    dsn = db.with_database(server, name)
-    if migrate:
-        with db.connection(dsn) as conn:
-            db.migrate(conn)
-    return dsn
+    return db.recreate_database(server, name, schema=migrate)
 
 
 def free_port() -> int:

@@ -33,7 +33,7 @@ from onceflow.core.commit import commit
 from onceflow.core.errors import StagingIncomplete
 from onceflow.core.registration import register
 from onceflow.core.registry import get_pipeline
-from onceflow.dev.localpg import crash_restart, recreate_database, start_private, stop_private
+from onceflow.dev.localpg import crash_restart, start_private, stop_private
 from onceflow_testing.faults import KINDS, Agent, AgentError, FaultRun, run_and_kill
 from tweets_example.data import generate
 
@@ -58,7 +58,7 @@ def crashable(private_pg, request):
     """A fresh migrated database on the private cluster, and how to crash the cluster."""
     server, data_dir = private_pg
     name = f"faults_{abs(hash(request.node.name)) % 10**8}"
-    dsn = recreate_database(server, name)
+    dsn = db.recreate_database(server, name)
     return dsn, lambda: crash_restart(data_dir)
 
 

@@ -177,6 +177,26 @@ def ensure_database(dsn: str) -> bool:
         admin.close()
 
 
+def recreate_database(server_dsn: str, name: str, *, schema: bool = True) -> str:
+    """The database ``name`` on the server of ``server_dsn``, dropped if it exists (its
+    sessions ended) and created again, empty, with onceflow's schema when ``schema`` (every
+    migration applied); its DSN. For a benchmark's or a test's own database, never a user's."""
+    admin = _connect(server_dsn, "onceflow-recreate", dbname="postgres")
+    admin.autocommit = True  # CREATE DATABASE cannot run inside a transaction block
+    try:
+        with admin.cursor() as cur:
+            cur.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
+                sql.Identifier(name)))
+            cur.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    finally:
+        admin.close()
+    dsn = with_database(server_dsn, name)
+    if schema:
+        with connection(dsn) as conn:
+            migrate(conn)
+    return dsn
+
+
 def migrate(conn) -> list[str]:
     """Apply every migration not yet recorded, each in its own transaction. Returns the new ones.
 

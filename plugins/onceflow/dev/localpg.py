@@ -17,9 +17,8 @@ import sys
 from pathlib import Path
 
 import psycopg2
-from psycopg2 import sql
 
-from onceflow.core import db, settings
+from onceflow.core import settings
 from onceflow.core.db import DEFAULT_DSN, with_database
 from onceflow.core.errors import ConfigError
 
@@ -126,22 +125,3 @@ def crash_restart(data_dir: Path) -> None:
                                  "-w", "restart"]),
                    check=True, stdout=subprocess.DEVNULL)
 
-
-def recreate_database(server_dsn: str, name: str, *, migrate: bool = True) -> str:
-    """Drop the database ``name`` on the server if it exists and create it again, empty
-    (with onceflow's migrations applied when ``migrate``): for benchmarks and tests, never
-    for a user's database. Returns its DSN."""
-    admin = psycopg2.connect(with_database(server_dsn, "postgres"))
-    admin.autocommit = True
-    try:
-        with admin.cursor() as cur:
-            cur.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
-                sql.Identifier(name)))
-            cur.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    finally:
-        admin.close()
-    dsn = with_database(server_dsn, name)
-    if migrate:
-        with db.connection(dsn) as conn:
-            db.migrate(conn)
-    return dsn
