@@ -97,6 +97,8 @@ def test_each_commit_writes_the_committed_offsets_to_the_group(views, broker, ds
     source_log = logging.getLogger("onceflow.sources.kafka")
     source_log.addHandler(ear)
     was_disabled, source_log.disabled = source_log.disabled, False
+    was_level = source_log.level
+    source_log.setLevel(logging.WARNING)  # a level set on "onceflow" before would drop it
     try:
         done = commit(conn, pipeline, batch.attempt, on_step=pause_after_commit,
                       open_state=open_state_provider)
@@ -104,6 +106,7 @@ def test_each_commit_writes_the_committed_offsets_to_the_group(views, broker, ds
         os.kill(broker.proc.pid, signal.SIGCONT)
         source_log.removeHandler(ear)
         source_log.disabled = was_disabled
+        source_log.setLevel(was_level)
     assert done.status == "committed"
     assert any("the offsets committed in PostgreSQL were not written to Kafka consumer group "
                "'onceflow-kafka_views'" in line for line in heard), heard

@@ -151,6 +151,11 @@ _CSV_FIELD = rb'(?:"(?:[^"]|"")*+"[^,]*+|[^,"][^,]*+)?'
 _CSV_CLOSED = re.compile(_CSV_FIELD + rb"(?:," + _CSV_FIELD + rb")*+")
 _CSV_QUOTED_REST = re.compile(rb'(?:[^"]|"")*+"[^,]*+')
 _EMPTY_LINES = re.compile(rb"(?m)^\r?\n")
+# Whole lines that are each a record whose quoted fields close on the line (as writers that
+# quote every string make them): _CSV_CLOSED with no newline inside, walked in one C call.
+_CSV_LINE_FIELD = rb'(?:"(?:[^"\n]|"")*+"[^,\n]*+|[^,"\n][^,\n]*+)?'
+_CSV_CLOSED_LINES = re.compile(
+    rb"(?:" + _CSV_LINE_FIELD + rb"(?:," + _CSV_LINE_FIELD + rb")*+\n)++")
 
 
 def _csv_open_after(line: bytes, inside: bool) -> bool:
@@ -262,6 +267,9 @@ def scan_csv(filesystem, path: str, start: int, size: int, chunk_bytes: int, *,
                 if not inside and not skip:  # whole lines without a quote: each a record
                     quote = buf.find(b'"', line)
                     end = buf.rfind(b"\n", line, quote if quote >= 0 else len(buf))
+                    if end < line:  # a quote on the next line: lines whose quotes close
+                        closed = _CSV_CLOSED_LINES.match(buf, line)
+                        end = closed.end() - 1 if closed else -1
                     if end >= line:
                         count += buf.count(b"\n", line, end + 1) - \
                             len(_EMPTY_LINES.findall(buf, line, end + 1))
