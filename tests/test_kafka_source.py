@@ -138,6 +138,16 @@ def test_the_library_path_reads_key_timestamp_and_headers(broker, dsn, conn, spa
     assert [(r.offset, r.n, r.kafka_key, json.loads(r.kafka_headers)) for r in rows] \
         == [(0, 1, "k1", [["n", "1"]]), (1, 3, "k3", [["n", "3"]])]
     assert all(abs((r.kafka_timestamp - datetime.now()).total_seconds()) < 600 for r in rows)
+    # The backflow's reads by position: exactly the positions asked, from the ranges that
+    # cover them (neighbours in one range, a far one alone, a deleted one absent).
+    from onceflow.sources.kafka_read import NEAR, covering
+
+    assert covering([(0, 3), (0, 1), (1, 4), (0, 1 + NEAR), (0, 2 + 2 * NEAR)]) == [
+        PartitionRange(0, 1, 2 + NEAR), PartitionRange(0, 2 + 2 * NEAR, 3 + 2 * NEAR),
+        PartitionRange(1, 4, 5)]
+    at = [(0, 3), (0, 20), (1, 0), (1, 24)]
+    assert pipeline.source.payloads_at(None, at) == {
+        (p, o): v for p, o, v in produced if (p, o) in at}
     assert committed_offsets_of(conn, "events") == ends(produced)
 
 

@@ -401,29 +401,26 @@ class KafkaSource(JsonSchemaSource):
             _reading().reader(self.config(), self.conn_id, self.topic, self.records,
                               self.max_record_bytes, self.timeout_s), self.read_ddl)
 
-    def _records(self, ranges: Iterable[PartitionRange], *, missing_ok: bool = False
-                 ) -> Iterator[tuple]:
-        return _reading().records(self.config(), self.conn_id, self.topic, self.timeout_s,
-                                  ranges, missing_ok=missing_ok)
-
     def payloads(self, conn, ranges: Iterable[PartitionRange]
                  ) -> Iterator[tuple[int, int, str]]:
-        for p, o, value, *_ in self._records(list(ranges)):
+        for p, o, value, *_ in _reading().records(self.config(), self.conn_id, self.topic,
+                                                  self.timeout_s, list(ranges)):
             yield p, o, text(value)
 
     def payloads_at(self, cur, positions: Iterable[tuple[int, int]]
                     ) -> dict[tuple[int, int], str]:
-        ranges = [PartitionRange(p, o, o + 1) for p, o in sorted(set(positions))]
-        return {(p, o): text(value) for p, o, value, *_ in self._records(ranges)}
+        return {(p, o): text(value) for p, o, value, *_ in _reading().records_at(
+            self.config(), self.conn_id, self.topic, self.timeout_s, positions)}
 
     def replay_columns(self, rows: Sequence[tuple[int, int, str, int]]):
         """A replayed record's value comes from the backflow; its key, timestamp and headers
         are read again from the broker (null where retention deleted the record since)."""
         body = super().replay_columns(rows)
-        wanted = sorted({(r[0], r[1]) for r in rows})
+        wanted = {(r[0], r[1]) for r in rows}
         found = {}
-        for p, o, _value, key, ts, headers in self._records(
-                [PartitionRange(p, o, o + 1) for p, o in wanted], missing_ok=True):
+        for p, o, _value, key, ts, headers in _reading().records_at(
+                self.config(), self.conn_id, self.topic, self.timeout_s, wanted,
+                missing_ok=True):
             found[(p, o)] = (key, ts, headers)
         if len(found) < len(wanted):
             log.warning("kafka topic %r: %d replayed record(s) are no longer on the broker: "

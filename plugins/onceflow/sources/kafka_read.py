@@ -40,7 +40,8 @@ def read_range(reader, config: Mapping[str, Any], conn_id: str, topic: str, part
     """The records of ``[start, end)`` of one partition as (partition, offset, value, key,
     timestamp ms, headers), read by ``reader`` assigned and positioned at ``start`` until
     its position reaches ``end``. Offsets without a record are skipped; a range that cannot
-    be read whole fails, naming why (``missing_ok``: gives nothing instead)."""
+    be read whole fails, naming why (``missing_ok``: gives what the broker still holds of
+    it instead)."""
     # The broker's log start and high watermark first: a range it no longer holds whole is
     # named now (some brokers answer a fetch past their end with silence, not an error).
     try:
@@ -59,8 +60,10 @@ def read_range(reader, config: Mapping[str, Any], conn_id: str, topic: str, part
             f"({error.args[0].str()}) with the planned range [{start}, {end}): the broker lost "
             "the topic (a restart without its storage?). Nothing of this batch is "
             "committed") from None
-    if missing_ok and (start < low or end > high):
-        return
+    if missing_ok:  # what the broker still holds of the range
+        start, end = max(start, low), min(end, high)
+        if start >= end:
+            return
     if end > high:
         raise KafkaDataLost(
             f"Kafka topic {topic!r} partition {partition} ends at offset {high}, below the "
@@ -135,6 +138,34 @@ def read_range(reader, config: Mapping[str, Any], conn_id: str, topic: str, part
                                        error.str(), timeout_s)
     finally:
         reader.unassign()
+
+
+# Positions closer than this share one read: a fetch of the records between two failed ones
+# costs less than a seek, a watermark request and a fetch of its own.
+NEAR = 256
+
+
+def covering(positions: Iterable[tuple[int, int]]) -> list[PartitionRange]:
+    """Ranges covering the (partition, offset) ``positions``, neighbours at most NEAR apart
+    in one range."""
+    spans: list[list[int]] = []
+    for p, o in sorted(set(positions)):
+        if spans and spans[-1][0] == p and o - (spans[-1][2] - 1) <= NEAR:
+            spans[-1][2] = o + 1
+        else:
+            spans.append([p, o, o + 1])
+    return [PartitionRange(p, s, e) for p, s, e in spans]
+
+
+def records_at(config: Mapping[str, Any], conn_id: str, topic: str, timeout_s: float,
+               positions: Iterable[tuple[int, int]], *, missing_ok: bool = False
+               ) -> Iterator[tuple]:
+    """read_range's records at ``positions`` only, read by the ranges that cover them."""
+    wanted = set(positions)
+    for record in records(config, conn_id, topic, timeout_s, covering(wanted),
+                          missing_ok=missing_ok):
+        if (record[0], record[1]) in wanted:
+            yield record
 
 
 def records(config: Mapping[str, Any], conn_id: str, topic: str, timeout_s: float,
