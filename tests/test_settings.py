@@ -202,3 +202,44 @@ def test_an_airflow_option_is_what_a_dag_run_uses(monkeypatch, conn, dsn, warm_s
     assert str(dr.state) == "success"
     assert table(conn, "SELECT txid, state, lease_s FROM transactions") == [
         (1, "committed", 45)]
+
+
+def test_a_connections_libpq_extras_reach_the_connection(dsn, monkeypatch):
+    """An Airflow connection's extras that are libpq parameters (sslmode, application_name)
+    are in the DSN onceflow connects with, as the postgres provider's hook passes them; the
+    provider's own extras (cursor) are not. sslmode=require on this server without TLS is
+    refused: the setting is honoured, not dropped."""
+    import json
+
+    import psycopg2
+    from psycopg2.extensions import parse_dsn
+
+    from onceflow.core.connections import resolve_dsn
+
+    params = parse_dsn(dsn)
+
+    def connection(**extra) -> None:
+        monkeypatch.setenv("AIRFLOW_CONN_PG_EXTRAS", json.dumps({
+            "conn_type": "postgres", "host": params.get("host", "127.0.0.1"),
+            "port": int(params.get("port", 5432)), "login": params.get("user"),
+            "schema": params["dbname"], "extra": extra}))
+
+    connection(sslmode="disable", application_name="onceflow-extras", cursor="dictcursor")
+    resolved = parse_dsn(resolve_dsn("pg_extras"))
+    assert resolved["sslmode"] == "disable" and "cursor" not in resolved
+    conn = psycopg2.connect(resolve_dsn("pg_extras"))
+    try:
+        with conn.cursor() as cur:
+            cur.execute("SELECT current_setting('application_name'), current_database()")
+            assert cur.fetchone() == ("onceflow-extras", params["dbname"])
+    finally:
+        conn.close()
+    with psycopg2.connect(dsn) as plain, plain.cursor() as cur:
+        cur.execute("SHOW ssl")
+        tls = cur.fetchone()[0] == "on"
+    plain.close()
+    connection(sslmode="require")
+    assert parse_dsn(resolve_dsn("pg_extras"))["sslmode"] == "require"
+    if not tls:  # this machine's server, and the suite's private one, have no TLS
+        with pytest.raises(psycopg2.OperationalError, match="SSL"):
+            psycopg2.connect(resolve_dsn("pg_extras"))

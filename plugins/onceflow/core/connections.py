@@ -19,8 +19,23 @@ DEFAULT_CONN_ID = "onceflow_pg"
 DSN_ENV = settings.env_name("pg_dsn")
 
 
+# The connection extras that are libpq's own parameters: the postgres provider's hook hands
+# its extras to libpq as well (sslmode=require must not become a connection without TLS).
+# Its other extras (iam, cursor, ...) are the provider's and mean nothing to libpq.
+LIBPQ_EXTRAS = frozenset({
+    "sslmode", "sslcert", "sslkey", "sslrootcert", "sslcrl", "sslcrldir", "sslpassword",
+    "sslcompression", "sslsni", "sslcertmode", "ssl_min_protocol_version",
+    "ssl_max_protocol_version", "channel_binding", "gssencmode", "krbsrvname", "gsslib",
+    "requirepeer", "require_auth", "passfile", "service", "hostaddr", "application_name",
+    "connect_timeout", "client_encoding", "options", "keepalives", "keepalives_idle",
+    "keepalives_interval", "keepalives_count", "tcp_user_timeout", "target_session_attrs",
+    "load_balance_hosts",
+})
+
+
 def dsn_from_connection(conn) -> str:
-    """A libpq DSN from an Airflow Connection (host, port, login, password, schema=database)."""
+    """A libpq DSN from an Airflow Connection (host, port, login, password, schema=database,
+    and the extras that are libpq parameters: sslmode, sslrootcert, ...)."""
     params = {
         "host": conn.host or "127.0.0.1",
         "port": conn.port or 5432,
@@ -28,6 +43,8 @@ def dsn_from_connection(conn) -> str:
         "password": conn.password or None,
         "dbname": conn.schema or "onceflow",
     }
+    extras = getattr(conn, "extra_dejson", None) or {}
+    params.update({k: str(v) for k, v in extras.items() if k in LIBPQ_EXTRAS and v is not None})
     return make_dsn(**{k: v for k, v in params.items() if v is not None})
 
 
