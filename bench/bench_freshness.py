@@ -198,6 +198,19 @@ class Deployment:
               AND j.latest_heartbeat > now() - interval '10 seconds'""",
                                    (f"onceflow-source/{pipeline}",)))
 
+    def unpause(self, dag_id: str, pipeline: str) -> None:
+        """Unpause ``dag_id`` and wait until the watcher of ``pipeline`` runs."""
+        self.cli("dags", "unpause", dag_id)
+        # Airflow makes an unpaused DAG's asset watchers at a parse of its file: now, not at
+        # the DAG processor's next (up to min_file_process_interval, 30 s by default)
+        self.cli("dags", "reserialize")
+        deadline = time.monotonic() + UP_S
+        while not self.watching(pipeline):
+            self.check_alive()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no watcher of {pipeline} ran in time: logs in {self.home}")
+            time.sleep(0.5)
+
     def runs(self, dag_id: str) -> dict[str, int]:
         return dict(self.query("SELECT state, count(*) FROM dag_run WHERE dag_id = %s "
                                "GROUP BY state", (dag_id,)))
@@ -247,13 +260,7 @@ def onceflow_rate(airflow: Deployment, rate: int, seconds: float, warm_s: float,
 
     name = freshness_pipelines.name(rate)
     pipeline, dag_id = get_pipeline(name), f"onceflow_{name}"
-    airflow.cli("dags", "unpause", dag_id)
-    deadline = time.monotonic() + UP_S
-    while not airflow.watching(name):
-        airflow.check_alive()
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no watcher of {name} ran in time: logs in {airflow.home}")
-        time.sleep(0.5)
+    airflow.unpause(dag_id, name)
     def committed() -> int:
         return int(airflow.query("""SELECT coalesce(sum("offset"), 0) FROM partition_offsets
                                     WHERE pipeline = %s""", (name,), airflow.dsn)[0][0])
