@@ -214,7 +214,7 @@ def test_a_connections_libpq_extras_reach_the_connection(dsn, monkeypatch):
     import psycopg2
     from psycopg2.extensions import parse_dsn
 
-    from onceflow.core.connections import resolve_dsn
+    from onceflow.core.connections import resolve_dsn, safe_dsn
 
     params = parse_dsn(dsn)
 
@@ -240,6 +240,9 @@ def test_a_connections_libpq_extras_reach_the_connection(dsn, monkeypatch):
     plain.close()
     connection(sslmode="require")
     assert parse_dsn(resolve_dsn("pg_extras"))["sslmode"] == "require"
+    connection(sslmode="require", sslpassword="key-secret")
+    assert "key-secret" in resolve_dsn("pg_extras")
+    assert "key-secret" not in safe_dsn(resolve_dsn("pg_extras"))  # what messages show
     if not tls:  # this machine's server, and the suite's private one, have no TLS
         with pytest.raises(psycopg2.OperationalError, match="SSL"):
             psycopg2.connect(resolve_dsn("pg_extras"))

@@ -54,8 +54,9 @@ def safe_dsn(dsn: str) -> str:
         params = parse_dsn(dsn)
     except psycopg2.Error:
         return "<unparseable DSN>"
-    if "password" in params:
-        params["password"] = "***"
+    for secret in ("password", "sslpassword"):
+        if secret in params:
+            params[secret] = "***"
     return make_dsn(**params)
 
 
