@@ -38,7 +38,7 @@ def read_range(reader, config: Mapping[str, Any], conn_id: str, topic: str, part
                start: int, end: int, timeout_s: float, *, missing_ok: bool = False
                ) -> Iterator[tuple]:
     """The records of ``[start, end)`` of one partition as (partition, offset, value, key,
-    timestamp ms, headers), read by ``reader`` assigned and positioned at ``start`` until
+    timestamp ms, headers or None), read by ``reader`` assigned and positioned at ``start`` until
     its position reaches ``end``. Offsets without a record are skipped; a range that cannot
     be read whole fails, naming why (``missing_ok``: gives what the broker still holds of
     it instead)."""
@@ -93,12 +93,12 @@ def read_range(reader, config: Mapping[str, Any], conn_id: str, topic: str, part
                         position = end
                         break
                     if offset >= position:
-                        headers = [(k, None if v is None else v.decode("utf-8", "replace"))
-                                   for k, v in (m.headers() or [])]
-                        key = m.key()
+                        key, (kind, ms), raw = m.key(), m.timestamp(), m.headers()
                         yield (partition, offset, m.value(),
                                None if key is None else key.decode("utf-8", "replace"),
-                               m.timestamp()[1] if m.timestamp()[0] else None, headers)
+                               ms if kind else None,
+                               [(k, None if v is None else v.decode("utf-8", "replace"))
+                                for k, v in raw] if raw else None)
                         position = offset + 1
                     continue
                 code = error.code()
