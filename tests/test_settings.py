@@ -238,6 +238,13 @@ def test_a_connections_libpq_extras_reach_the_connection(dsn, monkeypatch):
         cur.execute("SHOW ssl")
         tls = cur.fetchone()[0] == "on"
     plain.close()
+    # and back: the Airflow connection run.sh makes from ONCEFLOW_PG_DSN keeps them
+    from onceflow.airflow.environment import airflow_connection_json
+
+    monkeypatch.setenv("AIRFLOW_CONN_PG_EXTRAS", airflow_connection_json(
+        f"{dsn} sslmode=disable application_name=round-trip"))
+    back = parse_dsn(resolve_dsn("pg_extras"))
+    assert back == {**params, "sslmode": "disable", "application_name": "round-trip"}
     connection(sslmode="require")
     assert parse_dsn(resolve_dsn("pg_extras"))["sslmode"] == "require"
     connection(sslmode="require", sslpassword="key-secret")

@@ -11,7 +11,7 @@ import urllib.request
 
 from psycopg2.extensions import parse_dsn
 
-from onceflow.core.connections import DSN_ENV
+from onceflow.core.connections import DSN_ENV, LIBPQ_EXTRAS
 
 
 def airflow_connection_json(dsn: str) -> str:
@@ -24,6 +24,8 @@ def airflow_connection_json(dsn: str) -> str:
         "login": p.get("user"),
         "password": p.get("password"),
         "schema": p.get("dbname", "onceflow"),
+        # the DSN's other libpq parameters (sslmode, ...): dsn_from_connection reads them back
+        "extra": {k: v for k, v in p.items() if k in LIBPQ_EXTRAS} or None,
     }
     return json.dumps({k: v for k, v in conn.items() if v is not None})
 
