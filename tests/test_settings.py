@@ -245,6 +245,10 @@ def test_a_connections_libpq_extras_reach_the_connection(dsn, monkeypatch):
         f"{dsn} sslmode=disable application_name=round-trip"))
     back = parse_dsn(resolve_dsn("pg_extras"))
     assert back == {**params, "sslmode": "disable", "application_name": "round-trip"}
+    # a misspelt libpq parameter is refused, naming it, not dropped
+    connection(ssl_mode="require")
+    with pytest.raises(ConfigError, match="extra 'ssl_mode' is neither a libpq"):
+        resolve_dsn("pg_extras")
     connection(sslmode="require")
     assert parse_dsn(resolve_dsn("pg_extras"))["sslmode"] == "require"
     connection(sslmode="require", sslpassword="key-secret")

@@ -44,8 +44,29 @@ def dsn_from_connection(conn) -> str:
         "dbname": conn.schema or "onceflow",
     }
     extras = getattr(conn, "extra_dejson", None) or {}
+    unknown = sorted(k for k in extras if k not in LIBPQ_EXTRAS)
+    if unknown and (provider := _provider_extras()) is not None:
+        # a misspelt ssl_mode must not pass as a connection without TLS
+        wrong = [k for k in unknown if k not in provider]
+        if wrong:
+            raise ConfigError(
+                f"Airflow connection {getattr(conn, 'conn_id', None)!r}: extra {wrong[0]!r} "
+                "is neither a libpq connection parameter nor an option of the postgres "
+                "provider: correct its name (e.g. sslmode, sslrootcert, application_name) "
+                "or remove it")
     params.update({k: str(v) for k, v in extras.items() if k in LIBPQ_EXTRAS and v is not None})
     return make_dsn(**{k: v for k, v in params.items() if v is not None})
+
+
+def _provider_extras() -> frozenset[str] | None:
+    """The extras the postgres provider's hook keeps for itself (cursor, iam, ...), None
+    where this provider does not say."""
+    try:
+        from airflow.providers.postgres.hooks.postgres import PostgresHook  # odd extras only
+    except ImportError:
+        return None
+    found = getattr(PostgresHook, "ignored_extra_options", None)
+    return frozenset(found) if found is not None else None
 
 
 def safe_dsn(dsn: str) -> str:
@@ -83,13 +104,15 @@ def _missing(conn_id: str, setting: str, error: Exception | None) -> ConfigError
 
 def resolve_dsn(conn_id: str = DEFAULT_CONN_ID, *, setting: str = "postgres_conn_id") -> str:
     """The DSN of connection ``conn_id`` (see the module docstring for the order)."""
-    error = None
+    error, found = None, None
     try:
-        return dsn_from_connection(airflow_connection(conn_id))
+        found = airflow_connection(conn_id)
     except ImportError:
         pass
     except Exception as exc:  # the SDK raises its own not-found type
         error = exc
+    if found is not None:  # (a bad extra is the user's to hear of, not a missing connection)
+        return dsn_from_connection(found)
     return fallback_dsn(conn_id, setting, error)
 
 

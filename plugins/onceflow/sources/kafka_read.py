@@ -38,8 +38,8 @@ def read_range(reader, config: Mapping[str, Any], conn_id: str, topic: str, part
                start: int, end: int, timeout_s: float, *, missing_ok: bool = False
                ) -> Iterator[tuple]:
     """The records of ``[start, end)`` of one partition as (partition, offset, value, key,
-    timestamp ms, headers or None), read by ``reader`` assigned and positioned at ``start`` until
-    its position reaches ``end``. Offsets without a record are skipped; a range that cannot
+    timestamp ms, headers or None), read by ``reader`` assigned and positioned at ``start``
+    until its position reaches ``end``. Offsets without a record are skipped; a range that cannot
     be read whole fails, naming why (``missing_ok``: gives what the broker still holds of
     it instead)."""
     # The broker's log start and high watermark first: a range it no longer holds whole is
