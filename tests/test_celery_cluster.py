@@ -133,7 +133,10 @@ class Airflow:
             "ONCEFLOW_RETRY_DELAY_SECONDS": "1",
             "PYTHONPATH": str(OUTSIDE),  # the user's package, as each machine installs it
             "PAGEVIEWS_LANDING": str(landing),  # the shared folder, mounted on every machine
+            # a killed worker's temporary folders (multiprocessing's) go with the test's
+            "TMPDIR": str(folder / "tmp"),
         }
+        (folder / "tmp").mkdir(parents=True, exist_ok=True)
 
     def home(self, name: str) -> Path:
         return self.folder / name

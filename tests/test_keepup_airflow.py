@@ -104,7 +104,10 @@ class Airflow:
             "ONCEFLOW_PIPELINES": REF,
             "ONCEFLOW_RETRY_DELAY_SECONDS": "2",
             "PYTHONPATH": str(TESTS),  # the pipeline's module, as a user's package
+            # a killed component's temporary folders (multiprocessing's) go with the test's
+            "TMPDIR": str(home / "tmp"),
         }
+        (home / "tmp").mkdir()
         self.api_port = api_port
 
     def run(self, *args: str) -> None:
