@@ -373,7 +373,10 @@ def run_airflow(dsn: str, server: str, spark_url: str, folder: Path, pipelines: 
                 kept = True
                 print(f"{done['failed']} Airflow run(s) of {dag_id} failed: task logs under "
                       f"{home}/logs", file=sys.stderr)
-            cpu = {c: v - cpu_before[c] for c, v in component_cpu(cpu_pids).items()}
+            # a descendant alive before that ended unreaped takes its earlier CPU with it:
+            # the difference can then fall below zero, a lower bound that 0 also is
+            cpu = {c: max(0.0, v - cpu_before[c])
+                   for c, v in component_cpu(cpu_pids).items()}
             durations = _query(meta, """SELECT task_id, extract(epoch FROM end_date - start_date)
                                         FROM task_instance
                                         WHERE dag_id = %s AND state = 'success'""", (dag_id,))

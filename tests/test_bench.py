@@ -213,8 +213,8 @@ def _bench(script: str, args: list[str], tmp_path: Path, dsn: str, **extra: str)
     return out
 
 
-def test_the_peer_comparison_runs_every_system_and_checks_it(tmp_path, dsn, monkeypatch,
-                                                            spark_connect_server):
+def test_the_peer_comparison_runs_the_opening_tables_systems_and_checks_them(
+        tmp_path, dsn, monkeypatch, spark_connect_server):
     # one source, the JSON lines folder, which every system reads, and the systems of the
     # opening table's command in bench/RESULTS.md (the others, a local session, SS's JSON
     # source and the three-task DAG, only add minutes here); the run's warm Spark Connect

@@ -18,6 +18,8 @@ bench/matrix.py runs every cell:
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import json
 import os
 import shutil
@@ -73,17 +75,45 @@ def _wheel(source: Path, out: Path, isolated: bool = False) -> Path:
     return next(out.glob(f"{name.replace('-', '_')}-*.whl"))
 
 
+# A folder where the wheels built from one source tree are kept for the other pytest runs of
+# one CI run (.ci/run makes it and removes it): the build installs the oldest pyspark for
+# its isolated environment, each time.
+SHARED_WHEELS = "ONCEFLOW_TEST_WHEELS"
+
+
+def _tree_digest(tree: Path) -> str:
+    digest = hashlib.sha256()
+    for path in sorted(p for p in tree.rglob("*") if p.is_file()):
+        digest.update(str(path.relative_to(tree)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 @pytest.fixture(scope="module")
 def wheels(tmp_path_factory):
-    """onceflow's wheel, built from a clean copy of the checkout, and the outside package's."""
+    """onceflow's wheel, built from a clean copy of the checkout, and the outside package's;
+    taken from $ONCEFLOW_TEST_WHEELS where a run before built them from the same files."""
     tmp = tmp_path_factory.mktemp("wheels")
-    started = time.monotonic()
-    onceflow = _wheel(source_tree(tmp / "onceflow"), tmp / "dist", isolated=True)
-    built_s = time.monotonic() - started
-    outside = _wheel(shutil.copytree(OUTSIDE, tmp / "outside",
-                                     ignore=shutil.ignore_patterns("__pycache__")), tmp / "dist")
+    source = source_tree(tmp / "onceflow")
+    outside = shutil.copytree(OUTSIDE, tmp / "outside",
+                              ignore=shutil.ignore_patterns("__pycache__"))
+    shared = os.environ.get(SHARED_WHEELS)
+    dist = Path(shared) / f"{_tree_digest(source)}-{_tree_digest(outside)}" if shared \
+        else tmp / "dist"
+    dist.mkdir(parents=True, exist_ok=True)
+    with open(dist / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # two runs at once: one builds, the other waits
+        built = sorted(dist.glob("*.whl"))
+        if len(built) == 2:
+            onceflow, outside_wheel = sorted(built, key=lambda w: not w.name.startswith(
+                "onceflow-"))
+            print(f"onceflow's wheel from {dist}")
+            return onceflow, outside_wheel
+        started = time.monotonic()
+        onceflow = _wheel(source, dist, isolated=True)
+        built_s = time.monotonic() - started
+        outside_wheel = _wheel(outside, dist)
     print(f"onceflow's wheel built in {built_s:.1f}s")
-    return onceflow, outside
+    return onceflow, outside_wheel
 
 
 def _clean_env(**extra: str) -> dict[str, str]:
