@@ -73,11 +73,24 @@ def test_produced_records_start_transactions_without_a_manual_run(broker, dsn, c
     """90 records start a run at once (over min_records); 30 more, fewer than min_records,
     start one after max_delay; then the watcher stays quiet. Every transaction comes from an
     event, none is empty, the counts are the oracle's and the committed offsets the broker's
-    acknowledged ends."""
+    acknowledged ends. The watcher's looks (each in a thread of its event loop's) share one
+    admin client: counted at the source's client factory, where every one is made."""
     from onceflow.airflow import transaction_dag
     from onceflow.airflow.triggers import SourceWatchTrigger
+    from onceflow.sources import kafka
     from onceflow.spark.processing import process_batch
 
+    made, looks = [], []
+
+    def counted(real, into):
+        def call(*args, **kwargs):
+            into.append(threading.current_thread().name)
+            return real(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(kafka, "admin", counted(kafka.admin, made))
+    monkeypatch.setattr(kafka.KafkaSource, "heads",
+                        counted(kafka.KafkaSource.heads, looks))
     broker.create_topic(TOPIC, 3)
     with outside_pipeline(monkeypatch, REF):
         from onceflow.core.registration import register
@@ -118,6 +131,10 @@ def test_produced_records_start_transactions_without_a_manual_run(broker, dsn, c
             assert time.monotonic() - started >= 1.5  # it waited for max_delay (2 s)
             assert run_on_event(4.0) is None  # caught up: quiet
     assert reasons == ["records", "delay"]
+    # the watcher looked many times on one admin client; each begin made its own (main thread)
+    watched = [name for name in looks if name != "MainThread"]
+    assert len(watched) >= 5, looks
+    assert len([name for name in made if name != "MainThread"]) == 1, (made, looks)
     assert committed_offsets_of(conn, "kafka_keepup") == ends(produced)
     assert_exact(conn, produced)
     assert table(conn, "SELECT txid, records FROM transactions WHERE pipeline = "

@@ -147,6 +147,12 @@ class Source(ABC):
         default: nothing."""
         return nullcontext()
 
+    def watching(self) -> AbstractContextManager:
+        """Open for a source watcher's life, its looks inside it: a source whose looks each
+        cost a connection (a Kafka broker's) keeps one from look to look. This default:
+        nothing."""
+        return nullcontext()
+
     def held_back(self, cur, starts: Mapping[int, int]) -> dict[int, int]:
         """Per partition, an offset at or after its start in ``starts`` from which a batch
         may not read for now: records the source knows it would refuse (a landed file that

@@ -75,6 +75,9 @@ META_COLUMNS = ("kafka_key", "kafka_timestamp", "kafka_headers")
 # connection's configuration, one admin client, one consumer, the partitions and the
 # offsets found by time; None outside a begin.
 _planning: ContextVar[dict | None] = ContextVar("onceflow_kafka_planning", default=None)
+# The admin clients a source watcher keeps from look to look (KafkaSource.watching), each
+# with the configuration it was made from; None outside a watcher.
+_watching: ContextVar[dict | None] = ContextVar("onceflow_kafka_watching", default=None)
 
 
 def _reading():
@@ -177,6 +180,17 @@ class KafkaSource(JsonSchemaSource):
                 if what == "consumer":
                     client.close()
 
+    @contextmanager
+    def watching(self) -> Iterator[None]:
+        """A watcher's looks share one admin client, made again when the connection's
+        configuration (looked up at each look) changed: a look every few seconds would
+        otherwise connect to the broker each time."""
+        token = _watching.set({})
+        try:
+            yield
+        finally:
+            _watching.reset(token)
+
     def describe(self) -> str:
         return f"kafka topic {self.topic!r} (connection {self.conn_id!r})"
 
@@ -186,7 +200,16 @@ class KafkaSource(JsonSchemaSource):
 
     # -- where the topic is ----------------------------------------------------------------
     def _admin(self, config: Mapping[str, Any]):
-        return self._kept("admin", lambda: admin(config, self.timeout_s))
+        return self._kept("admin", lambda: self._watched_admin(config))
+
+    def _watched_admin(self, config: Mapping[str, Any]):
+        held = _watching.get()
+        if held is None:
+            return admin(config, self.timeout_s)
+        key, made_from = (self.conn_id, self.topic, self.timeout_s), repr(sorted(config.items()))
+        if key not in held or held[key][0] != made_from:
+            held[key] = (made_from, admin(config, self.timeout_s))
+        return held[key][1]
 
     def _partitions(self, admin, config) -> list[int] | None:
         """The topic's partitions, None when the broker does not know the topic."""

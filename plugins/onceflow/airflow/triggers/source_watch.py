@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import time
 from collections.abc import Iterable
@@ -56,11 +57,16 @@ log = logging.getLogger(__name__)
 
 class _Looker:
     """A connection of its own to the coordinator (autocommit: each look sees what is
-    committed), opened again after an error."""
+    committed), and the source's watching() context (what it keeps from look to look), both
+    opened again after an error."""
 
     def __init__(self, dsn: str, pipeline: Pipeline):
         self.dsn, self.pipeline = dsn, pipeline
         self.conn = None
+        # each look runs in a thread of asyncio.to_thread's: the source's watching() context
+        # variables live in a context of the looker's own, which every look enters
+        self.context: contextvars.Context | None = None
+        self.watching = contextlib.ExitStack()
         self.heads: dict[int, int] | None = None
         self.pruned = time.monotonic()
         self.recorded, self.record_failed = float("-inf"), False
@@ -69,18 +75,24 @@ class _Looker:
         if self.conn is None or self.conn.closed:
             self.conn = connect(self.dsn, application_name="onceflow-watch")
             self.conn.autocommit = True
+        if self.context is None:
+            self.context = contextvars.copy_context()
+            self.context.run(self.watching.enter_context, self.pipeline.source.watching())
         try:
-            with self.conn.cursor() as cur:
-                seen = keepup.look(cur, self.pipeline, self.heads)
-                if seen is not None:
-                    self.heads = seen.heads
-                if time.monotonic() - self.pruned > PRUNE_EVERY_S:
-                    keepup.prune_sightings(cur, self.pipeline)
-                    self.pruned = time.monotonic()
-            return seen
+            return self.context.run(self._look)
         except Exception:
             self.close()
             raise
+
+    def _look(self) -> keepup.Look | None:
+        with self.conn.cursor() as cur:
+            seen = keepup.look(cur, self.pipeline, self.heads)
+            if seen is not None:
+                self.heads = seen.heads
+            if time.monotonic() - self.pruned > PRUNE_EVERY_S:
+                keepup.prune_sightings(cur, self.pipeline)
+                self.pruned = time.monotonic()
+        return seen
 
     def record(self, seen: keepup.Look | None, runs: keepup.Runs | None, max_runs: int,
                event: str | None) -> None:
@@ -101,6 +113,9 @@ class _Looker:
                 self.record_failed = True
 
     def close(self) -> None:
+        if self.context is not None:
+            context, self.context = self.context, None
+            context.run(self.watching.close)
         if self.conn is not None:
             self.conn.close()
             self.conn = None
