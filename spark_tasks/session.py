@@ -60,7 +60,7 @@ def get_spark(app_name: str = "onceflow", master: str | None = None) -> SparkSes
         # Local mode runs in this JVM: its default driver memory is short for long test runs
         # and large batches with broadcast joins (the acker's failed roots).
         builder = builder.config("spark.driver.memory", settings.get("driver_memory"))
-        # A long-lived session (tests, benchmarks, the CLI) runs many batches in one JVM. Every
+        # A long-lived session (tests, the CLI) runs many batches in one JVM. Every
         # broadcast hash join builds its relation in at least one memory page, however few
         # failed roots it holds, and the finished batches' broadcasts are freed
         # only after a GC lets Spark's ContextCleaner drop them: smaller pages and a regular

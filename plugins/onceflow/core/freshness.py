@@ -25,19 +25,19 @@ from typing import Any
 from onceflow.core import offsets
 from onceflow.core.source import Position
 
-LAST = 100  # transactions measured by default
+LAST = 100  # transactions looked at by default
 
 
 @dataclass(frozen=True)
 class Freshness:
-    transactions: int  # committed transactions measured (those with known arrivals)
+    transactions: int  # committed transactions looked at (those with known arrivals)
     records: int  # their records
     p50_s: float | None  # median delay from arrival to commit, over those records
     p95_s: float | None
     max_s: float | None  # the longest any of them waited (the oldest record of a batch)
     lag_records: int  # records of the source past the committed offsets
     lag_s: float | None  # how long the oldest of them has waited (0: none waits)
-    last: int = LAST  # how many transactions at most were measured
+    last: int = LAST  # how many transactions at most were looked at
 
     def as_dict(self) -> dict[str, Any]:
         return {k: round(v, 3) if isinstance(v, float) else v for k, v in asdict(self).items()}

@@ -164,7 +164,7 @@ class Pipeline:
     # A resume point below the log start (retention deleted it): earliest, latest or fail.
     out_of_range: str = "earliest"
     # The acker: a record counts only if its whole tuple tree completed; failed records go to
-    # the backflow queues. False: nothing is tracked (Storm's unreliable mode; benchmarks).
+    # the backflow queues. False: nothing is tracked (Storm's unreliable mode).
     acker: bool = True
     tuple_timeout_ms: int = 30_000  # a per-record bolt call taking longer fails its tuple
     max_replays: int = 3  # a record failing more often than 1 + max_replays goes to dead letters

@@ -298,7 +298,7 @@ def txid_of_run(pipeline: str, run_id: str) -> int | None:
 # - records: the source records of its batch (as the timeline, status and run notes count
 #   them), replayed: the backflow records it replayed, apart;
 # - records_per_s: its records over its own window, from its planning to its commit (a txid
-#   committed right after another in parallel, or after an idle gap, is measured alike);
+#   committed right after another in parallel, or after an idle gap, is timed alike);
 # - commit_s: from its commit's request to the commit, commit_wait_s of it waiting for
 #   earlier txids; duration_s: from its planning to its commit;
 # - lag: the records of the source past the committed offsets when it was planned: the
