@@ -18,7 +18,8 @@ What begin gives a run (first rule that applies):
 A run that committed its txid and goes on with the next batch (``carry_on``: a keep-up run,
 onceflow.airflow.operators.transaction) skips rule 2 (its own txid is the committed one) and
 plans a new batch only when the records it would read (and replays) reach the pipeline's
-``batch_start_records``: a trickle is left to the watcher's ``min_records`` and ``max_delay``.
+``batch_start_records``, or the ``start_records`` it gives (the run waited for the next batch
+until its oldest record waited ``max_delay``, as the watcher's rule has it).
 
 A new batch records when its oldest and newest records arrived in the source
 (``transactions.first_arrival`` / ``last_arrival``, onceflow.core.freshness). Every begin
@@ -55,12 +56,13 @@ log = logging.getLogger(__name__)
 
 def begin(conn, pipeline: Pipeline, run_id: str, *, txid: int | None = None,
           lease_s: int | None = None, skip_empty: bool = False,
-          carry_on: bool = False) -> Batch:
+          carry_on: bool = False, start_records: int | None = None) -> Batch:
     """Give ``run_id`` its transaction attempt and batch (the rules in the module docstring).
     ``lease_s``: the attempt's first lease (default the pipeline's; a run that goes on in
     another task gives its hand-over lease, onceflow.core.lease). ``skip_empty``: plan no
     new transaction without records to read (NothingToPlan). ``carry_on``: the run committed
-    its txid and asks for the next batch, planned only if a full start of one waits."""
+    its txid and asks for the next batch, planned only if a full start of one waits
+    (``start_records``, default the pipeline's ``batch_start_records``)."""
     lease = (lease_s or pipeline.lease_s, this_process())
     with timings.begin_split() as split, pipeline.source.planning(), \
             transaction(conn) as cur:
@@ -85,7 +87,8 @@ def begin(conn, pipeline: Pipeline, run_id: str, *, txid: int | None = None,
         if target is None:
             batch = _begin_new(cur, pipeline, run_id, coordinator, lease, split,
                                skip_empty or carry_on,
-                               pipeline.batch_start_records if carry_on else 0)
+                               (pipeline.batch_start_records if start_records is None
+                                else start_records) if carry_on else 0)
         elif not 1 <= target < coordinator.next_txid:
             raise UnknownTransaction(
                 f"txid={target} does not exist in pipeline {pipeline.name!r} (txids 1.."

@@ -35,9 +35,10 @@ for the scheduler, and none while the DAG has ``max_active_runs`` active, so the
 one event outstanding at a time, settled when the DAG's runs grew, and asks for the next
 as soon as it is (no spacing). It also looks at once when a transaction of the pipeline
 commits. Runs are made no faster than one per scheduler loop, so a run of the one-task DAG
-that committed carries on with the next batch while ``min_records`` wait and no run waits in
-its begin (onceflow.airflow.operators.transaction.TransactionOperator): the watcher counts
-it, between its commit and its next begin, as a run still to plan.
+that committed carries on with the next batch while ``min_records`` wait (or, while records
+keep arriving, waits for them by this rule) and no run waits in its begin
+(onceflow.airflow.operators.transaction.TransactionOperator): the watcher counts it, between
+its commit and its next begin, as a run still to plan.
 
 Without the run count (a trigger run outside a triggerer), an event is *outstanding* until a
 begin ran after it (``pipelines.begins`` grew), or for four times the usual wait from an

@@ -43,7 +43,7 @@ from onceflow.airflow.operators.task import (
     run_note,
     started_by_watcher,
 )
-from onceflow.core import txlog
+from onceflow.core import keepup, txlog
 from onceflow.core.begin import begin
 from onceflow.core.connections import DEFAULT_CONN_ID
 from onceflow.core.db import connection
@@ -52,6 +52,9 @@ from onceflow.core.errors import ConfigError, MaxPendingReached, NothingToPlan
 # The most txids a keep-up run commits in turn (TransactionOperator): a run stays a bounded
 # piece of work in Airflow's pages and logs; the watcher starts the next.
 CARRY_ON_TXIDS = 10
+# How often a run that committed looks at the source while it waits for its next batch: the
+# records' wait for the look is half of it.
+LINGER_LOOK_S = 0.25
 
 
 class TransactionOperator(Begins, Processes, Commits, BaseOperator):
@@ -81,11 +84,15 @@ class TransactionOperator(Begins, Processes, Commits, BaseOperator):
     ``max_pending`` are open (onceflow.core.begin's ``carry_on``), up to CARRY_ON_TXIDS txids
     a run. Airflow makes at most one run of a DAG per scheduler loop, and a run's task takes
     seconds to start; batches that commit faster than that would otherwise drain one or two
-    at a time. Each txid is its own transaction as before (its BEGIN, PROCESSED and COMMIT
-    lines, fences and lease); the run's note and its Asset events name every txid it
-    committed, and a retry begins again at the run's newest txid. A run waiting in its begin
-    for a place takes it first; a run still starting may find its batch taken and plan
-    nothing (skipped, no empty transaction).
+    at a time. Where fewer wait, the run waits for its next batch with the watcher's rule
+    (``min_records``, or the oldest waited ``max_delay``), looking at the source every
+    LINGER_LOOK_S, instead of leaving it to a new run's start (the watcher counts it as a run
+    still to plan); it ends when no record came for a ``watch_interval`` or a run waits in
+    its begin for the place. Each txid is its own transaction as before (its BEGIN,
+    PROCESSED and COMMIT lines, fences and lease); the run's note and its Asset events name
+    every txid it committed, and a retry begins again at the run's newest txid. A run
+    waiting in its begin for a place takes it first; a run still starting may find its
+    batch taken and plan nothing (skipped, no empty transaction).
     """
 
     template_fields = ("batch_size", "txid", "groups")
@@ -130,30 +137,96 @@ class TransactionOperator(Begins, Processes, Commits, BaseOperator):
 
     def _carry_on(self, context, dsn: str) -> list[dict[str, Any]] | None:
         """The next batch of a keep-up run that just committed (see the class docstring), or
-        None: a run waits in its begin (woken by the commit, it takes the place), fewer than
-        ``batch_start_records`` wait (the watcher starts their run), or ``max_pending`` are
-        open again."""
-        pipeline = self._planning
+        None: a run waits in its begin (woken by the commit, it takes the place), no record
+        came for a ``watch_interval``, or ``max_pending`` are open again."""
+        pipeline, due, done = self._planning, "committed", len(self._earlier) + 1
+        while True:
+            try:
+                with connection(dsn) as conn:
+                    with conn.cursor() as cur:
+                        waiting = txlog.begin_waiters(cur, pipeline.name)
+                    conn.rollback()
+                    if waiting:
+                        raise MaxPendingReached(
+                            f"{waiting} run(s) wait in their begin for the place")
+                    batch = begin(conn, pipeline, context["run_id"], carry_on=True,
+                                  start_records=1 if due == "delay" else None)
+            except NothingToPlan as nothing:
+                if due != "committed":  # it waited, and another run took the batch
+                    self.log.info("%s: the run ends after %d txid(s): %s", pipeline.name,
+                                  done, nothing)
+                    return None
+                started = time.monotonic()
+                due = self._waited_for_batch(dsn, pipeline)
+                if due is None:
+                    self.log.info("%s: the run ends after %d txid(s): fewer than %d records "
+                                  "waited, and none started a batch in %.1fs (%s)",
+                                  pipeline.name, done, pipeline.batch_start_records,
+                                  time.monotonic() - started, self._stopped_waiting)
+                    return None
+                continue
+            except MaxPendingReached as nothing:
+                self.log.info("%s: the run ends after %d txid(s): %s", pipeline.name, done,
+                              nothing)
+                return None
+            except Exception as error:  # noqa: BLE001 (its txid committed: the run succeeded)
+                self.log.warning("%s: the run does not carry on after %d txid(s) (%s: %s); "
+                                 "the watcher starts the next", pipeline.name, done,
+                                 type(error).__name__, error)
+                return None
+            self.log.info("%s: the run carries on with %s (after %d committed; %s)",
+                          pipeline.name, batch.attempt, done,
+                          "records waited" if due == "committed" else f"waited for {due}")
+            return self._planned(context, pipeline, batch)
+
+    def _waited_for_batch(self, dsn: str, pipeline) -> str | None:
+        """_next_batch_due, None where a look failed (its txid committed: the run ends well,
+        and the watcher starts the next)."""
         try:
-            with connection(dsn) as conn:
+            return self._next_batch_due(dsn, pipeline)
+        except Exception as error:  # noqa: BLE001
+            self._stopped_waiting = f"a look failed: {type(error).__name__}: {error}"
+            return None
+
+    def _next_batch_due(self, dsn: str, pipeline) -> str | None:
+        """Wait for the next batch by the watcher's rule (onceflow.core.keepup): "records"
+        once ``batch_start_records`` wait, "delay" once the oldest waited ``max_delay``,
+        "adopt" when a transaction is to be adopted; None when no record came for a
+        ``watch_interval``, a run waits in its begin, or ``max_pending`` are open."""
+        every = min(pipeline.watch_interval, LINGER_LOOK_S)
+        quiet_since = unread_since = time.monotonic()
+        heads = None
+        with connection(dsn, application_name="onceflow-linger") as conn, \
+                pipeline.source.watching():
+            conn.autocommit = True  # each look sees what is committed, and holds nothing
+            while True:
+                time.sleep(every)
                 with conn.cursor() as cur:
-                    waiting = txlog.begin_waiters(cur, pipeline.name)
-                conn.rollback()
-                if waiting:
-                    raise NothingToPlan(f"{waiting} run(s) wait in their begin for the place")
-                batch = begin(conn, pipeline, context["run_id"], carry_on=True)
-        except (MaxPendingReached, NothingToPlan) as nothing:
-            self.log.info("%s: the run ends after %d txid(s): %s", pipeline.name,
-                          len(self._earlier) + 1, nothing)
-            return None
-        except Exception as error:  # noqa: BLE001 (its txid committed: the run succeeded)
-            self.log.warning("%s: the run does not carry on after %d txid(s) (%s: %s); the "
-                             "watcher starts the next", pipeline.name, len(self._earlier) + 1,
-                             type(error).__name__, error)
-            return None
-        self.log.info("%s: the run carries on with %s (after %d committed)", pipeline.name,
-                      batch.attempt, len(self._earlier) + 1)
-        return self._planned(context, pipeline, batch)
+                    if txlog.begin_waiters(cur, pipeline.name):
+                        self._stopped_waiting = "a run waits in its begin for the place"
+                        return None
+                    seen = keepup.look(cur, pipeline, heads)
+                now = time.monotonic()
+                if seen is None or seen.open >= pipeline.max_pending:
+                    self._stopped_waiting = f"max_pending={pipeline.max_pending} are open"
+                    return None
+                if seen.adopt:
+                    return "adopt"
+                heads = seen.heads
+                if seen.unread >= pipeline.batch_start_records:
+                    return "records"
+                if seen.unread <= 0:
+                    unread_since = now
+                    if now - quiet_since >= pipeline.watch_interval:
+                        self._stopped_waiting = (f"no record came for watch_interval="
+                                                 f"{pipeline.watch_interval:g}s")
+                        return None
+                    continue
+                quiet_since = now
+                waited = seen.oldest_wait_s if seen.oldest_wait_s is not None \
+                    else now - unread_since
+                if waited >= pipeline.max_delay_s:
+                    return "delay"
 
     def _first_lease(self, pipeline) -> int | None:
         return None  # processing and commit follow in this task
