@@ -17,7 +17,8 @@ PRODUCED}`` (its production time, seconds since the epoch). Then:
   Freshness is onceflow's own figure (onceflow.core.freshness, as `onceflow status` shows
   it): each record's wait from its arrival in the log (its ``produced_at``, the start of the
   producer's COPY: the chunk's production time within milliseconds) to its transaction's
-  commit, p50 / p95 / max over the records of the rate's transactions. One Airflow serves
+  commit, p50 / p95 / max over the records of the rate's transactions whose records all
+  arrived after the warm-up. One Airflow serves
   every rate: a rate's DAG is unpaused for its phase only (so one watcher runs), the others
   are paused.
 - **Structured Streaming**: the producer writes each chunk as a JSON-lines file into a
@@ -26,7 +27,8 @@ PRODUCED}`` (its production time, seconds since the epoch). Then:
   ``foreachBatch`` sink adds the micro-batch's counts per key to a PostgreSQL table in one
   transaction with a fence of micro-batch ids (exactly-once the usual way, as
   bench/peers.py). A record's latency is its micro-batch's commit time (when PostgreSQL's
-  commit returned) minus its production time; p50 / p95 / max over all records. A local
+  commit returned) minus its production time; p50 / p95 / max over the records of the
+  micro-batches whose records were all produced after the warm-up (--warm-up). A local
   Spark session (local[2]) in this process, started before the clock.
 
 Both systems' counts are checked against a recount of what was produced. Sizing per rate
@@ -38,7 +40,8 @@ data. ``max_delay`` (6 s) only bounds a trickle: at a steady rate min_records co
 The default --trigger (4 s) gives Structured Streaming the same cadence.
 
 --warm-up S (10): before a rate's measured records, S seconds of records at the rate are
-produced and committed, unmeasured, for each system: a kept-up pipeline runs for days, and
+produced, unmeasured, for each system, and the measured ones follow without a pause (the
+batches of records made after the warm-up are measured): a kept-up pipeline runs for days, and
 its freshness is the steady state's, not that of the first runs of an executor's fresh
 worker or of Spark's first jobs of a plan (nor of a streaming query's first micro-batches).
 
@@ -90,15 +93,19 @@ def expected_counts(records: int) -> dict[str, int]:
     return {f"k{k}": whole + (k < extra) for k in range(KEYS) if whole + (k < extra)}
 
 
-def produce(rate: int, seconds: float, write, first: int = 0) -> dict:
+def produce(rate: int, seconds: float, write, first: int = 0, mark_at: float = 0.0,
+            on_mark=None) -> dict:
     """Call ``write(lines)`` with a chunk of ``rate * TICK`` JSON lines every TICK seconds
-    for ``seconds``, on a schedule, the records numbered from ``first`` (their keys).
-    Returns the records made, the rate achieved and how late the latest chunk started (a
-    producer that cannot keep its schedule says so)."""
+    for ``seconds``, on a schedule, the records numbered from ``first`` (their keys);
+    ``on_mark()`` is called before the first chunk ``mark_at`` seconds in (the warm-up's
+    end). Returns the records made, the rate achieved and how late the latest chunk started
+    (a producer that cannot keep its schedule says so)."""
     per, ticks = max(1, round(rate * TICK)), max(1, round(seconds / TICK))
     produced, late = first, 0.0
     start = time.monotonic()
     for tick in range(ticks):
+        if on_mark is not None and tick == round(mark_at / TICK):
+            on_mark()
         late = max(late, time.monotonic() - (start + tick * TICK))
         t = f"{time.time():.3f}"
         write([f'{{"k":"k{(produced + i) % KEYS}","t":{t}}}' for i in range(per)])
@@ -249,9 +256,9 @@ class Deployment:
 
 def onceflow_rate(airflow: Deployment, rate: int, seconds: float, warm_s: float,
                   pause_after: bool) -> dict:
-    """One rate's phase: unpause its DAG, produce ``warm_s`` seconds and wait for their
-    commit (unmeasured), then produce ``seconds``, wait for every record's commit and the
-    runs' ends, measure the transactions of that second part."""
+    """One rate's phase: unpause its DAG, produce ``warm_s`` seconds (unmeasured) and
+    ``seconds`` more without a pause, wait for every record's commit and the runs' ends,
+    measure the transactions of records made after the warm-up (their first arrival)."""
     import freshness_pipelines
 
     from onceflow.core import freshness
@@ -279,25 +286,21 @@ def onceflow_rate(airflow: Deployment, rate: int, seconds: float, warm_s: float,
                 raise TimeoutError(f"{dag_id}: runs not ended: {airflow.runs(dag_id)}")
             time.sleep(0.5)
 
-    def last_txid() -> int:
-        return airflow.query("SELECT coalesce(max(txid), 0) FROM transactions "
-                             "WHERE pipeline = %s", (name,), airflow.dsn)[0][0]
-
-    warm = 0
+    marked = {}
     with connection(airflow.dsn) as conn:
         def append(lines: list[str]) -> None:
             pipeline.source.append(conn, lines, chunk_size=len(lines))
 
-        if warm_s:
-            warm = produce(rate, warm_s, append)["records"]
-            drain(warm, warm_s)
-        mark, load_before = last_txid(), loadavg()
-        made = produce(rate, seconds, append, first=warm)
-    drain(warm + made["records"], seconds)
-    load_after = loadavg()
+        def mark() -> None:
+            marked.update(at=time.time(), load=loadavg())
+
+        made = produce(rate, warm_s + seconds, append, mark_at=warm_s, on_mark=mark)
+    drain(made["records"], seconds)
+    load_before, load_after = marked["load"], loadavg()
     sizes = airflow.query("""SELECT records, extract(epoch FROM committed_at - planned_at)
                              FROM transactions WHERE pipeline = %s AND state = 'committed'
-                               AND txid > %s ORDER BY txid""", (name, mark), airflow.dsn)
+                               AND first_arrival >= to_timestamp(%s) ORDER BY txid""",
+                         (name, marked["at"]), airflow.dsn)
     with connection(airflow.dsn) as conn, conn.cursor() as cur:
         fresh = freshness.measure(cur, name, pipeline.source, last=len(sizes))
     counts = dict(airflow.query(f"SELECT key, value FROM {name}_counts", (), airflow.dsn))
@@ -309,8 +312,8 @@ def onceflow_rate(airflow: Deployment, rate: int, seconds: float, warm_s: float,
         "batches": len(sizes), "per_batch": (min(n for n, _ in sizes), max(n for n, _ in sizes)),
         "p50": fresh.p50_s, "p95": fresh.p95_s, "max": fresh.max_s,
         "run_s": statistics.median(float(s) for _, s in sizes),
-        "ok": (counts == expected_counts(warm + made["records"])
-               and fresh.records == made["records"] and not runs.get("failed")),
+        "ok": (counts == expected_counts(made["records"])
+               and fresh.records == sum(n for n, _ in sizes) and not runs.get("failed")),
         "runs": runs, "load": (load_before, load_after),
         "sizing": (pipeline.min_records, pipeline.batch_size),
     }
@@ -464,20 +467,23 @@ def streaming_rate(spark, server: str, folder: Path, rate: int, seconds: float,
                                    f"{records:,} records committed in time")
             time.sleep(0.2)
 
-    warm = 0
+    marked = {}
+
+    def mark() -> None:
+        marked.update(at=time.time(), load=loadavg())
+
     try:
-        if warm_s:
-            warm = produce(rate, warm_s, write)["records"]
-            drain(warm, warm_s)
-        mark, load_before = len(sink.committed), loadavg()
-        made = produce(rate, seconds, write, first=warm)
-        drain(warm + made["records"], seconds)
+        made = produce(rate, warm_s + seconds, write, mark_at=warm_s, on_mark=mark)
+        drain(made["records"], seconds)
         load_after = loadavg()
+        load_before = marked["load"]
     finally:
         query.stop()
         if sink.conn is not None:
             sink.conn.close()
-    measured = sink.committed[mark:]
+    # (a record's time is written to the millisecond)
+    measured = [(done, times) for done, times in sink.committed
+                if min(times) >= marked["at"] - 0.001]
     spans = [(done - t, done - t, n) for done, times in measured for t, n in times.items()]
     p50, p95, most = weighted(spans)
     counts = dict(_query(dsn, "SELECT key, value FROM ss_counts"))
@@ -485,8 +491,9 @@ def streaming_rate(spark, server: str, folder: Path, rate: int, seconds: float,
     return {**made, "system": f"Structured Streaming, trigger {trigger:g} s", "rate": rate,
             "batches": len(sizes), "per_batch": (min(sizes), max(sizes)),
             "p50": p50, "p95": p95, "max": most, "run_s": None,
-            "ok": (counts == expected_counts(warm + made["records"])
-                   and sum(sizes) == made["records"]), "load": (load_before, load_after)}
+            "ok": (counts == expected_counts(made["records"])
+                   and sink.records == made["records"]),
+            "load": (load_before, load_after)}
 
 
 def run_streaming(args, server: str) -> list[dict]:

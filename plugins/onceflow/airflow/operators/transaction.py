@@ -51,7 +51,7 @@ from onceflow.core.errors import ConfigError, MaxPendingReached, NothingToPlan
 
 # The most txids a keep-up run commits in turn (TransactionOperator): a run stays a bounded
 # piece of work in Airflow's pages and logs; the watcher starts the next.
-CARRY_ON_TXIDS = 10
+CARRY_ON_TXIDS = 30
 # How often a run that committed looks at the source while it waits for its next batch: the
 # records' wait for the look is half of it.
 LINGER_LOOK_S = 0.25
