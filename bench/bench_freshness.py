@@ -93,15 +93,14 @@ def expected_counts(records: int) -> dict[str, int]:
     return {f"k{k}": whole + (k < extra) for k in range(KEYS) if whole + (k < extra)}
 
 
-def produce(rate: int, seconds: float, write, first: int = 0, mark_at: float = 0.0,
-            on_mark=None) -> dict:
+def produce(rate: int, seconds: float, write, mark_at: float = 0.0, on_mark=None) -> dict:
     """Call ``write(lines)`` with a chunk of ``rate * TICK`` JSON lines every TICK seconds
-    for ``seconds``, on a schedule, the records numbered from ``first`` (their keys);
+    for ``seconds``, on a schedule, the records numbered from 0 (their keys);
     ``on_mark()`` is called before the first chunk ``mark_at`` seconds in (the warm-up's
     end). Returns the records made, the rate achieved and how late the latest chunk started
     (a producer that cannot keep its schedule says so)."""
     per, ticks = max(1, round(rate * TICK)), max(1, round(seconds / TICK))
-    produced, late = first, 0.0
+    produced, late = 0, 0.0
     start = time.monotonic()
     for tick in range(ticks):
         if on_mark is not None and tick == round(mark_at / TICK):
@@ -112,7 +111,7 @@ def produce(rate: int, seconds: float, write, first: int = 0, mark_at: float = 0
         produced += per
         time.sleep(max(0.0, start + (tick + 1) * TICK - time.monotonic()))
     elapsed = time.monotonic() - start
-    return {"records": produced - first, "achieved": (produced - first) / elapsed,
+    return {"records": produced, "achieved": produced / elapsed,
             "late_s": late}
 
 
@@ -304,6 +303,9 @@ def onceflow_rate(airflow: Deployment, rate: int, seconds: float, warm_s: float,
     with connection(airflow.dsn) as conn, conn.cursor() as cur:
         fresh = freshness.measure(cur, name, pipeline.source, last=len(sizes))
     counts = dict(airflow.query(f"SELECT key, value FROM {name}_counts", (), airflow.dsn))
+    committed_records = airflow.query("""SELECT coalesce(sum(records), 0) FROM transactions
+                                         WHERE pipeline = %s AND state = 'committed'""",
+                                      (name,), airflow.dsn)[0][0]
     runs = airflow.runs(dag_id)
     if pause_after:
         airflow.cli("dags", "pause", dag_id)
@@ -313,6 +315,7 @@ def onceflow_rate(airflow: Deployment, rate: int, seconds: float, warm_s: float,
         "p50": fresh.p50_s, "p95": fresh.p95_s, "max": fresh.max_s,
         "run_s": statistics.median(float(s) for _, s in sizes),
         "ok": (counts == expected_counts(made["records"])
+               and committed_records == made["records"]
                and fresh.records == sum(n for n, _ in sizes) and not runs.get("failed")),
         "runs": runs, "load": (load_before, load_after),
         "sizing": (pipeline.min_records, pipeline.batch_size),
